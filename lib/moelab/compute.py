@@ -1,0 +1,128 @@
+"""Compute accounting: how much expert work a routing plan really does.
+
+Savings are always counted against the model's native k (Mixtral 2, Qwen1.5-MoE 4, OLMoE 8),
+never against a policy's k_max: a policy that keeps 1.5 experts on average on a top-2 model
+saves 25%, whatever its k_max.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from moelab.routing import RoutingPlan
+
+
+def plan_stats(plan: RoutingPlan, native_k: int) -> dict:
+    """Kept pairs, mean k, k histogram and routed-expert reduction of one plan (one host sync)."""
+    T = plan.num_tokens
+    hist = torch.bincount(plan.k.long().cpu(), minlength=plan.k_max + 1).tolist() if T else [0] * (plan.k_max + 1)
+    kept = int(sum(i * n for i, n in enumerate(hist)))
+    mean_k = kept / T if T else float("nan")
+    return {
+        "tokens": T,
+        "kept_pairs": kept,
+        "native_pairs": T * native_k,
+        "mean_k": mean_k,
+        "k_hist": hist,  # k_hist[j] = tokens that kept j experts
+        "expert_reduction": expert_reduction(mean_k, native_k),
+    }
+
+
+def expert_reduction(mean_k: float, native_k: int) -> float:
+    """Fraction of routed-expert FLOPs saved against the native top-k (negative if more is spent)."""
+    if native_k < 1:
+        raise ValueError(f"native_k={native_k}: must be >= 1")
+    return 1.0 - mean_k / native_k
+
+
+@dataclass(frozen=True)
+class ModelShapes:
+    """What the FLOP count of one token's forward needs to know about a decoder-only MoE model."""
+
+    hidden: int  # D
+    expert_ffn: int  # F, routed expert intermediate size
+    num_experts: int  # E
+    native_k: int
+    num_layers: int
+    moe_layers: int  # layers with routed experts; the rest are dense MLPs of dense_ffn
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab: int
+    dense_ffn: int = 0
+    shared_ffn: int = 0  # shared expert intermediate size (Qwen2-MoE), 0 if none
+    glu: bool = True  # gate/up/down expert MLPs (3 matrices) vs up/down (2)
+
+    @classmethod
+    def from_config(cls, cfg) -> "ModelShapes":
+        """Read the shapes from a transformers MoE config (Mixtral, Qwen2/3-MoE, OLMoE, ...)."""
+        g = lambda *names, default=None: next(  # noqa: E731
+            (getattr(cfg, n) for n in names if getattr(cfg, n, None) is not None), default
+        )
+        E = g("num_local_experts", "num_experts", "n_routed_experts")
+        k = g("num_experts_per_tok", "moe_top_k")
+        if E is None or k is None:
+            raise ValueError(f"{type(cfg).__name__}: no expert count / top-k found; not an MoE config")
+        heads = cfg.num_attention_heads
+        L = cfg.num_hidden_layers
+        moe_layers = L
+        step = g("decoder_sparse_step", default=1)
+        dense_ids = set(g("mlp_only_layers", default=[]) or [])
+        first_dense = g("first_k_dense_replace", default=0)
+        if step and step > 1 or dense_ids or first_dense:
+            moe_layers = sum(
+                1
+                for i in range(L)
+                if i not in dense_ids and i >= first_dense and (step <= 1 or (i + 1) % step == 0)
+            )
+        return cls(
+            hidden=cfg.hidden_size,
+            expert_ffn=g("moe_intermediate_size", "intermediate_size"),
+            num_experts=E,
+            native_k=k,
+            num_layers=L,
+            moe_layers=moe_layers,
+            num_heads=heads,
+            num_kv_heads=g("num_key_value_heads", default=heads),
+            head_dim=g("head_dim", default=cfg.hidden_size // heads),
+            vocab=cfg.vocab_size,
+            dense_ffn=g("intermediate_size", default=0),
+            shared_ffn=g("shared_expert_intermediate_size", default=0),
+        )
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    # FLOPs per token (multiply-add = 2 FLOPs), forward only.
+    def expert_flops(self) -> float:
+        """One (token, expert) pair."""
+        return 2.0 * (3 if self.glu else 2) * self.hidden * self.expert_ffn
+
+    def fixed_flops(self, context: int) -> float:
+        """Everything but the routed experts, per token, at an average attended context length."""
+        D, hd = self.hidden, self.head_dim
+        attn_proj = 2.0 * D * hd * (2 * self.num_heads + 2 * self.num_kv_heads)
+        attn_scores = 2.0 * 2 * context * self.num_heads * hd
+        router = 2.0 * D * self.num_experts
+        shared = 2.0 * 3 * D * self.shared_ffn + (2.0 * D if self.shared_ffn else 0.0)
+        dense = 2.0 * 3 * D * self.dense_ffn
+        per_moe = attn_proj + attn_scores + router + shared
+        per_dense = attn_proj + attn_scores + dense
+        return self.moe_layers * per_moe + (self.num_layers - self.moe_layers) * per_dense + 2.0 * D * self.vocab
+
+    def forward_flops(self, mean_k_per_layer, context: int) -> float:
+        """Whole-forward FLOPs per token given each MoE layer's mean k (a float applies to all)."""
+        if isinstance(mean_k_per_layer, (int, float)):
+            mean_k_per_layer = [float(mean_k_per_layer)] * self.moe_layers
+        if len(mean_k_per_layer) != self.moe_layers:
+            raise ValueError(
+                f"mean_k_per_layer has {len(mean_k_per_layer)} entries: need one per MoE layer ({self.moe_layers})"
+            )
+        return self.fixed_flops(context) + self.expert_flops() * float(sum(mean_k_per_layer))
+
+    def forward_reduction(self, mean_k_per_layer, context: int) -> float:
+        """Fraction of whole-forward FLOPs saved against the native k in every MoE layer."""
+        native = self.forward_flops(float(self.native_k), context)
+        return 1.0 - self.forward_flops(mean_k_per_layer, context) / native

@@ -1,0 +1,150 @@
+"""Corpora and real routing counts shipped in data/, each checked against data/SHA256SUMS.
+
+WikiText-2 test is the evaluation set: `training_texts()` never includes it, and
+`split_heldout()` gives the held-out slice of every training text for validation/calibration.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import io
+import os
+import pickle
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+
+EVAL_TEXT = "wikitext2_test.raw"
+TRAIN_TEXTS = (
+    "tinyshakespeare",
+    "olmoe_arxiv",
+    "olmoe_b3g",
+    "olmoe_c4",
+    "olmoe_github_oss_with_stack",
+    "olmoe_wikipedia",
+    "wikitext2_valid.tokens",
+)
+DOMAINS = {  # AllenAI's routing-count domain -> the text that was routed
+    "arxiv": "olmoe_arxiv",
+    "book": "olmoe_b3g",
+    "c4": "olmoe_c4",
+    "github": "olmoe_github_oss_with_stack",
+    "wikipedia": "olmoe_wikipedia",
+}
+HELDOUT_FRACTION = 0.05
+
+
+def data_dir() -> Path:
+    """The project's data/ folder (override with MOELAB_DATA)."""
+    env = os.environ.get("MOELAB_DATA")
+    if env:
+        return Path(env)
+    return Path(__file__).resolve().parents[2] / "data"
+
+
+@lru_cache(maxsize=1)
+def _hashes() -> dict[str, str]:
+    sums = data_dir() / "SHA256SUMS"
+    out = {}
+    for line in sums.read_text().splitlines():
+        if line.strip():
+            digest, rel = line.split(maxsplit=1)
+            out[rel.strip()] = digest
+    return out
+
+
+def _read_checked(rel: str) -> bytes:
+    path = data_dir() / rel
+    if rel not in _hashes():
+        raise ValueError(f"{rel}: not listed in {data_dir() / 'SHA256SUMS'}; known: {sorted(_hashes())}")
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: missing; restore it from the repository (see data/NOTICE.md)")
+    raw = path.read_bytes()
+    digest = hashlib.sha256(raw).hexdigest()
+    if digest != _hashes()[rel]:
+        raise ValueError(f"{path}: sha256 {digest} does not match SHA256SUMS {_hashes()[rel]}; file altered")
+    return raw
+
+
+def text_names() -> list[str]:
+    return sorted(rel[len("text/") : -len(".txt")] for rel in _hashes() if rel.startswith("text/"))
+
+
+@lru_cache(maxsize=16)
+def load_text(name: str) -> str:
+    """A corpus by name (e.g. 'wikitext2_test.raw', 'tinyshakespeare'), hash-checked."""
+    if name not in text_names():
+        raise ValueError(f"text {name!r}: unknown; choose one of {text_names()}")
+    return _read_checked(f"text/{name}.txt").decode("utf-8")
+
+
+def split_heldout(text: str, fraction: float = HELDOUT_FRACTION) -> tuple[str, str]:
+    """(train, heldout): the last `fraction` of the text, cut at a line break, is held out."""
+    if not 0 < fraction < 1:
+        raise ValueError(f"fraction={fraction}: must be in (0, 1)")
+    cut = int(len(text) * (1 - fraction))
+    nl = text.rfind("\n", 0, cut)
+    cut = nl + 1 if nl > 0 else cut
+    return text[:cut], text[cut:]
+
+
+def training_texts() -> dict[str, str]:
+    """Training part of every training corpus (never WikiText-2 test)."""
+    return {n: split_heldout(load_text(n))[0] for n in TRAIN_TEXTS}
+
+
+def heldout_texts() -> dict[str, str]:
+    """Held-out part of every training corpus: validation during training, calibration after."""
+    return {n: split_heldout(load_text(n))[1] for n in TRAIN_TEXTS}
+
+
+class _CountsUnpickler(pickle.Unpickler):
+    """Allows only what the routing-count pickles contain: Counters, defaultdicts, numpy scalars."""
+
+    _ALLOWED = {
+        ("collections", "Counter"): collections.Counter,
+        ("collections", "defaultdict"): collections.defaultdict,
+        ("numpy", "dtype"): np.dtype,
+        ("numpy.core.multiarray", "scalar"): None,
+        ("numpy._core.multiarray", "scalar"): None,
+    }
+
+    def find_class(self, module, name):
+        if (module, name) not in self._ALLOWED:
+            raise pickle.UnpicklingError(f"{module}.{name}: not allowed in a routing-count file")
+        obj = self._ALLOWED[(module, name)]
+        if obj is None:  # numpy's scalar reconstructor, wherever this numpy keeps it
+            from numpy._core.multiarray import scalar as obj  # type: ignore[no-redef]
+        return obj
+
+
+COUNT_MODELS = {"olmoe": 64, "mistral": 8}  # folder -> number of experts (OLMoE-1B-7B, Mixtral-8x7B)
+COUNT_LAYERS = (0, 7, 15)
+
+
+def load_routing_counts(model: str, domain: str, top1: bool = False) -> np.ndarray:
+    """Real expert-selection counts [3 layers (0, 7, 15), E] for 'olmoe' or 'mistral' on a domain."""
+    if model not in COUNT_MODELS:
+        raise ValueError(f"model={model!r}: routing counts exist for {sorted(COUNT_MODELS)}")
+    kind = "expert_counts_top1" if top1 else "expert_counts"
+    rel = f"routing_counts/{model}/{kind}/{domain}.pkl"
+    if rel not in _hashes():
+        have = sorted(r.split("/")[-1][:-4] for r in _hashes() if r.startswith(f"routing_counts/{model}/{kind}/"))
+        raise ValueError(f"domain={domain!r}: no {kind} for {model}; choose one of {have}")
+    layers = _CountsUnpickler(io.BytesIO(_read_checked(rel))).load()
+    E = COUNT_MODELS[model]
+    out = np.zeros((len(layers), E), dtype=np.int64)
+    for i, counter in enumerate(layers):
+        for e, n in counter.items():
+            out[i, int(e)] = int(n)
+    return out
+
+
+def normalised_entropy(counts) -> float:
+    """Entropy of a load vector divided by log(E): 1 = perfectly balanced, 0 = one expert."""
+    c = np.asarray(counts, dtype=np.float64)
+    p = c / c.sum()
+    nz = p[p > 0]
+    return float(-(nz * np.log(nz)).sum() / np.log(len(c)))

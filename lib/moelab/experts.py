@@ -1,0 +1,118 @@
+"""Expert execution that skips: only the kept (token, expert) pairs go through the expert GEMMs.
+
+Weights are stored the way transformers 5 stores fused experts:
+    gate_up_EHD  [E, 2F, D]   (rows 0..F-1 are the gate projection, F..2F-1 the up projection)
+    down_EDF     [E, D, F]
+Flow: plan -> expert-sorted pairs -> gather rows -> grouped GEMM (gate/up) -> act(gate) * up
+      -> grouped GEMM (down) -> scale by routing weight -> scatter-add into [T, D].
+The number of rows in both GEMMs is exactly the number of kept pairs: skipped pairs cost nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from moelab.routing import RoutingPlan
+
+
+@dataclass
+class PairLayout:
+    """Kept (token, expert) pairs sorted by expert; P pairs in all."""
+
+    token_idx: torch.Tensor  # [P] int64, token of each pair
+    expert_idx: torch.Tensor  # [P] int64, expert of each pair (ascending)
+    weights: torch.Tensor  # [P] float32, routing weight of each pair
+    offsets: torch.Tensor  # [E] int32, cumulative end row of each expert's group
+
+    @property
+    def num_pairs(self) -> int:
+        return self.token_idx.shape[0]
+
+
+def pair_layout(plan: RoutingPlan) -> PairLayout:
+    """Torch reference layout: exact size P (one host sync). The Triton version pads to T * k_max."""
+    ids_N = plan.expert_ids.reshape(-1).long()
+    keep_N = ids_N >= 0
+    flat = keep_N.nonzero().squeeze(-1)  # [P] positions in the flattened [T * K] plan
+    experts_P = ids_N[flat]
+    order = torch.argsort(experts_P, stable=True)  # stable: tokens ascend within an expert
+    flat, experts_P = flat[order], experts_P[order]
+    counts_E = torch.bincount(experts_P, minlength=plan.num_experts)
+    return PairLayout(
+        token_idx=flat // plan.k_max,
+        expert_idx=experts_P,
+        weights=plan.weights.reshape(-1)[flat],
+        offsets=torch.cumsum(counts_E, 0).to(torch.int32),
+    )
+
+
+def grouped_mm_supported(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether torch._grouped_mm can run these operands (else a per-expert loop is used)."""
+    if not hasattr(torch, "_grouped_mm") or x.dtype != w.dtype:
+        return False
+    if x.device.type == "cpu":
+        return x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    if x.device.type == "cuda":
+        major, _ = torch.cuda.get_device_capability(x.device)
+        # CUTLASS path: bf16 on sm90+, 16-byte aligned rows
+        return x.dtype == torch.bfloat16 and major >= 9 and w.shape[-1] % 8 == 0 and w.shape[-2] % 8 == 0
+    return False
+
+
+_GEMM_MODE = "auto"  # "auto" | "grouped" | "loop"
+
+
+def set_gemm(mode: str) -> None:
+    """Force the expert GEMM: 'auto' (grouped where supported), 'grouped' or 'loop'."""
+    global _GEMM_MODE
+    if mode not in ("auto", "grouped", "loop"):
+        raise ValueError(f"gemm mode={mode!r}: must be 'auto', 'grouped' or 'loop'")
+    _GEMM_MODE = mode
+
+
+def grouped_gemm(x_PK: torch.Tensor, w_ENK: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
+    """y[p] = x[p] @ w[e(p)].T for rows grouped by expert; w is [E, N, K] (nn.Linear layout)."""
+    use_grouped = _GEMM_MODE == "grouped" or (_GEMM_MODE == "auto" and grouped_mm_supported(x_PK, w_ENK))
+    if use_grouped:
+        return torch._grouped_mm(x_PK, w_ENK.transpose(1, 2), offs=offsets_E)
+    y = x_PK.new_empty(x_PK.shape[0], w_ENK.shape[1])
+    ends = offsets_E.tolist()
+    start = 0
+    for e, end in enumerate(ends):
+        if end > start:
+            y[start:end] = x_PK[start:end] @ w_ENK[e].T
+        start = end
+    return y
+
+
+def run_experts(
+    x_TD: torch.Tensor,
+    plan: RoutingPlan,
+    gate_up_EHD: torch.Tensor,
+    down_EDF: torch.Tensor,
+    act_fn=F.silu,
+    layout: PairLayout | None = None,
+) -> torch.Tensor:
+    """Sum over kept experts of weight * down(act(gate(x)) * up(x)); returns [T, D] in x's dtype."""
+    T, D = x_TD.shape
+    E = gate_up_EHD.shape[0]
+    if plan.num_tokens != T:
+        raise ValueError(f"plan has {plan.num_tokens} tokens but x has T={T}")
+    if plan.num_experts != E:
+        raise ValueError(f"plan has num_experts={plan.num_experts} but the weights have E={E}")
+    if gate_up_EHD.shape[2] != D or down_EDF.shape[1] != D:
+        raise ValueError(
+            f"weights gate_up {tuple(gate_up_EHD.shape)} / down {tuple(down_EDF.shape)} do not match hidden D={D}"
+        )
+    layout = layout if layout is not None else pair_layout(plan)
+    x_PD = x_TD[layout.token_idx]
+    h_PH = grouped_gemm(x_PD, gate_up_EHD, layout.offsets)
+    gate_PF, up_PF = h_PH.chunk(2, dim=-1)
+    a_PF = act_fn(gate_PF) * up_PF
+    y_PD = grouped_gemm(a_PF, down_EDF, layout.offsets)
+    out_TD = torch.zeros(T, D, dtype=torch.float32, device=x_TD.device)
+    out_TD.index_add_(0, layout.token_idx, y_PD.float() * layout.weights[:, None])
+    return out_TD.to(x_TD.dtype)

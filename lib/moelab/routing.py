@@ -1,0 +1,296 @@
+"""Routing policies: router logits [T, E] -> RoutingPlan.
+
+This is the torch reference. `moelab.kernels.routing` computes the same plan in one Triton launch;
+`route()` dispatches to it on CUDA (see `set_backend`). Everything downstream (experts, accounting,
+statistics, kernels) speaks `RoutingPlan` and nothing else.
+
+Conventions shared by every policy and by the kernel:
+- softmax over all E experts in fp32, whatever the logits' dtype;
+- entropy in nats of that full softmax;
+- experts ranked by probability, ties broken by the lower expert index;
+- a token keeps the first k[t] ranked experts; unused slots hold id -1 and weight 0;
+- kept weights are the softmax probabilities, renormalised over the kept experts when the
+  model's convention renormalises (Mixtral, Qwen3-MoE) and left as they are otherwise (OLMoE,
+  Qwen1.5-MoE).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Union
+
+import torch
+
+__all__ = [
+    "RoutingPlan",
+    "TopK",
+    "EntropyAdaptiveK",
+    "TopP",
+    "RatioSkip",
+    "Policy",
+    "route",
+    "route_torch",
+    "set_backend",
+    "get_backend",
+]
+
+
+@dataclass
+class RoutingPlan:
+    """Which experts each token uses, with what weight. Shapes: T tokens, K = policy.k_max slots."""
+
+    expert_ids: torch.Tensor  # [T, K] int32, -1 in unused slots
+    weights: torch.Tensor  # [T, K] float32, 0 in unused slots
+    k: torch.Tensor  # [T] int32, kept experts per token
+    entropy: torch.Tensor  # [T] float32, nats, full softmax
+    num_experts: int  # E
+
+    @property
+    def num_tokens(self) -> int:
+        return self.expert_ids.shape[0]
+
+    @property
+    def k_max(self) -> int:
+        return self.expert_ids.shape[1]
+
+    def kept_pairs(self) -> int:
+        """Number of (token, expert) pairs the experts must compute (one host sync)."""
+        return int(self.k.sum())
+
+    def to(self, device) -> "RoutingPlan":
+        return dataclasses.replace(
+            self,
+            expert_ids=self.expert_ids.to(device),
+            weights=self.weights.to(device),
+            k=self.k.to(device),
+            entropy=self.entropy.to(device),
+        )
+
+
+def _check_int(name: str, value, lo: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name}={value!r}: must be an int")
+    if value < lo:
+        raise ValueError(f"{name}={value}: must be >= {lo}")
+
+
+def _check_renorm(renormalize) -> None:
+    if renormalize is not None and not isinstance(renormalize, bool):
+        raise ValueError(f"renormalize={renormalize!r}: must be True, False or None (model's convention)")
+
+
+@dataclass(frozen=True)
+class TopK:
+    """The model's own rule: the k most probable experts. A lower fixed k is TopK with another k."""
+
+    k: int
+    renormalize: bool | None = None  # None: the model's convention, filled in by route()/patching
+
+    def __post_init__(self):
+        _check_int("k", self.k)
+        _check_renorm(self.renormalize)
+
+    @property
+    def k_max(self) -> int:
+        return self.k
+
+    @property
+    def k_min(self) -> int:
+        return self.k
+
+    def choose_k(self, probs_TK: torch.Tensor, entropy_T: torch.Tensor) -> torch.Tensor:
+        return torch.full_like(entropy_T, self.k, dtype=torch.int32)
+
+
+@dataclass(frozen=True)
+class EntropyAdaptiveK:
+    """Entropy-guided k: k_values[i] for the first i with entropy < thresholds[i], else k_values[-1].
+
+    k_values ascend strictly; thresholds (nats) ascend strictly and are one fewer than k_values.
+    """
+
+    k_values: tuple[int, ...]
+    thresholds: tuple[float, ...]
+    renormalize: bool | None = None
+
+    def __post_init__(self):
+        kv = tuple(self.k_values)
+        th = tuple(float(t) for t in self.thresholds)
+        object.__setattr__(self, "k_values", kv)
+        object.__setattr__(self, "thresholds", th)
+        _check_renorm(self.renormalize)
+        if len(kv) == 0:
+            raise ValueError("k_values=(): need at least one k value")
+        for k in kv:
+            _check_int("k_values[...]", k)
+        if any(b <= a for a, b in zip(kv, kv[1:])):
+            raise ValueError(f"k_values={list(kv)}: must be strictly ascending")
+        if len(th) != len(kv) - 1:
+            raise ValueError(
+                f"thresholds={list(th)}: need len(k_values) - 1 = {len(kv) - 1} thresholds, got {len(th)}"
+            )
+        if any(t != t or t in (float("inf"), float("-inf")) for t in th):
+            raise ValueError(f"thresholds={list(th)}: must be finite")
+        if any(b <= a for a, b in zip(th, th[1:])):
+            raise ValueError(f"thresholds={list(th)}: must be strictly ascending")
+
+    @property
+    def k_max(self) -> int:
+        return self.k_values[-1]
+
+    @property
+    def k_min(self) -> int:
+        return self.k_values[0]
+
+    def choose_k(self, probs_TK: torch.Tensor, entropy_T: torch.Tensor) -> torch.Tensor:
+        # index = number of thresholds at or below the entropy; thresholds ascend
+        idx = torch.zeros_like(entropy_T, dtype=torch.long)
+        for t in self.thresholds:
+            idx += (entropy_T >= t).long()
+        kv = torch.tensor(self.k_values, dtype=torch.int32, device=entropy_T.device)
+        return kv[idx]
+
+
+@dataclass(frozen=True)
+class TopP:
+    """Smallest set of ranked experts whose probability reaches p, clamped to [k_min, k_max]."""
+
+    p: float
+    k_max: int
+    k_min: int = 1
+    renormalize: bool | None = None
+
+    def __post_init__(self):
+        if not (isinstance(self.p, (int, float)) and 0.0 < float(self.p) <= 1.0):
+            raise ValueError(f"p={self.p!r}: must be in (0, 1]")
+        _check_int("k_max", self.k_max)
+        _check_int("k_min", self.k_min)
+        if self.k_min > self.k_max:
+            raise ValueError(f"k_min={self.k_min} > k_max={self.k_max}: need k_min <= k_max")
+        _check_renorm(self.renormalize)
+
+    def choose_k(self, probs_TK: torch.Tensor, entropy_T: torch.Tensor) -> torch.Tensor:
+        before = torch.cumsum(probs_TK, dim=-1) - probs_TK  # mass of the better-ranked experts
+        k = (before < self.p).sum(-1)
+        return k.clamp(self.k_min, self.k_max).to(torch.int32)
+
+
+@dataclass(frozen=True)
+class RatioSkip:
+    """Keep ranked expert i while p_i >= beta * p_1 (Lu et al. 2024), clamped to [k_min, k_max]."""
+
+    beta: float
+    k_max: int
+    k_min: int = 1
+    renormalize: bool | None = None
+
+    def __post_init__(self):
+        if not (isinstance(self.beta, (int, float)) and 0.0 <= float(self.beta) <= 1.0):
+            raise ValueError(f"beta={self.beta!r}: must be in [0, 1]")
+        _check_int("k_max", self.k_max)
+        _check_int("k_min", self.k_min)
+        if self.k_min > self.k_max:
+            raise ValueError(f"k_min={self.k_min} > k_max={self.k_max}: need k_min <= k_max")
+        _check_renorm(self.renormalize)
+
+    def choose_k(self, probs_TK: torch.Tensor, entropy_T: torch.Tensor) -> torch.Tensor:
+        keep = probs_TK >= self.beta * probs_TK[:, :1]
+        return keep.sum(-1).clamp(self.k_min, self.k_max).to(torch.int32)
+
+
+Policy = Union[TopK, EntropyAdaptiveK, TopP, RatioSkip]
+
+
+def resolve_renormalize(policy: Policy, renormalize: bool | None) -> bool:
+    """The policy's own setting wins; otherwise the caller's (the model's convention)."""
+    r = policy.renormalize if policy.renormalize is not None else renormalize
+    if r is None:
+        raise ValueError(
+            f"{type(policy).__name__}.renormalize is None and no model convention was given: "
+            "pass renormalize=True (Mixtral, Qwen3-MoE) or False (OLMoE, Qwen1.5-MoE)"
+        )
+    return r
+
+
+def check_logits(logits: torch.Tensor, policy: Policy, num_experts: int | None = None, finite: bool = True):
+    """Validate shape, dtype and (optionally, one host sync) finiteness of router logits."""
+    if not isinstance(logits, torch.Tensor):
+        raise ValueError(f"logits of type {type(logits).__name__}: must be a torch.Tensor [T, E]")
+    if logits.dim() != 2:
+        raise ValueError(f"logits.shape={tuple(logits.shape)}: must have rank 2 [T, E]")
+    if logits.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"logits.dtype={logits.dtype}: must be float32, float16 or bfloat16")
+    E = logits.shape[1]
+    if num_experts is not None and E != num_experts:
+        raise ValueError(f"logits have E={E} experts but the layer has num_experts={num_experts}")
+    if not 1 <= policy.k_max <= E:
+        raise ValueError(f"k_max={policy.k_max}: must be in [1, E={E}]")
+    if finite and logits.numel() and not bool(torch.isfinite(logits).all()):
+        bad = (~torch.isfinite(logits)).nonzero()[0].tolist()
+        raise ValueError(f"logits[{bad[0]}, {bad[1]}]={logits[bad[0], bad[1]].item()}: logits must be finite")
+
+
+def route_torch(logits: torch.Tensor, policy: Policy, renormalize: bool) -> RoutingPlan:
+    """Reference implementation (no validation; see `route`)."""
+    T, E = logits.shape
+    K = policy.k_max
+    logp_TE = torch.log_softmax(logits.float(), dim=-1)
+    probs_TE = logp_TE.exp()
+    entropy_T = -(probs_TE * logp_TE).sum(-1)
+    # stable sort: equal probabilities keep ascending expert index
+    probs_sorted, idx_sorted = torch.sort(probs_TE, dim=-1, descending=True, stable=True)
+    top_p_TK, top_i_TK = probs_sorted[:, :K], idx_sorted[:, :K]
+    k_T = policy.choose_k(top_p_TK, entropy_T).to(torch.int32)
+    keep_TK = torch.arange(K, device=logits.device)[None, :] < k_T[:, None]
+    weights_TK = torch.where(keep_TK, top_p_TK, torch.zeros_like(top_p_TK))
+    if renormalize:
+        weights_TK = weights_TK / weights_TK.sum(-1, keepdim=True).clamp_min(1e-20)
+    ids_TK = torch.where(keep_TK, top_i_TK, torch.full_like(top_i_TK, -1)).to(torch.int32)
+    return RoutingPlan(ids_TK, weights_TK.float(), k_T, entropy_T.float(), E)
+
+
+_BACKEND = "auto"  # "auto": Triton kernel on CUDA, torch elsewhere; "torch"; "triton"
+
+
+def set_backend(name: str) -> None:
+    """Force the routing backend: 'auto', 'torch' or 'triton' (the Triton kernel, e.g. interpreted)."""
+    global _BACKEND
+    if name not in ("auto", "torch", "triton"):
+        raise ValueError(f"backend={name!r}: must be 'auto', 'torch' or 'triton'")
+    _BACKEND = name
+
+
+def get_backend() -> str:
+    return _BACKEND
+
+
+def _use_kernel(logits: torch.Tensor) -> bool:
+    if _BACKEND == "torch":
+        return False
+    if _BACKEND == "triton":
+        return True
+    return logits.is_cuda
+
+
+def route(
+    logits: torch.Tensor,
+    policy: Policy,
+    *,
+    renormalize: bool | None = None,
+    num_experts: int | None = None,
+    check: bool = True,
+) -> RoutingPlan:
+    """Route router logits [T, E] with a policy.
+
+    renormalize: the model's convention, used when the policy leaves it as None.
+    num_experts: if given, the logits must have that many columns.
+    check: validate finiteness (one host sync); pass False inside CUDA-graph capture.
+    """
+    check_logits(logits, policy, num_experts, finite=check)
+    renorm = resolve_renormalize(policy, renormalize)
+    if _use_kernel(logits):
+        from moelab.kernels.routing import route_triton
+
+        return route_triton(logits, policy, renorm)
+    return route_torch(logits, policy, renorm)

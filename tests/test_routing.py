@@ -1,0 +1,181 @@
+"""Routing policies: the plan contract, the rules of each policy, and errors for bad input."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from moelab.routing import EntropyAdaptiveK, RatioSkip, TopK, TopP, route, route_torch
+
+E_CHOICES = [2, 8, 60, 64]
+
+
+@st.composite
+def logits_and_policy(draw):
+    E = draw(st.sampled_from(E_CHOICES))
+    T = draw(st.integers(0, 40))
+    seed = draw(st.integers(0, 2**31 - 1))
+    scale = draw(st.sampled_from([0.1, 1.0, 5.0]))
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(T, E, generator=g) * scale
+    kmax = draw(st.integers(1, min(E, 8)))
+    kind = draw(st.sampled_from(["topk", "adaptive", "topp", "ratio"]))
+    renorm = draw(st.booleans())
+    if kind == "topk":
+        pol = TopK(kmax, renormalize=renorm)
+    elif kind == "adaptive":
+        ks = sorted(draw(st.sets(st.integers(1, kmax), min_size=1, max_size=3)) | {kmax})
+        th = sorted(draw(st.sets(st.floats(0.0, math.log(E) + 0.1), min_size=len(ks) - 1, max_size=len(ks) - 1)))
+        if len(th) != len(ks) - 1:
+            ks = [kmax]
+            th = []
+        pol = EntropyAdaptiveK(tuple(ks), tuple(th), renormalize=renorm)
+    elif kind == "topp":
+        pol = TopP(draw(st.floats(0.05, 1.0)), k_max=kmax, renormalize=renorm)
+    else:
+        pol = RatioSkip(draw(st.floats(0.0, 1.0)), k_max=kmax, renormalize=renorm)
+    return logits, pol
+
+
+@settings(max_examples=150, deadline=None)
+@given(logits_and_policy())
+def test_plan_contract(case):
+    logits, pol = case
+    plan = route(logits, pol, renormalize=False)
+    T, E = logits.shape
+    K = pol.k_max
+    assert plan.expert_ids.shape == (T, K) and plan.expert_ids.dtype == torch.int32
+    assert plan.weights.shape == (T, K) and plan.weights.dtype == torch.float32
+    assert plan.k.shape == (T,) and plan.k.dtype == torch.int32
+    assert plan.entropy.shape == (T,) and plan.entropy.dtype == torch.float32
+    # k within bounds, used slots first
+    assert ((plan.k >= pol.k_min) & (plan.k <= K)).all()
+    slot = torch.arange(K)[None, :]
+    used = slot < plan.k[:, None]
+    assert ((plan.expert_ids >= 0) == used).all()
+    assert (plan.weights[~used] == 0).all()
+    assert (plan.expert_ids[used] < E).all()
+    # kept experts are exactly the top-k of the probabilities (ties: lower index first)
+    probs = torch.softmax(logits.float(), -1)
+    for t in range(T):
+        k = int(plan.k[t])
+        kept = plan.expert_ids[t, :k].long()
+        assert len(set(kept.tolist())) == k
+        pk = probs[t, kept]
+        rest = torch.ones(E, dtype=torch.bool)
+        rest[kept] = False
+        if rest.any():
+            assert pk.min() >= probs[t, rest].max()
+    # weights: renormalised -> sum 1; otherwise the raw probabilities
+    if pol.renormalize:
+        if T:
+            torch.testing.assert_close(plan.weights.sum(-1), torch.ones(T), atol=1e-5, rtol=0)
+    else:
+        raw = torch.gather(probs, 1, plan.expert_ids.clamp_min(0).long()) * used
+        torch.testing.assert_close(plan.weights, raw, atol=1e-6, rtol=0)
+    # entropy is the full softmax's, in nats
+    ent = -(probs * torch.log_softmax(logits.float(), -1)).sum(-1)
+    torch.testing.assert_close(plan.entropy, ent, atol=1e-5, rtol=1e-5)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.sampled_from([8, 64]))
+def test_adaptive_k_is_monotone_in_entropy(seed, E):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(64, E, generator=g) * torch.rand(64, 1, generator=g) * 6
+    pol = EntropyAdaptiveK((1, 2, 4), (0.6 * math.log(E) / 2, 1.2 * math.log(E) / 2), renormalize=True)
+    plan = route(logits, pol)
+    order = torch.argsort(plan.entropy)
+    k_sorted = plan.k[order]
+    assert (k_sorted[1:] >= k_sorted[:-1]).all()
+    # the rule itself
+    for t in range(64):
+        h = float(plan.entropy[t])
+        want = 1 if h < pol.thresholds[0] else (2 if h < pol.thresholds[1] else 4)
+        assert int(plan.k[t]) == want
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2**31 - 1))
+def test_lower_thresholds_never_raise_k(seed):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(50, 8, generator=g) * 2
+    hi = route(logits, EntropyAdaptiveK((1, 2), (1.5,), renormalize=True)).k
+    lo = route(logits, EntropyAdaptiveK((1, 2), (1.0,), renormalize=True)).k
+    assert (lo >= hi).all()
+
+
+def test_topp_and_ratio_rules():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.97, 0.01, 0.01, 0.01]]))
+    assert route(logits, TopP(0.79, k_max=4), renormalize=False).k.tolist() == [2, 1]
+    assert route(logits, TopP(0.81, k_max=4), renormalize=False).k.tolist() == [3, 1]
+    assert route(logits, TopP(0.81, k_max=4, k_min=2), renormalize=False).k.tolist() == [3, 2]
+    assert route(logits, RatioSkip(0.29, k_max=4), renormalize=False).k.tolist() == [3, 1]
+    assert route(logits, RatioSkip(0.29, k_max=2), renormalize=False).k.tolist() == [2, 1]
+
+
+def test_ties_break_by_lower_index():
+    logits = torch.zeros(3, 8)
+    plan = route(logits, TopK(3), renormalize=True)
+    assert plan.expert_ids.tolist() == [[0, 1, 2]] * 3
+    torch.testing.assert_close(plan.entropy, torch.full((3,), math.log(8)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_dtypes_give_the_same_plan(dtype):
+    logits = (torch.randn(200, 64) * 3).to(torch.bfloat16)  # exactly representable in all three
+    ref = route(logits.float(), EntropyAdaptiveK((2, 5, 8), (1.3, 1.7)), renormalize=False)
+    got = route(logits.to(dtype), EntropyAdaptiveK((2, 5, 8), (1.3, 1.7)), renormalize=False)
+    assert torch.equal(ref.expert_ids, got.expert_ids)
+    assert torch.equal(ref.k, got.k)
+    assert torch.equal(ref.weights, got.weights)
+
+
+def test_empty_batch():
+    plan = route(torch.empty(0, 8), EntropyAdaptiveK((1, 2), (1.0,)), renormalize=True)
+    assert plan.expert_ids.shape == (0, 2) and plan.k.shape == (0,)
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: EntropyAdaptiveK((1, 2, 4), (1.2, 0.6)), "strictly ascending"),
+        (lambda: EntropyAdaptiveK((2, 1), (0.5,)), "k_values"),
+        (lambda: EntropyAdaptiveK((1, 2, 4), (0.6,)), "need len"),
+        (lambda: TopK(0), "k=0"),
+        (lambda: TopP(0.0, k_max=2), "p=0.0"),
+        (lambda: TopP(1.5, k_max=2), r"\(0, 1\]"),
+        (lambda: RatioSkip(-0.1, k_max=2), "beta"),
+        (lambda: TopP(0.5, k_max=2, k_min=3), "k_min"),
+    ],
+)
+def test_bad_configuration(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def test_bad_input():
+    pol = TopK(2, renormalize=True)
+    with pytest.raises(ValueError, match="k_max=9"):
+        route(torch.randn(4, 8), TopK(9, renormalize=True))
+    with pytest.raises(ValueError, match="rank 2"):
+        route(torch.randn(2, 4, 8), pol)
+    with pytest.raises(ValueError, match="num_experts=16"):
+        route(torch.randn(4, 8), pol, num_experts=16)
+    bad = torch.randn(4, 8)
+    bad[2, 3] = float("nan")
+    with pytest.raises(ValueError, match=r"logits\[2, 3\]=nan"):
+        route(bad, pol)
+    bad[2, 3] = float("inf")
+    with pytest.raises(ValueError, match="finite"):
+        route(bad, pol)
+    with pytest.raises(ValueError, match="renormalize"):
+        route(torch.randn(4, 8), TopK(2))
+
+
+def test_reference_matches_route():
+    logits = torch.randn(32, 8)
+    a = route(logits, TopK(2), renormalize=True)
+    b = route_torch(logits, TopK(2), True)
+    assert torch.equal(a.expert_ids, b.expert_ids)
