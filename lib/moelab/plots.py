@@ -1,0 +1,92 @@
+"""One figure style for the whole workbench, and deterministic PDF + PNG export into figures/.
+
+Column-width figures (3.4 in), seaborn "ticks" theme, the colour-blind-safe palette, TrueType fonts
+embedded in PDFs (pdf.fonttype 42) so that journals accept them, PNG at 300 dpi.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import matplotlib
+import matplotlib.pyplot as plt
+
+from moelab.results import REPO, atomic_write_bytes
+
+COLUMN_WIDTH_IN = 3.4
+FULL_WIDTH_IN = 7.0
+PALETTE = "colorblind"
+# one colour per routing policy, used by every notebook
+POLICY_COLORS = {
+    "TopK": "#0173B2",
+    "EntropyAdaptiveK": "#DE8F05",
+    "TopP": "#029E73",
+    "RatioSkip": "#D55E00",
+    "native": "#000000",
+}
+
+
+def setup_style() -> None:
+    """Apply the workbench style (idempotent)."""
+    import seaborn as sns
+
+    sns.set_theme(context="paper", style="ticks", palette=PALETTE, font_scale=1.0)
+    matplotlib.rcParams.update(
+        {
+            "pdf.fonttype": 42,
+            "ps.fonttype": 42,
+            "figure.dpi": 110,
+            "savefig.dpi": 300,
+            "savefig.bbox": "tight",
+            "figure.figsize": (COLUMN_WIDTH_IN, COLUMN_WIDTH_IN * 0.75),
+            "axes.titlesize": 9,
+            "axes.labelsize": 8,
+            "xtick.labelsize": 7,
+            "ytick.labelsize": 7,
+            "legend.fontsize": 7,
+            "axes.spines.top": False,
+            "axes.spines.right": False,
+        }
+    )
+
+
+def figures_dir() -> Path:
+    """figures/ of the repository (MOELAB_FIGURES overrides)."""
+    return Path(os.environ.get("MOELAB_FIGURES", REPO / "figures"))
+
+
+def figure(width: str | float = "column", aspect: float = 0.75, **kw):
+    """A new styled figure: width 'column' (3.4 in), 'full' (7 in) or inches."""
+    setup_style()
+    w = {"column": COLUMN_WIDTH_IN, "full": FULL_WIDTH_IN}.get(width, width)
+    return plt.subplots(figsize=(w, w * aspect), **kw)
+
+
+def savefig(fig, name: str) -> dict:
+    """Save `fig` as figures/<name>.pdf and .png (300 dpi); returns the two paths."""
+    if not name or "/" in name or name.endswith((".pdf", ".png")):
+        raise ValueError(f"figure name {name!r}: give a plain stem such as '02_pareto_tiny-olmoe'")
+    import io
+
+    out = {}
+    for ext in ("pdf", "png"):
+        buf = io.BytesIO()
+        # fixed metadata: the same figure gives the same bytes, run after run
+        meta = {"CreationDate": None} if ext == "pdf" else {"Software": None}
+        fig.savefig(buf, format=ext, metadata=meta)
+        path = figures_dir() / f"{name}.{ext}"
+        atomic_write_bytes(path, buf.getvalue())
+        out[ext] = path
+    return out
+
+
+def save_table(df, name: str, caption: str = "", float_format: str = "{:.3g}") -> dict:
+    """Export a table as figures/<name>.csv and figures/<name>.tex (booktabs)."""
+    d = figures_dir()
+    csv = df.to_csv(index=False).encode()
+    atomic_write_bytes(d / f"{name}.csv", csv)
+    body = df.to_latex(index=False, float_format=lambda v: float_format.format(v), escape=True)
+    tex = body if not caption else f"% {caption}\n{body}"
+    atomic_write_bytes(d / f"{name}.tex", (tex + "\n").encode())
+    return {"csv": d / f"{name}.csv", "tex": d / f"{name}.tex"}

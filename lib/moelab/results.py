@@ -1,0 +1,182 @@
+"""Results with provenance: every number carries the machine, library versions, commit and command.
+
+Two writers:
+- `write_results(topic, rows, ...)`: a benchmark or GPU run's file `data/results/<topic>-<yyyymmdd>.json`
+  (schema 1: topic, created, commit, command, machine, rows, notes);
+- `save(name, obj)`: a notebook's named result (JSON for scalars/dicts, parquet for frames) in the
+  current run directory (`MOELAB_RUN_DIR`, set by the sweep runner; `runs/interactive` otherwise).
+Files are written atomically (temp file + rename): a killed process leaves the old file or the new one.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+SCHEMA = 1
+
+
+def commit() -> str:
+    """The git commit of the code that ran (MOELAB_COMMIT wins: the GPU machine's copy has no .git)."""
+    env = os.environ.get("MOELAB_COMMIT")
+    if env:
+        return env
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True, text=True, timeout=10,
+        ).stdout.strip()
+        return out + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def machine() -> dict:
+    """Device name and library versions of this process."""
+    import torch
+
+    info: dict[str, Any] = {
+        "host_cpu": platform.processor() or platform.machine(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+        "gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0,
+    }
+    for mod in ("transformers", "triton"):
+        try:
+            info[mod] = __import__(mod).__version__
+        except ImportError:
+            info[mod] = None
+    return info
+
+
+def command_line() -> str:
+    return " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv])
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _jsonable(x):
+    import numpy as np
+
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, np.generic):
+        return x.item()
+    if isinstance(x, np.ndarray):
+        return x.tolist()
+    if hasattr(x, "tolist") and hasattr(x, "dtype"):  # torch tensors
+        return x.tolist()
+    if isinstance(x, float) and x != x:
+        return None
+    if isinstance(x, Path):
+        return str(x)
+    return x
+
+
+def write_json(path: Path, obj) -> Path:
+    atomic_write_bytes(Path(path), (json.dumps(_jsonable(obj), indent=1) + "\n").encode())
+    return Path(path)
+
+
+def results_dir() -> Path:
+    return Path(os.environ.get("MOELAB_RESULTS_DIR", REPO / "data" / "results"))
+
+
+def write_results(topic: str, rows: list[dict], notes: str = "", command: str | None = None,
+                  out_dir: Path | None = None, extra: dict | None = None) -> Path:
+    """Write `<out_dir>/<topic>-<yyyymmdd>.json` (schema 1) and return its path."""
+    now = _dt.datetime.now(_dt.timezone.utc)
+    doc = {
+        "schema": SCHEMA,
+        "topic": topic,
+        "created": now.isoformat(timespec="seconds"),
+        "commit": commit(),
+        "command": command or command_line(),
+        "machine": machine(),
+        "rows": rows,
+        "notes": notes,
+    }
+    if extra:
+        doc.update(extra)
+    path = Path(out_dir or results_dir()) / f"{topic}-{now:%Y%m%d}.json"
+    return write_json(path, doc)
+
+
+def load_results(topic: str, directory: Path | None = None) -> dict:
+    """The newest results file of a topic (by the date in its name)."""
+    d = Path(directory or REPO / "data" / "results")
+    files = sorted(d.glob(f"{topic}-*.json"))
+    if not files:
+        raise FileNotFoundError(f"no results for topic {topic!r} in {d}; run its benchmark on a GPU first")
+    return json.loads(files[-1].read_text())
+
+
+def rows_frame(doc: dict):
+    """A results document's rows as a pandas frame."""
+    import pandas as pd
+
+    return pd.DataFrame(doc["rows"])
+
+
+def run_dir() -> Path:
+    """Where a notebook's named results go: MOELAB_RUN_DIR (set per sweep run) or runs/interactive."""
+    return Path(os.environ.get("MOELAB_RUN_DIR", REPO / "runs" / "interactive"))
+
+
+def save(name: str, obj) -> Path:
+    """Save a named result of a notebook: a DataFrame as parquet, anything else as JSON."""
+    import pandas as pd
+
+    if not name or "/" in name or name.startswith("."):
+        raise ValueError(f"result name {name!r}: must be a plain file stem (no '/', not hidden)")
+    d = run_dir() / "results"
+    if isinstance(obj, pd.DataFrame):
+        path = d / f"{name}.parquet"
+        tmp = d / f".{name}.parquet.tmp"
+        d.mkdir(parents=True, exist_ok=True)
+        obj.to_parquet(tmp, index=False)
+        os.replace(tmp, path)
+        return path
+    return write_json(d / f"{name}.json", obj)
+
+
+def load_saved(directory: Path) -> dict:
+    """All named results in a run directory: {name: dict or DataFrame}."""
+    import pandas as pd
+
+    out = {}
+    for p in sorted((Path(directory) / "results").glob("*")):
+        if p.suffix == ".json":
+            out[p.stem] = json.loads(p.read_text())
+        elif p.suffix == ".parquet":
+            out[p.stem] = pd.read_parquet(p)
+    return out
