@@ -1,0 +1,139 @@
+"""Sliding-window perplexity over one token stream (the usual WikiText-2 protocol of the HF docs).
+
+Windows of `context` tokens start every `stride` tokens; each window scores only the tokens that no
+earlier window scored (the first window scores all of its tokens but the first), so every token after
+the first is scored exactly once, with up to `context - stride` tokens of left context. The context is
+clipped to the model's `max_position_embeddings`. Only the scored positions' logits are computed
+(`logits_to_keep`), and the cross-entropy is summed in fp32.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+__all__ = ["perplexity", "windows", "token_ids"]
+
+
+def token_ids(tokenizer, text_or_ids) -> torch.Tensor:
+    """A 1-D int64 token stream from a text (needs a tokenizer) or from token ids (list or tensor)."""
+    if isinstance(text_or_ids, str):
+        if tokenizer is None:
+            raise ValueError("text given as a str but tokenizer=None: pass a tokenizer or token ids")
+        ids = tokenizer(text_or_ids, add_special_tokens=False, return_attention_mask=False)["input_ids"]
+        return torch.tensor(ids, dtype=torch.long)
+    ids = torch.as_tensor(text_or_ids)
+    if ids.dim() == 2 and ids.shape[0] == 1:
+        ids = ids[0]
+    if ids.dim() != 1:
+        raise ValueError(f"token ids of shape {tuple(ids.shape)}: must be one stream, shape [N] or [1, N]")
+    if ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        raise ValueError(f"token ids of dtype {ids.dtype}: must be integers")
+    return ids.long()
+
+
+def windows(n_tokens: int, context: int, stride: int) -> list[tuple[int, int, int]]:
+    """(begin, end, scored) of every window: input ids[begin:end], the last `scored` tokens scored."""
+    if context < 2:
+        raise ValueError(f"context={context}: must be >= 2")
+    if not 1 <= stride <= context:
+        raise ValueError(f"stride={stride}: must be in [1, context={context}]")
+    out, prev_end = [], 0
+    for begin in range(0, n_tokens, stride):
+        end = min(begin + context, n_tokens)
+        # new tokens only; a window's first token has no prediction inside it
+        scored = min(end - prev_end, end - begin - 1)
+        if scored > 0:
+            out.append((begin, end, scored))
+        prev_end = end
+        if end == n_tokens:
+            break
+    return out
+
+
+def _model_context(model) -> int | None:
+    cfg = getattr(model, "config", None)
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    return getattr(cfg, "max_position_embeddings", None)
+
+
+def _input_device(model) -> torch.device:
+    """Where input ids go: the embedding's device (also right for device_map='auto' models)."""
+    if hasattr(model, "get_input_embeddings") and model.get_input_embeddings() is not None:
+        return model.get_input_embeddings().weight.device
+    return next(model.parameters()).device
+
+
+@torch.no_grad()
+def perplexity(
+    model,
+    tokenizer,
+    text_or_ids,
+    context: int = 2048,
+    stride: int = 512,
+    max_tokens: int | None = None,
+    batch_size: int = 1,
+    progress: bool = True,
+) -> dict:
+    """Perplexity of a causal LM on one token stream, sliding window (see the module docstring).
+
+    Returns dict(ppl, nll [nats/token], scored_tokens, context [after clipping], stride, windows).
+    max_tokens: score only the first max_tokens tokens of the stream (None: all).
+    batch_size: windows of equal shape run together (no padding, so results do not depend on it).
+    """
+    ids = token_ids(tokenizer, text_or_ids)
+    if max_tokens is not None:
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 2:
+            raise ValueError(f"max_tokens={max_tokens!r}: must be an int >= 2 or None")
+        ids = ids[:max_tokens]
+    if ids.numel() < 2:
+        raise ValueError(f"{ids.numel()} tokens: need at least 2 to score one")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size={batch_size!r}: must be an int >= 1")
+    limit = _model_context(model)
+    if limit is not None and context > limit:
+        context = int(limit)
+    stride = min(stride, context)
+    wins = windows(ids.numel(), context, stride)
+    device = _input_device(model)
+    keep_arg = "logits_to_keep" in inspect.signature(model.forward).parameters
+
+    # consecutive windows of the same shape form a batch
+    groups: list[list[tuple[int, int, int]]] = []
+    for w in wins:
+        g = groups[-1] if groups else None
+        if g and len(g) < batch_size and (g[0][1] - g[0][0], g[0][2]) == (w[1] - w[0], w[2]):
+            g.append(w)
+        else:
+            groups.append([w])
+
+    nll_sum, scored_total = 0.0, 0
+    bar = tqdm(total=len(wins), desc="perplexity", unit="win", disable=not progress)
+    for g in groups:
+        length, scored = g[0][1] - g[0][0], g[0][2]
+        x_BL = torch.stack([ids[b:e] for b, e, _ in g]).to(device)
+        kwargs = {"use_cache": False}
+        if keep_arg:
+            kwargs["logits_to_keep"] = scored + 1  # logits at positions L-scored-1 .. L-1
+        logits_BSV = model(input_ids=x_BL, **kwargs).logits
+        logits_BSV = logits_BSV[:, -(scored + 1) : -1]  # predictions of the last `scored` tokens
+        target_BS = x_BL[:, length - scored :].to(logits_BSV.device)
+        nll = F.cross_entropy(logits_BSV.float().reshape(-1, logits_BSV.shape[-1]), target_BS.reshape(-1),
+                              reduction="sum")
+        nll_sum += float(nll)
+        scored_total += scored * len(g)
+        bar.update(len(g))
+    bar.close()
+    nll_mean = nll_sum / scored_total
+    return {
+        "ppl": math.exp(nll_mean),
+        "nll": nll_mean,
+        "scored_tokens": scored_total,
+        "context": context,
+        "stride": stride,
+        "windows": len(wins),
+    }

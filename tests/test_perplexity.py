@@ -1,0 +1,81 @@
+"""Sliding-window perplexity: every token after the first is scored once, with the right context."""
+
+import math
+
+import pytest
+import torch
+from moelab.perplexity import perplexity, token_ids, windows
+from transformers import MixtralConfig, MixtralForCausalLM
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    cfg = MixtralConfig(
+        vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
+    )
+    return MixtralForCausalLM(cfg).eval()
+
+
+def reference_nll(model, ids, context, stride):
+    """Token by token: log p(ids[j] | the window that scores j), from full-window logits."""
+    total, n = 0.0, 0
+    for begin, end, scored in windows(len(ids), context, stride):
+        with torch.no_grad():
+            logp = torch.log_softmax(model(input_ids=ids[None, begin:end]).logits[0].float(), -1)
+        for j in range(end - scored, end):
+            total -= float(logp[j - begin - 1, ids[j]])
+            n += 1
+    return total / n, n
+
+
+def test_windows_cover_every_token_once():
+    for n, c, s in [(10, 4, 2), (10, 4, 4), (3, 4, 2), (100, 16, 5), (17, 17, 17)]:
+        scored = set()
+        for begin, end, k in windows(n, c, s):
+            assert end - begin <= c and k <= end - begin - 1
+            new = set(range(end - k, end))
+            assert not (new & scored)
+            scored |= new
+        # stride < context: every token but the first gets a prediction
+        if s < c:
+            assert scored == set(range(1, n))
+
+
+def test_matches_token_by_token_reference(model):
+    ids = torch.randint(0, 97, (150,), generator=torch.Generator().manual_seed(1))
+    out = perplexity(model, None, ids, context=32, stride=8, progress=False)
+    ref, n = reference_nll(model, ids, 32, 8)
+    assert out["scored_tokens"] == n == 149
+    assert out["nll"] == pytest.approx(ref, rel=1e-5)
+    assert out["ppl"] == pytest.approx(math.exp(ref), rel=1e-5)
+
+
+def test_batch_size_does_not_change_result(model):
+    ids = torch.randint(0, 97, (200,), generator=torch.Generator().manual_seed(2))
+    a = perplexity(model, None, ids, context=24, stride=6, batch_size=1, progress=False)
+    b = perplexity(model, None, ids, context=24, stride=6, batch_size=5, progress=False)
+    assert a["scored_tokens"] == b["scored_tokens"]
+    assert a["nll"] == pytest.approx(b["nll"], rel=1e-5)
+
+
+def test_context_clipped_to_model_and_max_tokens(model):
+    ids = torch.randint(0, 97, (300,), generator=torch.Generator().manual_seed(3))
+    out = perplexity(model, None, ids, context=2048, stride=512, max_tokens=200, progress=False)
+    assert out["context"] == 64 and out["stride"] == 64
+    assert out["scored_tokens"] <= 199
+    # one window covering everything equals the model's own mean loss
+    one = perplexity(model, None, ids[:50], context=64, stride=16, progress=False)
+    with torch.no_grad():
+        loss = model(input_ids=ids[None, :50], labels=ids[None, :50]).loss
+    assert one["scored_tokens"] == 49 and one["nll"] == pytest.approx(float(loss), rel=1e-5)
+
+
+def test_bad_input_raises():
+    with pytest.raises(ValueError, match="tokenizer=None"):
+        token_ids(None, "some text")
+    with pytest.raises(ValueError, match="stride=0"):
+        windows(10, 4, 0)
+    with pytest.raises(ValueError, match="must be integers"):
+        token_ids(None, torch.zeros(5))
