@@ -1,9 +1,10 @@
 """Skipping expert execution: matches a dense reference, and feeds only kept pairs to the GEMMs."""
 
-import moelab.experts as ex
 import pytest
 import torch
 import torch.nn.functional as F
+
+import moelab.experts as ex
 from moelab.compute import plan_stats
 from moelab.routing import EntropyAdaptiveK, TopK, TopP, route
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from moelab.routing import EntropyAdaptiveK, RatioSkip, TopK, TopP, route, route_torch
 
 E_CHOICES = [2, 8, 60, 64]

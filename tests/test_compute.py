@@ -1,0 +1,53 @@
+"""Compute accounting counts against the model's native k, never against k_max."""
+
+import pytest
+import torch
+from transformers import MixtralConfig, OlmoeConfig, Qwen2MoeConfig
+
+from moelab.compute import ModelShapes, expert_reduction, plan_stats
+from moelab.routing import EntropyAdaptiveK, TopK, route
+
+
+def test_reduction_is_against_native_k():
+    # the published 52.5% for Mixtral is 1 - 3.8/8: counted against 8 experts, not Mixtral's 2
+    assert expert_reduction(3.8, 8) == pytest.approx(0.525)
+    assert expert_reduction(1.5, 2) == 0.25
+    assert expert_reduction(3.0, 2) == -0.5  # a k_max=8 policy can spend MORE than native top-2
+    with pytest.raises(ValueError, match="native_k=0"):
+        expert_reduction(1.0, 0)
+
+
+def test_plan_stats_histogram():
+    logits = torch.randn(100, 8) * 2
+    plan = route(logits, EntropyAdaptiveK((1, 2, 4), (1.0, 1.6)), renormalize=True)
+    s = plan_stats(plan, native_k=2)
+    assert sum(s["k_hist"]) == 100 and s["kept_pairs"] == int(plan.k.sum())
+    assert s["mean_k"] == pytest.approx(plan.k.float().mean().item())
+    assert s["expert_reduction"] == pytest.approx(1 - s["mean_k"] / 2)
+    assert plan_stats(route(logits, TopK(2), renormalize=True), 2)["expert_reduction"] == 0
+
+
+@pytest.mark.parametrize(
+    "cfg, moe_layers, shared",
+    [
+        (MixtralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                       num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, vocab_size=100), 4, 0),
+        (Qwen2MoeConfig(hidden_size=64, intermediate_size=256, moe_intermediate_size=32,
+                        shared_expert_intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                        num_key_value_heads=4, num_experts=60, num_experts_per_tok=4, vocab_size=100,
+                        mlp_only_layers=[0]), 3, 128),
+        (OlmoeConfig(hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                     num_experts=64, num_experts_per_tok=8, vocab_size=100), 2, 0),
+    ],
+)
+def test_shapes_from_config_and_whole_forward(cfg, moe_layers, shared):
+    s = ModelShapes.from_config(cfg)
+    assert s.moe_layers == moe_layers and s.shared_ffn == shared
+    assert s.forward_reduction(float(s.native_k), context=256) == pytest.approx(0.0)
+    # halving k saves half the routed-expert FLOPs, and less of the whole forward
+    whole = s.forward_reduction(s.native_k / 2, context=256)
+    assert 0 < whole < 0.5
+    expert_part = s.expert_flops() * s.native_k * s.moe_layers / s.forward_flops(float(s.native_k), 256)
+    assert whole == pytest.approx(0.5 * expert_part)
+    with pytest.raises(ValueError, match="one per MoE layer"):
+        s.forward_flops([1.0] * (moe_layers + 1), 256)

@@ -1,0 +1,69 @@
+"""Data: hash checks, the held-out split, and the restricted unpickler for routing counts."""
+
+import pickle
+
+import pytest
+
+from moelab import data
+
+
+def test_texts_load_and_eval_set_is_never_trained_on():
+    assert set(data.TRAIN_TEXTS) <= set(data.text_names())
+    assert data.EVAL_TEXT not in data.TRAIN_TEXTS
+    train = data.training_texts()
+    assert all("wikitext2_test" not in n for n in train)
+    wt2 = data.load_text(data.EVAL_TEXT)
+    probe = wt2[10000:10200]
+    assert all(probe not in t for t in train.values())
+
+
+def test_heldout_split_is_disjoint_and_complete():
+    text = data.load_text("tinyshakespeare")
+    tr, ho = data.split_heldout(text)
+    assert tr + ho == text and 0.04 < len(ho) / len(text) < 0.06 and tr.endswith("\n")
+    with pytest.raises(ValueError, match="fraction=1.5"):
+        data.split_heldout(text, 1.5)
+
+
+def test_altered_file_is_refused(tmp_path, monkeypatch):
+    (tmp_path / "text").mkdir()
+    good = data.data_dir() / "SHA256SUMS"
+    (tmp_path / "SHA256SUMS").write_text(good.read_text())
+    (tmp_path / "text" / "tinyshakespeare.txt").write_text("not the original")
+    monkeypatch.setenv("MOELAB_DATA", str(tmp_path))
+    data._hashes.cache_clear()
+    data.load_text.cache_clear()
+    try:
+        with pytest.raises(ValueError, match="does not match"):
+            data.load_text("tinyshakespeare")
+        with pytest.raises(ValueError, match="unknown"):
+            data.load_text("nope")
+    finally:
+        monkeypatch.delenv("MOELAB_DATA")
+        data._hashes.cache_clear()
+        data.load_text.cache_clear()
+
+
+def test_routing_counts_are_real_and_balanced():
+    for model, E in data.COUNT_MODELS.items():
+        for domain in data.DOMAINS:
+            c = data.load_routing_counts(model, domain)
+            assert c.shape == (3, E) and c.sum() > 0
+            # the real checkpoints' load entropies (0.83 to 1.0), the bar our routers must meet
+            assert all(0.8 <= data.normalised_entropy(row) <= 1.0 for row in c)
+    top = data.load_routing_counts("olmoe", "c4")
+    top1 = data.load_routing_counts("olmoe", "c4", top1=True)
+    assert abs(top.sum() / top1.sum() - 8) < 1e-6  # top-8 choices vs first choices
+
+
+def test_unpickler_refuses_anything_else():
+    class Evil:
+        def __reduce__(self):
+            return (print, ("owned",))
+
+    import io
+
+    with pytest.raises(pickle.UnpicklingError, match="not allowed"):
+        data._CountsUnpickler(io.BytesIO(pickle.dumps(Evil()))).load()
+    with pytest.raises(ValueError, match="domain='tulu'"):
+        data.load_routing_counts("mistral", "tulu")
