@@ -1,0 +1,276 @@
+"""Patch the MoE blocks of a transformers 5 model so that they route and compute through moelab.
+
+`patched(model, policy)` replaces, per instance, the `forward` of every MoE block's router (`.gate`)
+and fused experts (`.experts`): the router's logits go through `moelab.routing.route` with the policy
+(the model's own renormalisation convention unless the policy sets one), and the experts run only the
+kept (token, expert) pairs through `moelab.experts.run_experts`. The block's own forward stays in
+charge of everything else (Qwen2-MoE's shared expert and its sigmoid gate), and no parameter,
+buffer or module is touched, so leaving the context restores the model exactly.
+
+Supported blocks (gate = softmax top-k router over [E, D] logits; experts = concatenated gate/up,
+no bias, not transposed): Mixtral, Qwen2-MoE (Qwen1.5-MoE), Qwen3-MoE, OLMoE. Not covered by the same
+mechanism, and refused with a ValueError: DeepSeek-V3 (sigmoid scores, group-limited choice, bias
+correction: the softmax-entropy policies do not apply as such) and GPT-OSS (interleaved, transposed,
+biased experts with a clamped activation).
+
+Big models: load them with `device_map="auto"` (accelerate) so that layers spread over the GPUs;
+each block's plan is made on its router's device and consumed by its experts on the same device, so
+patching works unchanged (see `moelab.models.load`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from moelab.experts import run_experts
+from moelab.routing import EntropyAdaptiveK, Policy, RatioSkip, TopK, TopP, route
+
+__all__ = ["MoELayer", "moe_layers", "patched", "record_router", "Patch", "RoutingRecord", "native_policy"]
+
+log = logging.getLogger(__name__)
+
+# block class name -> family; the four share one block structure (gate -> experts)
+SUPPORTED_BLOCKS = {
+    "MixtralSparseMoeBlock": "mixtral",
+    "Qwen2MoeSparseMoeBlock": "qwen2_moe",
+    "Qwen3MoeSparseMoeBlock": "qwen3_moe",
+    "OlmoeSparseMoeBlock": "olmoe",
+}
+UNSUPPORTED_BLOCKS = {
+    "DeepseekV3MoE": "sigmoid router with group-limited choice and score correction",
+    "GptOssMLP": "interleaved, transposed experts with biases and a clamped activation",
+}
+_POLICIES = (TopK, EntropyAdaptiveK, TopP, RatioSkip)
+
+
+@dataclass
+class MoELayer:
+    """One MoE block of a model: its ordinal among MoE blocks, module path and routing convention."""
+
+    index: int
+    name: str
+    block: torch.nn.Module
+    family: str
+    num_experts: int
+    native_k: int
+    renormalize: bool  # the model's convention: renormalise the kept weights to sum 1
+
+
+def _check_experts(name: str, experts) -> None:
+    for attr, want in (("has_bias", False), ("is_transposed", False), ("is_concatenated", True), ("has_gate", True)):
+        if getattr(experts, attr, want) != want:
+            raise ValueError(f"{name}.experts.{attr}={getattr(experts, attr)}: moelab.experts needs {want}")
+
+
+def moe_layers(model) -> list[MoELayer]:
+    """Every supported MoE block of a transformers model, in forward order; ValueError if none."""
+    out = []
+    for name, mod in model.named_modules():
+        cls = type(mod).__name__
+        if cls in UNSUPPORTED_BLOCKS:
+            raise ValueError(f"{name} is a {cls}: not supported by moelab.hf ({UNSUPPORTED_BLOCKS[cls]})")
+        if cls not in SUPPORTED_BLOCKS:
+            continue
+        gate, experts = mod.gate, mod.experts
+        _check_experts(name, experts)
+        family = SUPPORTED_BLOCKS[cls]
+        # Mixtral always renormalises; the others follow config.norm_topk_prob
+        renorm = True if family == "mixtral" else bool(gate.norm_topk_prob)
+        out.append(MoELayer(len(out), name, mod, family, int(gate.num_experts), int(gate.top_k), renorm))
+    if not out:
+        raise ValueError(
+            f"{type(model).__name__}: no supported MoE block found (supported: {sorted(SUPPORTED_BLOCKS)})"
+        )
+    return out
+
+
+def native_policy(layer: MoELayer) -> TopK:
+    """The model's own rule for a layer: top native_k with its renormalisation convention."""
+    return TopK(layer.native_k, renormalize=layer.renormalize)
+
+
+@dataclass
+class RoutingRecord:
+    """Per-layer chunks recorded during forwards: k [T] and entropy [T] always, logits [T, E] on request."""
+
+    logits: bool = False
+    k_chunks: dict = field(default_factory=dict)
+    entropy_chunks: dict = field(default_factory=dict)
+    logit_chunks: dict = field(default_factory=dict)
+
+    def add(self, layer: int, k_T, entropy_T, logits_TE=None) -> None:
+        self.k_chunks.setdefault(layer, []).append(k_T.detach().to("cpu", torch.int32))
+        self.entropy_chunks.setdefault(layer, []).append(entropy_T.detach().to("cpu", torch.float32))
+        if self.logits and logits_TE is not None:
+            self.logit_chunks.setdefault(layer, []).append(logits_TE.detach().to("cpu", torch.float32))
+
+    @property
+    def layers(self) -> list[int]:
+        return sorted(self.entropy_chunks)
+
+    def _cat(self, chunks: dict, layer: int) -> torch.Tensor:
+        if layer not in chunks:
+            raise ValueError(f"layer={layer}: nothing recorded for it; recorded layers {sorted(chunks)}")
+        return torch.cat(chunks[layer])
+
+    def k(self, layer: int) -> torch.Tensor:
+        return self._cat(self.k_chunks, layer)
+
+    def entropy(self, layer: int) -> torch.Tensor:
+        return self._cat(self.entropy_chunks, layer)
+
+    def router_logits(self, layer: int) -> torch.Tensor:
+        if not self.logits:
+            raise ValueError("router logits were not recorded: use record='logits'")
+        return self._cat(self.logit_chunks, layer)
+
+
+class Patch:
+    """Live state of a `patched` context: layers, policies, kept-pair counters and the record."""
+
+    def __init__(self, layers: list[MoELayer], policies: dict[int, Policy], record: RoutingRecord | None):
+        self.layers = layers
+        self.policies = policies
+        self.record = record
+        self.kept_pairs = {i: 0 for i in policies}  # (token, expert) pairs the experts computed
+        self.tokens = {i: 0 for i in policies}
+        self._pending: dict[int, object] = {}
+
+    def mean_k(self) -> dict[int, float]:
+        """Mean kept experts per token of each patched layer over all forwards so far."""
+        return {i: (int(self.kept_pairs[i]) / self.tokens[i] if self.tokens[i] else float("nan")) for i in self.tokens}
+
+    def reset_counts(self) -> None:
+        self.kept_pairs = {i: 0 for i in self.policies}
+        self.tokens = {i: 0 for i in self.policies}
+
+
+def _resolve_policies(layers: list[MoELayer], policy_or_policies) -> dict[int, Policy]:
+    n = len(layers)
+    p = policy_or_policies
+    if isinstance(p, _POLICIES):
+        out = {i: p for i in range(n)}
+    elif isinstance(p, (list, tuple)):
+        if len(p) != n:
+            raise ValueError(f"{len(p)} policies given: need one per MoE layer ({n}) or a single policy")
+        out = dict(enumerate(p))
+    elif isinstance(p, dict):
+        bad = [i for i in p if not (isinstance(i, int) and 0 <= i < n)]
+        if bad:
+            raise ValueError(f"policy keys {bad}: must be MoE layer ordinals in [0, {n})")
+        out = dict(p)  # layers left out keep the model's own routing
+    else:
+        raise ValueError(f"policy {p!r}: must be a moelab policy, a list of them (one per layer) or a dict")
+    for i, pol in out.items():
+        if not isinstance(pol, _POLICIES):
+            raise ValueError(f"policy for layer {i} is {pol!r}: must be one of {[c.__name__ for c in _POLICIES]}")
+        if pol.k_max > layers[i].num_experts:
+            raise ValueError(f"layer {i}: k_max={pol.k_max} exceeds its num_experts={layers[i].num_experts}")
+    return out
+
+
+def _gate_forward(patch: Patch, layer: MoELayer, policy: Policy):
+    gate = layer.block.gate
+
+    def forward(hidden_states):
+        h_TD = hidden_states.reshape(-1, gate.weight.shape[1])
+        logits_TE = F.linear(h_TD, gate.weight)
+        plan = route(logits_TE, policy, renormalize=layer.renormalize, num_experts=layer.num_experts)
+        if layer.index in patch._pending:
+            raise RuntimeError(f"{layer.name}: a routing plan was made but its experts never ran")
+        patch._pending[layer.index] = plan
+        patch.kept_pairs[layer.index] += plan.k.sum()  # stays a tensor until read: no extra sync
+        patch.tokens[layer.index] += plan.num_tokens
+        if patch.record is not None:
+            patch.record.add(layer.index, plan.k, plan.entropy, logits_TE)
+        return logits_TE, plan.weights.to(logits_TE.dtype), plan.expert_ids
+
+    return forward
+
+
+def _experts_forward(patch: Patch, layer: MoELayer):
+    experts = layer.block.experts
+
+    def forward(hidden_states, top_k_index=None, top_k_weights=None):
+        plan = patch._pending.pop(layer.index, None)
+        if plan is None:
+            raise RuntimeError(f"{layer.name}.experts called without a routing plan from its patched gate")
+        return run_experts(hidden_states, plan, experts.gate_up_proj, experts.down_proj, experts.act_fn)
+
+    return forward
+
+
+_MARK = "_moelab_patched"
+
+
+@contextlib.contextmanager
+def patched(model, policy_or_policies, record: bool | str = False):
+    """Route every MoE block (or the layers named in a dict) with moelab policies; yields a `Patch`.
+
+    policy_or_policies: one policy for all MoE layers, a list with one per MoE layer, or a dict
+      {moe_layer_ordinal: policy} (layers left out keep the model's own routing).
+    record: False; True (per-layer k and entropy of every routed token); 'logits' (also router logits).
+    The model is restored exactly on exit, also when the body raises.
+    """
+    if record not in (False, True, "logits"):
+        raise ValueError(f"record={record!r}: must be False, True or 'logits'")
+    layers = moe_layers(model)
+    policies = _resolve_policies(layers, policy_or_policies)
+    rec = RoutingRecord(logits=record == "logits") if record else None
+    patch = Patch(layers, policies, rec)
+    saved: list[tuple[torch.nn.Module, object]] = []  # (module, its own instance forward or None)
+    try:
+        for i, pol in policies.items():
+            layer = layers[i]
+            if getattr(layer.block, _MARK, False):
+                raise ValueError(f"{layer.name}: already patched; nested patched() contexts are not allowed")
+            for mod, fwd in ((layer.block.gate, _gate_forward(patch, layer, pol)),
+                             (layer.block.experts, _experts_forward(patch, layer))):
+                saved.append((mod, mod.__dict__.get("forward")))
+                mod.forward = fwd
+            layer.block.__dict__[_MARK] = True
+        yield patch
+    finally:
+        for mod, own in reversed(saved):
+            if own is None:
+                mod.__dict__.pop("forward", None)
+            else:
+                mod.forward = own
+        for i in policies:
+            layers[i].block.__dict__.pop(_MARK, None)
+        patch._pending.clear()
+        patch.kept_pairs = {i: int(v) for i, v in patch.kept_pairs.items()}
+
+
+@contextlib.contextmanager
+def record_router(model, logits: bool = True):
+    """Record each MoE layer's router output of unchanged forwards (forward hooks; routing untouched).
+
+    Yields a RoutingRecord with the native k, the entropy and (if logits) the router logits per layer.
+    """
+    layers = moe_layers(model)
+    rec = RoutingRecord(logits=logits)
+    handles = []
+
+    def hook_for(layer: MoELayer):
+        def hook(module, args, output):
+            logits_TE = output[0]
+            logp_TE = torch.log_softmax(logits_TE.float(), dim=-1)
+            entropy_T = -(logp_TE.exp() * logp_TE).sum(-1)
+            k_T = torch.full_like(entropy_T, layer.native_k, dtype=torch.int32)
+            rec.add(layer.index, k_T, entropy_T, logits_TE)
+
+        return hook
+
+    try:
+        for layer in layers:
+            handles.append(layer.block.gate.register_forward_hook(hook_for(layer)))
+        yield rec
+    finally:
+        for h in handles:
+            h.remove()

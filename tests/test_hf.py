@@ -1,0 +1,160 @@
+"""Patching transformers MoE blocks: the model's own rule reproduces it, and the model comes back intact."""
+
+import pytest
+import torch
+from transformers import (
+    MixtralConfig,
+    MixtralForCausalLM,
+    OlmoeConfig,
+    OlmoeForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
+
+from moelab.hf import moe_layers, native_policy, patched, record_router
+from moelab.routing import EntropyAdaptiveK, RatioSkip, TopK, TopP
+
+COMMON = dict(vocab_size=101, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=128)
+
+
+def tiny(family: str):
+    """Random-initialised tiny model of each supported class (fp32, eval mode)."""
+    torch.manual_seed(0)
+    if family == "mixtral":
+        m = MixtralForCausalLM(MixtralConfig(**COMMON, intermediate_size=48, num_local_experts=8,
+                                             num_experts_per_tok=2))
+    elif family == "qwen2_moe":  # Qwen1.5-MoE: no renormalisation, shared expert, one dense layer
+        m = Qwen2MoeForCausalLM(Qwen2MoeConfig(**COMMON, intermediate_size=64, moe_intermediate_size=24,
+                                               shared_expert_intermediate_size=40, num_experts=12,
+                                               num_experts_per_tok=4, norm_topk_prob=False, mlp_only_layers=[1]))
+    elif family == "qwen3_moe":
+        m = Qwen3MoeForCausalLM(Qwen3MoeConfig(**COMMON, intermediate_size=64, moe_intermediate_size=24,
+                                               num_experts=10, num_experts_per_tok=3, norm_topk_prob=True,
+                                               head_dim=8))
+    elif family == "olmoe":
+        m = OlmoeForCausalLM(OlmoeConfig(**COMMON, intermediate_size=24, num_experts=16, num_experts_per_tok=8,
+                                         norm_topk_prob=False))
+    else:
+        raise ValueError(family)
+    for layer in moe_layers(m):  # routers some classes initialise to zero: give them real spread
+        torch.nn.init.normal_(layer.block.gate.weight, std=0.5)
+    return m.eval()
+
+
+FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def model(request):
+    return tiny(request.param)
+
+
+def ids(n=40, seed=0):
+    return torch.randint(0, 101, (2, n), generator=torch.Generator().manual_seed(seed))
+
+
+@torch.no_grad()
+def test_native_topk_reproduces_logits(model):
+    x = ids()
+    ref = model(input_ids=x).logits
+    layers = moe_layers(model)
+    with patched(model, [native_policy(layer) for layer in layers]) as p:
+        out = model(input_ids=x).logits
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    # every token kept exactly the native k in every layer
+    assert p.mean_k() == {layer.index: float(layer.native_k) for layer in layers}
+    assert all(p.tokens[i] == x.numel() for i in p.tokens)
+
+
+def test_conventions():
+    conv = {f: [(layer.native_k, layer.renormalize) for layer in moe_layers(tiny(f))] for f in FAMILIES}
+    assert conv["mixtral"] == [(2, True)] * 3
+    assert conv["qwen2_moe"] == [(4, False)] * 2  # layer 1 is dense (mlp_only_layers)
+    assert conv["qwen3_moe"] == [(3, True)] * 3
+    assert conv["olmoe"] == [(8, False)] * 3
+
+
+@torch.no_grad()
+def test_restores_exactly_also_on_error(model):
+    x = ids(seed=1)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ref = model(input_ids=x).logits
+    dicts = {n: set(m.__dict__) for n, m in model.named_modules()}
+    with patched(model, TopK(1)):
+        pass
+    with pytest.raises(KeyError):
+        with patched(model, TopK(1)):
+            raise KeyError("boom")
+    assert {n: set(m.__dict__) for n, m in model.named_modules()} == dicts
+    after = model.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    assert torch.equal(model(input_ids=x).logits, ref)
+
+
+@torch.no_grad()
+def test_adaptive_changes_logits_and_recorded_k_matches_policy(model):
+    x = ids(seed=2)
+    ref = model(input_ids=x).logits
+    layer0 = moe_layers(model)[0]
+    with record_router(model) as rec0:
+        model(input_ids=x)
+    med = float(rec0.entropy(0).median())
+    pol = EntropyAdaptiveK((1, 2, layer0.native_k + 1), (med - 0.05, med + 0.05))
+    with patched(model, pol, record="logits") as p:
+        out = model(input_ids=x).logits
+    assert not torch.allclose(out, ref, atol=1e-4)
+    rec = p.record
+    for i in rec.layers:
+        ent, k = rec.entropy(i), rec.k(i)
+        want = torch.where(ent < med - 0.05, 1, torch.where(ent < med + 0.05, 2, layer0.native_k + 1))
+        assert torch.equal(k, want.int())
+        assert p.kept_pairs[i] == int(k.sum())
+        # recorded entropy is the full-softmax entropy of the recorded logits
+        logp = torch.log_softmax(rec.router_logits(i), -1)
+        torch.testing.assert_close(ent, -(logp.exp() * logp).sum(-1))
+    # layer 0 sees the same input patched or not: same logits, same entropy
+    torch.testing.assert_close(rec.router_logits(0), rec0.router_logits(0))
+
+
+@torch.no_grad()
+def test_per_layer_policies_and_other_policies(model):
+    x = ids(seed=3)
+    n = len(moe_layers(model))
+    with patched(model, {0: TopK(1)}) as p:  # only layer 0 patched
+        model(input_ids=x)
+    assert list(p.mean_k()) == [0] and p.mean_k()[0] == 1.0
+    with patched(model, [TopP(0.5, k_max=4), RatioSkip(0.3, k_max=4)] + [TopK(2)] * (n - 2), record=True) as p:
+        model(input_ids=x)
+    for i in range(n):
+        k = p.record.k(i)
+        assert int(k.min()) >= 1 and int(k.max()) <= (4 if i < 2 else 2)
+
+
+def test_bad_policies_raise(model):
+    n = len(moe_layers(model))
+    with pytest.raises(ValueError, match="one per MoE layer"):
+        with patched(model, [TopK(1)] * (n + 1)):
+            pass
+    with pytest.raises(ValueError, match="k_max=99"):
+        with patched(model, TopK(99)):
+            pass
+    with pytest.raises(ValueError, match="record="):
+        with patched(model, TopK(1), record="yes"):
+            pass
+    with pytest.raises(ValueError, match="already patched"):
+        with patched(model, TopK(1)):
+            with patched(model, TopK(1)):
+                pass
+    assert not any("forward" in m.__dict__ for m in model.modules())
+
+
+def test_non_moe_model_raises():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    m = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                     num_attention_heads=2))
+    with pytest.raises(ValueError, match="no supported MoE block"):
+        moe_layers(m)
