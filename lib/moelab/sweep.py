@@ -1,0 +1,619 @@
+"""Parameter sweeps over notebooks with papermill: a grid -> one executed notebook per point, resumable.
+
+    python -m moelab.sweep notebooks/grids/quickstart.yaml     # a grid
+    python -m moelab.sweep --main                              # every notebook with its defaults
+
+A grid file (YAML)::
+
+    notebook: notebooks/01_routing_quickstart.ipynb   # repo-relative, or relative to the grid file
+    name: quickstart-native-k                         # runs go to runs/<name>/
+    parameters:                                       # lists: the cartesian product is swept
+      native_k: [2, 4, 8]
+      seed: [0, 1]
+    fixed:                                            # the same in every run
+      tokens: 2048
+    # optional: timeout_s (per run), workers (CPU only), figures: run | repo
+
+Each run lives in runs/<name>/<hash>/ where <hash> identifies (notebook name, parameters). A run
+executes in a temporary sibling folder and is renamed into place when it ends, holding
+params.json, notebook.ipynb (executed), results/ (what `moelab.results.save` wrote; MOELAB_RUN_DIR
+points there), figures/ (for grids; `--main` writes the repo's figures/) and either `done` or
+`error.json` (cell index, execution count, source excerpt, exception). A rerun skips every run with a
+`done` marker whose notebook is unchanged, so a sweep killed at any moment loses no finished run;
+failed runs are retried. Runs are spread over the visible GPUs, one worker process per GPU with
+CUDA_VISIBLE_DEVICES set to it, or run one after another on a CPU. At the end the runs combine into
+runs/<name>/summary.{parquet,csv} (one row per run: parameters as columns, status, scalar results)
+and runs/<name>/<result>.{parquet,csv} for each saved frame (its rows, with the parameters as
+columns).
+
+Scaling out without writing a scheduler: every run is an independent `papermill` process, so an
+existing engine can run the same grid. `--shard I/N` runs only the points whose index modulo N is
+I (a disjoint split), on a shared file system all shards write into the same runs/<name>/, and a
+final `--collect` (no runs) builds the tables. With Slurm, for example::
+
+    #SBATCH --array=0-31 --gpus=1
+    python -m moelab.sweep grid.yaml --shard $SLURM_ARRAY_TASK_ID/32
+    # afterwards, once:  python -m moelab.sweep grid.yaml --collect
+
+The same works with any job array (Kubernetes indexed Jobs, SGE, ...); `--list` prints every point's
+hash and parameters for engines that prefer to start `papermill` themselves (set MOELAB_RUN_DIR to
+the run folder and keep the layout above, and `--collect` still combines them). See docs/sweeps.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import itertools
+import json
+import logging
+import os
+import queue
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from moelab.results import REPO, atomic_write_bytes, write_json
+
+log = logging.getLogger("moelab.sweep")
+
+DONE = "done"
+ERROR = "error.json"
+PARAMS = "params.json"
+NOTEBOOK_OUT = "notebook.ipynb"
+FIGURES_MODES = ("run", "repo")
+MAIN_TIME_BUDGET_S = 15 * 60
+
+
+def runs_root() -> Path:
+    """Where sweeps keep their runs: runs/ of the repository (MOELAB_RUNS overrides)."""
+    return Path(os.environ.get("MOELAB_RUNS", REPO / "runs"))
+
+
+def notebooks_dir() -> Path:
+    return REPO / "notebooks"
+
+
+# ----------------------------------------------------------------------------------------------- grid
+
+
+@dataclasses.dataclass
+class Grid:
+    """A notebook, a sweep name, swept parameters (lists) and fixed ones."""
+
+    notebook: Path
+    name: str
+    parameters: dict[str, list] = dataclasses.field(default_factory=dict)
+    fixed: dict[str, Any] = dataclasses.field(default_factory=dict)
+    timeout_s: float | None = None
+    workers: int | None = None
+    figures: str = "run"
+
+    def __post_init__(self):
+        self.notebook = Path(self.notebook)
+        if self.notebook.suffix == ".py" and self.notebook.with_suffix(".ipynb").exists():
+            self.notebook = self.notebook.with_suffix(".ipynb")
+        if self.notebook.suffix != ".ipynb":
+            raise ValueError(f"notebook={str(self.notebook)!r}: must be an .ipynb file (papermill executes those)")
+        if not self.notebook.exists():
+            raise ValueError(f"notebook={str(self.notebook)!r}: no such file")
+        if not self.name or "/" in self.name or self.name.startswith("."):
+            raise ValueError(f"name={self.name!r}: must be a plain folder name (no '/', not hidden)")
+        if not isinstance(self.parameters, dict) or not isinstance(self.fixed, dict):
+            raise ValueError(f"parameters={self.parameters!r}, fixed={self.fixed!r}: must be mappings")
+        for k, v in self.parameters.items():
+            if not isinstance(v, list) or not v:
+                raise ValueError(
+                    f"parameters.{k}={v!r}: swept values must be a non-empty list; put single values under fixed"
+                )
+        both = sorted(set(self.parameters) & set(self.fixed))
+        if both:
+            raise ValueError(f"parameters {both}: given both as swept and as fixed; keep one")
+        if self.figures not in FIGURES_MODES:
+            raise ValueError(f"figures={self.figures!r}: must be one of {FIGURES_MODES}")
+        if self.timeout_s is not None and not self.timeout_s > 0:
+            raise ValueError(f"timeout_s={self.timeout_s!r}: must be > 0 seconds")
+        if self.workers is not None and (isinstance(self.workers, bool) or not isinstance(self.workers, int)
+                                         or self.workers < 1):
+            raise ValueError(f"workers={self.workers!r}: must be an int >= 1")
+
+    def points(self) -> list[dict]:
+        """Every run's full parameters: the cartesian product of the swept lists, plus the fixed ones."""
+        keys = list(self.parameters)
+        out = []
+        for values in itertools.product(*(self.parameters[k] for k in keys)):
+            out.append({**self.fixed, **dict(zip(keys, values))})
+        return out
+
+    def check_parameters(self) -> None:
+        """Every parameter must exist in the notebook's parameters cell (typos fail before hours of runs)."""
+        known = notebook_parameters(self.notebook)
+        unknown = sorted((set(self.parameters) | set(self.fixed)) - set(known))
+        if unknown:
+            raise ValueError(
+                f"parameters {unknown}: not in the parameters cell of {self.notebook.name}; it has {sorted(known)}"
+            )
+
+
+def _resolve_notebook(value: str, base: Path) -> Path:
+    p = Path(value)
+    if p.is_absolute():
+        return p
+    for root in (base, REPO, Path.cwd()):
+        if (root / p).exists():
+            return (root / p).resolve()
+    return (REPO / p).resolve()
+
+
+def load_grid(path: str | Path) -> Grid:
+    """Read a grid YAML file (see the module docstring for its keys)."""
+    import yaml
+
+    path = Path(path)
+    doc = yaml.safe_load(path.read_text())
+    if not isinstance(doc, dict):
+        raise ValueError(f"{path}: a grid file must be a YAML mapping with notebook, name, parameters, fixed")
+    allowed = {"notebook", "name", "parameters", "fixed", "timeout_s", "workers", "figures"}
+    extra = sorted(set(doc) - allowed)
+    if extra:
+        raise ValueError(f"{path}: unknown keys {extra}; allowed are {sorted(allowed)}")
+    if "notebook" not in doc:
+        raise ValueError(f"{path}: missing 'notebook'")
+    return Grid(
+        notebook=_resolve_notebook(str(doc["notebook"]), path.parent),
+        name=str(doc.get("name") or path.stem),
+        parameters=doc.get("parameters") or {},
+        fixed=doc.get("fixed") or {},
+        timeout_s=doc.get("timeout_s"),
+        workers=doc.get("workers"),
+        figures=doc.get("figures", "run"),
+    )
+
+
+def notebook_parameters(notebook: Path) -> dict[str, dict]:
+    """The parameters cell's parameters: {name: {type, default, help}} (papermill's own parser)."""
+    import papermill
+
+    return {
+        k: {"type": v["inferred_type_name"], "default": v["default"], "help": v["help"]}
+        for k, v in papermill.inspect_notebook(str(notebook)).items()
+    }
+
+
+def param_hash(notebook: Path | str, params: dict) -> str:
+    """12 hex digits identifying a run: the notebook's name and its parameters (order-free)."""
+    key = json.dumps({"notebook": Path(notebook).name, "parameters": params}, sort_keys=True, default=str)
+    return hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
+def notebook_digest(notebook: Path) -> str:
+    """sha256 of the notebook's cell types and sources (outputs and metadata ignored)."""
+    nb = json.loads(Path(notebook).read_text())
+    body = [(c["cell_type"], "".join(c["source"]) if isinstance(c["source"], list) else c["source"])
+            for c in nb["cells"]]
+    return hashlib.sha256(json.dumps(body).encode()).hexdigest()
+
+
+# ------------------------------------------------------------------------------------------- one run
+
+
+class NotebookRunError(RuntimeError):
+    """A notebook failed: names the cell (index, execution count, first source lines) and the exception."""
+
+    def __init__(self, notebook: str, error: dict):
+        self.notebook = notebook
+        self.error = error
+        super().__init__(describe_error(notebook, error))
+
+
+def describe_error(notebook: str, error: dict) -> str:
+    if error.get("cell_index") is None:
+        return f"{notebook}: {error.get('ename', 'error')}: {error.get('evalue', '')}"
+    return (
+        f"{notebook}: cell {error['cell_index']} (In [{error.get('exec_count')}]) failed: "
+        f"{error['ename']}: {error['evalue']}\n    cell source: {error.get('source_excerpt', '')}"
+    )
+
+
+def _excerpt(source: str, lines: int = 3, width: int = 200) -> str:
+    text = "\n".join(source.strip().splitlines()[:lines])
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def execute(notebook: Path, output: Path, parameters: dict, cwd: Path | None = None,
+            kernel: str = "python3") -> None:
+    """Run one notebook with papermill; a failing cell raises NotebookRunError naming the cell."""
+    import papermill
+    from nbclient.exceptions import CellTimeoutError, DeadKernelError
+    from papermill.exceptions import PapermillExecutionError
+
+    try:
+        papermill.execute_notebook(
+            str(notebook), str(output), parameters=parameters, kernel_name=kernel,
+            cwd=str(cwd or Path(notebook).parent), progress_bar=False, log_output=False,
+        )
+    except PapermillExecutionError as e:
+        raise NotebookRunError(Path(notebook).name, {
+            "cell_index": e.cell_index,
+            "exec_count": e.exec_count,
+            "source_excerpt": _excerpt(e.source),
+            "ename": e.ename,
+            "evalue": e.evalue,
+        }) from e
+    except (CellTimeoutError, DeadKernelError) as e:  # no cell index from nbclient: the message names it
+        raise NotebookRunError(Path(notebook).name, {"cell_index": None, "ename": type(e).__name__,
+                                                     "evalue": str(e)[:2000]}) from e
+
+
+def _worker(tmp: Path) -> int:
+    """Child process: execute the run described by tmp/params.json, then finish it (atomic rename)."""
+    spec = json.loads((tmp / PARAMS).read_text())
+    os.environ["MOELAB_RUN_DIR"] = str(tmp)
+    if spec["figures"] == "run":
+        os.environ["MOELAB_FIGURES"] = str(tmp / "figures")
+    t0 = time.time()
+    status = {"host": socket.gethostname(), "gpu": os.environ.get("CUDA_VISIBLE_DEVICES")}
+    try:
+        execute(Path(spec["notebook"]), tmp / NOTEBOOK_OUT, spec["parameters"])
+        status.update(status="ok", elapsed_s=round(time.time() - t0, 2))
+        write_json(tmp / DONE, status)
+        rc = 0
+    except NotebookRunError as e:
+        write_json(tmp / ERROR, {**e.error, **status, "elapsed_s": round(time.time() - t0, 2)})
+        rc = 1
+    _finish(tmp, Path(spec["final"]))
+    return rc
+
+
+def _finish(tmp: Path, final: Path) -> None:
+    """Move a finished (or failed) run into place; a previous failed attempt is replaced."""
+    if final.exists():
+        if (final / DONE).exists() and not (tmp / DONE).exists():
+            shutil.rmtree(tmp)  # someone else finished it meanwhile; keep theirs
+            return
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+
+
+@dataclasses.dataclass
+class RunState:
+    hash: str
+    params: dict
+    status: str  # "done" (finished earlier), "ok", "failed", "pending"
+    error: dict | None = None
+    elapsed_s: float | None = None
+
+
+def run_state(run_dir: Path, digest: str | None = None) -> str:
+    """'done' if the run finished (with this notebook version when digest is given), 'failed', or 'pending'."""
+    if (run_dir / DONE).exists():
+        if digest is not None:
+            try:
+                seen = json.loads((run_dir / PARAMS).read_text()).get("notebook_digest")
+            except (OSError, json.JSONDecodeError):
+                seen = None
+            if seen != digest:
+                return "stale"
+        return "done"
+    if (run_dir / ERROR).exists():
+        return "failed"
+    return "pending"
+
+
+def _launch(notebook: Path, params: dict, final: Path, figures: str, gpu: str | None,
+            timeout_s: float | None, digest: str) -> RunState:
+    """Execute one run in a worker process (its own session, so a timeout kills its kernel too)."""
+    h = final.name
+    for stale in final.parent.glob(f".tmp-{h}-*"):
+        shutil.rmtree(stale, ignore_errors=True)  # left by a killed attempt at this run
+    tmp = final.parent / f".tmp-{h}-{socket.gethostname()}-{os.getpid()}"
+    tmp.mkdir(parents=True)
+    write_json(tmp / PARAMS, {
+        "notebook": str(notebook), "notebook_digest": digest, "parameters": params, "hash": h,
+        "final": str(final), "figures": figures, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    })
+    env = dict(os.environ)
+    if gpu is not None:
+        env["CUDA_VISIBLE_DEVICES"] = gpu
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "lib"), env.get("PYTHONPATH")]))
+    cmd = [sys.executable, "-m", "moelab.sweep", "--worker", str(tmp)]
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)  # the worker's session: papermill and its kernel
+        proc.wait()
+        err = {"cell_index": None, "ename": "Timeout", "evalue": f"run exceeded timeout_s={timeout_s}"}
+        if tmp.exists():
+            write_json(tmp / ERROR, err)
+            _finish(tmp, final)
+        return RunState(h, params, "failed", err)
+    if proc.returncode not in (0, 1) or not final.exists():
+        err = {"cell_index": None, "ename": f"WorkerExit{proc.returncode}", "evalue": (out or "")[-2000:]}
+        if tmp.exists():
+            write_json(tmp / ERROR, err)
+            _finish(tmp, final)
+        return RunState(h, params, "failed", err)
+    if (final / DONE).exists():
+        return RunState(h, params, "ok", elapsed_s=json.loads((final / DONE).read_text()).get("elapsed_s"))
+    return RunState(h, params, "failed", json.loads((final / ERROR).read_text()))
+
+
+# -------------------------------------------------------------------------------------------- sweeps
+
+
+def visible_gpus() -> list[str]:
+    """GPU ids to spread runs over: CUDA_VISIBLE_DEVICES if set, else every device torch sees."""
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None:
+        return [g.strip() for g in env.split(",") if g.strip() and g.strip() != "-1"]
+    try:
+        import torch
+    except ImportError:
+        return []
+    return [str(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+
+
+def parse_shard(text: str | None) -> tuple[int, int]:
+    if not text:
+        return 0, 1
+    try:
+        i, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise ValueError(f"shard={text!r}: must read I/N with integers, e.g. 3/32") from None
+    if not (n >= 1 and 0 <= i < n):
+        raise ValueError(f"shard={text!r}: need N >= 1 and 0 <= I < N")
+    return i, n
+
+
+@dataclasses.dataclass
+class SweepReport:
+    name: str
+    directory: Path
+    runs: list[RunState]
+    tables: dict[str, Path]
+
+    @property
+    def failed(self) -> list[RunState]:
+        return [r for r in self.runs if r.status == "failed"]
+
+    def counts(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for r in self.runs:
+            out[r.status] = out.get(r.status, 0) + 1
+        return out
+
+
+def run_sweep(grid: Grid | str | Path, *, root: Path | None = None, workers: int | None = None,
+              shard: str | None = None, rerun: bool = False, collect_only: bool = False,
+              progress: bool = True) -> SweepReport:
+    """Run every point of a grid that has not finished yet, then combine all finished runs into tables."""
+    from tqdm.auto import tqdm
+
+    if not isinstance(grid, Grid):
+        grid = load_grid(grid)
+    grid.check_parameters()
+    sweep_dir = Path(root or runs_root()) / grid.name
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    digest = notebook_digest(grid.notebook)
+    si, sn = parse_shard(shard)
+    points = [(param_hash(grid.notebook, p), p) for i, p in enumerate(grid.points()) if i % sn == si]
+
+    states: dict[str, RunState] = {}
+    todo = []
+    for h, p in points:
+        st = run_state(sweep_dir / h, digest)
+        if st == "done" and not rerun:
+            states[h] = RunState(h, p, "done")
+        else:
+            if st == "stale":
+                log.warning("run %s finished with another version of %s: running it again", h, grid.notebook.name)
+            states[h] = RunState(h, p, "pending")
+            todo.append((h, p))
+
+    if todo and not collect_only:
+        gpus = visible_gpus()
+        slots: list[str | None] = gpus if gpus else [None] * max(1, workers or grid.workers or 1)
+        jobs: queue.Queue = queue.Queue()
+        for item in todo:
+            jobs.put(item)
+        bar = tqdm(total=len(points), initial=len(points) - len(todo), desc=f"sweep {grid.name}",
+                   unit="run", disable=not progress, file=sys.stderr)
+        lock = threading.Lock()
+
+        def work(slot):
+            while True:
+                try:
+                    h, p = jobs.get_nowait()
+                except queue.Empty:
+                    return
+                state = _launch(grid.notebook, p, sweep_dir / h, grid.figures, slot, grid.timeout_s, digest)
+                with lock:
+                    states[h] = state
+                    bar.update(1)
+                    if state.status == "failed":
+                        bar.write(f"FAILED {h} {json.dumps(p, default=str)}\n  "
+                                  + describe_error(grid.notebook.name, state.error or {}))
+
+        threads = [threading.Thread(target=work, args=(s,), daemon=True) for s in slots]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        bar.close()
+
+    tables = collect(sweep_dir, [h for h, _ in param_hash_points(grid)], grid.name)
+    return SweepReport(grid.name, sweep_dir, [states[h] for h, _ in points], tables)
+
+
+def param_hash_points(grid: Grid) -> list[tuple[str, dict]]:
+    """(hash, parameters) of every point of the grid, in grid order."""
+    return [(param_hash(grid.notebook, p), p) for p in grid.points()]
+
+
+# ------------------------------------------------------------------------------------------- tables
+
+
+def _cell(v):
+    """A table cell: scalars as they are, anything else as JSON text (parquet needs one type per column)."""
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    return json.dumps(v, default=str)
+
+
+def _write_table(df, path_stem: Path) -> dict[str, Path]:
+    import io
+
+    buf = io.BytesIO()
+    df.to_parquet(buf, index=False)
+    atomic_write_bytes(path_stem.with_suffix(".parquet"), buf.getvalue())
+    atomic_write_bytes(path_stem.with_suffix(".csv"), df.to_csv(index=False).encode())
+    return {"parquet": path_stem.with_suffix(".parquet"), "csv": path_stem.with_suffix(".csv")}
+
+
+def collect(sweep_dir: Path, hashes: list[str], name: str = "") -> dict[str, Path]:
+    """Combine runs into summary.{parquet,csv} (one row per run) and <result>.{parquet,csv} per saved frame.
+
+    Parameters become columns (prefixed `param.` only where a frame already has a column of that name).
+    """
+    import pandas as pd
+
+    from moelab.results import load_saved
+
+    summary, frames = [], {}
+    for h in hashes:
+        d = sweep_dir / h
+        state = run_state(d)
+        if state == "pending":
+            continue
+        spec = json.loads((d / PARAMS).read_text())
+        params = {k: _cell(v) for k, v in spec["parameters"].items()}
+        row = {"run": h, **params, "status": "ok" if state == "done" else "failed"}
+        if state == "done":
+            row["elapsed_s"] = json.loads((d / DONE).read_text()).get("elapsed_s")
+        else:
+            err = json.loads((d / ERROR).read_text())
+            row["error"] = describe_error(Path(spec["notebook"]).name, err)
+        for rname, obj in load_saved(d).items():
+            if isinstance(obj, pd.DataFrame) or (isinstance(obj, list) and obj and all(isinstance(x, dict)
+                                                                                       for x in obj)):
+                df = obj if isinstance(obj, pd.DataFrame) else pd.DataFrame(obj)
+                df = df.assign(**{c: df[c].map(_cell) for c in df.columns if df[c].dtype == object})
+                cols = {(f"param.{k}" if k in df.columns else k): v for k, v in params.items()}
+                df = df.assign(**{"run": h, **cols})
+                frames.setdefault(rname, []).append(df)
+            elif isinstance(obj, dict):
+                row.update({f"{rname}.{k}": _cell(v) for k, v in obj.items()})
+            else:
+                row[rname] = _cell(obj)
+        summary.append(row)
+    out = {}
+    if summary:
+        out.update({f"summary.{k}": v for k, v in _write_table(pd.DataFrame(summary), sweep_dir / "summary").items()})
+    for rname, dfs in frames.items():
+        df = pd.concat(dfs, ignore_index=True)
+        front = [c for c in df.columns if c == "run" or c in summary[0] or c.startswith("param.")]
+        df = df[front + [c for c in df.columns if c not in front]]
+        out.update({f"{rname}.{k}": v for k, v in _write_table(df, sweep_dir / rname).items()})
+    return out
+
+
+# ---------------------------------------------------------------------------------------- main job
+
+
+def main_grids(directory: Path | None = None, overrides: dict[str, dict] | None = None) -> list[Grid]:
+    """One single-run grid per notebook NN_*.ipynb in notebooks/, with its defaults (plus overrides)."""
+    d = Path(directory or notebooks_dir())
+    out = []
+    for nb in sorted(d.glob("[0-9][0-9]_*.ipynb")):
+        out.append(Grid(notebook=nb, name=nb.stem, fixed=dict((overrides or {}).get(nb.stem, {})), figures="repo"))
+    return out
+
+
+def run_main(directory: Path | None = None, root: Path | None = None, overrides: dict | None = None,
+             budget_s: float = MAIN_TIME_BUDGET_S, resume: bool = False) -> int:
+    """Run every notebook through the sweep runner (runs/main/<notebook>/); print where the outputs are.
+
+    Every notebook runs again (fresh figures from the current code) unless resume=True, which skips
+    notebooks that finished earlier with the same source.
+    """
+    from moelab.plots import figures_dir
+
+    grids = main_grids(directory, overrides)
+    if not grids:
+        print(f"no notebooks NN_*.ipynb in {directory or notebooks_dir()}")
+        return 1
+    root = Path(root or runs_root()) / "main"
+    t0 = time.time()
+    failed = []
+    for g in grids:
+        t1 = time.time()
+        print(f"== {g.notebook.name}", flush=True)
+        rep = run_sweep(g, root=root, progress=False, rerun=not resume)
+        status = "FAILED" if rep.failed else ("done earlier" if rep.counts().get("done") else "ok")
+        print(f"   {status} in {time.time() - t1:.0f} s -> {rep.directory}", flush=True)
+        for r in rep.failed:
+            print("   " + describe_error(g.notebook.name, r.error or {}).replace("\n", "\n   "), flush=True)
+            failed.append(g.notebook.name)
+    total = time.time() - t0
+    figs = figures_dir()
+    files = sorted(p for p in figs.glob("*") if p.suffix in (".pdf", ".png", ".csv", ".tex")) if figs.exists() else []
+    print(f"\n{len(grids) - len(failed)}/{len(grids)} notebooks ran in {total:.0f} s "
+          f"(budget {budget_s / 60:.0f} min{'' if total <= budget_s else ', EXCEEDED'}).")
+    print(f"Figures and tables ({len(files)} files) are in {figs}/:")
+    for p in files:
+        print(f"  {p.name}")
+    print(f"Executed notebooks and named results: {root}/<notebook>/<run>/")
+    if failed:
+        print(f"FAILED: {', '.join(failed)}")
+        return 1
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m moelab.sweep", description=__doc__.split("\n")[0])
+    ap.add_argument("grid", nargs="?", help="grid YAML file")
+    ap.add_argument("--main", action="store_true", help="run every notebook in notebooks/ with its defaults")
+    ap.add_argument("--workers", type=int, help="parallel runs on a CPU (default 1; on GPUs one per GPU)")
+    ap.add_argument("--shard", help="I/N: run only the points with index %% N == I (job arrays)")
+    ap.add_argument("--rerun", action="store_true", help="run finished points again")
+    ap.add_argument("--resume", action="store_true", help="with --main: skip notebooks that finished earlier")
+    ap.add_argument("--collect", action="store_true", help="run nothing; combine finished runs into tables")
+    ap.add_argument("--list", action="store_true", help="print each point's hash and parameters, run nothing")
+    ap.add_argument("--root", type=Path, help="runs folder (default runs/ or MOELAB_RUNS)")
+    ap.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if a.worker:
+        return _worker(a.worker)
+    if a.main:
+        return run_main(root=a.root, resume=a.resume)
+    if not a.grid:
+        ap.error("give a grid file or --main")
+    grid = load_grid(a.grid)
+    if a.list:
+        for h, p in param_hash_points(grid):
+            print(h, json.dumps(p, default=str))
+        return 0
+    rep = run_sweep(grid, root=a.root, workers=a.workers, shard=a.shard, rerun=a.rerun, collect_only=a.collect)
+    print(f"{rep.name}: {rep.counts()} in {rep.directory}")
+    for k, p in rep.tables.items():
+        print(f"  {k}: {p}")
+    for r in rep.failed:
+        print(f"FAILED {r.hash} {json.dumps(r.params, default=str)}\n  "
+              + describe_error(grid.notebook.name, r.error or {}))
+    return 1 if rep.failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

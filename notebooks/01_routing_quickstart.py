@@ -1,0 +1,199 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 01 · Routing quickstart
+#
+# Router logits `[T, E]` go through each routing policy of `moelab.routing` and come out as a
+# `RoutingPlan`: which experts every token keeps, with what weight. From the plan we count the
+# (token, expert) pairs the expert GEMMs must compute, the k histogram, and the compute saved
+# **against the model's native top-k** (`moelab.compute.plan_stats`).
+#
+# Policies: `TopK` at the native k and one lower, `EntropyAdaptiveK` (low router entropy -> fewer
+# experts), `TopP` (smallest set reaching a probability mass) and `RatioSkip` (keep expert i while
+# p_i >= beta * p_1).
+#
+# Sections: (1) random logits with a spread of router confidence; (2) real expert-load counts of
+# OLMoE and Mixtral from AllenAI's routing data; (3) an interactive explorer (`interactive=True`).
+
+# %% tags=["parameters"]
+seed: int = 0  # random seed of the random router logits
+tokens: int = 8192  # tokens of random router logits (GPU-sized: 1000000)
+num_experts: int = 8  # experts E of the random layer (Mixtral 8, Qwen1.5-MoE 60, OLMoE 64)
+native_k: int = 2  # the model's own top-k; every saving is counted against it (Mixtral 2, OLMoE 8)
+renormalize: bool = True  # renormalise kept weights (Mixtral, Qwen3-MoE) or not (OLMoE, Qwen1.5-MoE)
+logit_scale: float = 1.5  # median spread of the random logits; per-token temperatures vary around it
+adaptive_k_values: list[int] = [1, 2]  # EntropyAdaptiveK k values, strictly ascending
+adaptive_quantiles: list[float] = [0.5]  # entropy quantiles that set its thresholds, one fewer than k values
+top_p: float = 0.7  # TopP: smallest expert set reaching this probability mass
+ratio_beta: float = 0.3  # RatioSkip: keep expert i while its probability is at least beta times the top one
+counts_model: str = "olmoe"  # real routing counts to show: olmoe or mistral
+interactive: bool = False  # show ipywidgets explorers (never in headless runs)
+
+# %%
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+import torch
+
+from moelab import results
+from moelab.compute import plan_stats
+from moelab.data import COUNT_LAYERS, DOMAINS, load_routing_counts, normalised_entropy
+from moelab.plots import POLICY_COLORS, figure, save_table, savefig
+from moelab.routing import EntropyAdaptiveK, RatioSkip, TopK, TopP, route
+
+_ = torch.manual_seed(seed)
+
+# %% [markdown]
+# ## 1 · Random router logits
+# Gaussian logits with a per-token temperature (log-normal around `logit_scale`), so that some tokens
+# have a confident router (low entropy) and others a flat one, as trained routers do.
+
+# %%
+scale_T = logit_scale * torch.exp(0.75 * torch.randn(tokens, 1))
+logits_TE = torch.randn(tokens, num_experts) * scale_T
+
+
+def make_policies(entropy_T: torch.Tensor) -> dict:
+    """The policies compared here; EntropyAdaptiveK's thresholds sit at entropy quantiles of these tokens."""
+    thresholds = torch.quantile(entropy_T.float(), torch.tensor(adaptive_quantiles, dtype=torch.float32)).tolist()
+    out = {f"TopK k={native_k} (native)": TopK(native_k)}
+    if native_k > 1:
+        out[f"TopK k={native_k - 1}"] = TopK(native_k - 1)
+    out["EntropyAdaptiveK"] = EntropyAdaptiveK(tuple(adaptive_k_values), tuple(thresholds))
+    out[f"TopP p={top_p}"] = TopP(top_p, k_max=native_k)
+    out[f"RatioSkip beta={ratio_beta}"] = RatioSkip(ratio_beta, k_max=native_k)
+    return out
+
+
+def compare(logits_TE: torch.Tensor, policies: dict) -> pd.DataFrame:
+    """One row per policy: kept pairs, mean k, the k histogram and the reduction against the native k."""
+    rows = []
+    for label, policy in policies.items():
+        plan = route(logits_TE, policy, renormalize=renormalize)
+        s = plan_stats(plan, native_k)
+        rows.append({"policy": label, "kind": type(policy).__name__, **s})
+    return pd.DataFrame(rows)
+
+
+entropy_T = route(logits_TE, TopK(native_k), renormalize=renormalize).entropy
+policies = make_policies(entropy_T)
+stats = compare(logits_TE, policies)
+print(f"router entropy (nats, max log E = {np.log(num_experts):.2f}): quantiles 10/50/90% =",
+      np.round(np.quantile(entropy_T.numpy(), [0.1, 0.5, 0.9]), 3))
+stats[["policy", "tokens", "kept_pairs", "native_pairs", "mean_k", "expert_reduction"]]
+
+
+# %%
+def color(label: str, kind: str) -> str:
+    return POLICY_COLORS["native"] if "native" in label else POLICY_COLORS.get(kind, "grey")
+
+
+def plot_stats(stats: pd.DataFrame, title: str):
+    """k histogram (share of tokens per k) and routed-expert compute saved against the native k."""
+    fig, (ax_h, ax_r) = figure("full", aspect=0.36, ncols=2, gridspec_kw={"width_ratios": [1.3, 1]})
+    k_max = max(len(h) for h in stats.k_hist) - 1
+    ks = np.arange(1, k_max + 1)  # every policy keeps at least one expert
+    width = 0.8 / len(stats)
+    for i, row in enumerate(stats.itertuples()):
+        share = np.zeros(k_max + 1)
+        share[: len(row.k_hist)] = np.asarray(row.k_hist) / max(row.tokens, 1)
+        ax_h.bar(ks + (i - (len(stats) - 1) / 2) * width, share[1:], width,
+                 label=row.policy, color=color(row.policy, row.kind))
+    ax_h.set(xlabel="experts kept per token (k)", ylabel="share of tokens", xticks=ks)
+    ax_h.legend(frameon=False, fontsize=6)
+    y = np.arange(len(stats))
+    ax_r.barh(y, 100 * stats.expert_reduction, color=[color(r.policy, r.kind) for r in stats.itertuples()])
+    ax_r.set(yticks=y, yticklabels=[f"mean k {m:.2f}" for m in stats.mean_k],
+             xlabel=f"routed-expert FLOPs saved vs native k={native_k} (%)")
+    ax_r.axvline(0, color="black", lw=0.6)
+    ax_r.invert_yaxis()
+    ax_r.tick_params(axis="y", labelsize=6)
+    fig.suptitle(title, fontsize=9)
+    return fig
+
+
+name = f"01_quickstart_random_E{num_experts}_k{native_k}"
+fig = plot_stats(stats, f"Random logits: T={tokens}, E={num_experts}, native top-{native_k}")
+paths = savefig(fig, name)
+results.save("policy_stats_random", stats.assign(k_hist=stats.k_hist.map(str)))
+results.save("summary_random", {row.policy: row.expert_reduction for row in stats.itertuples()})
+print("figure:", paths["pdf"].name, paths["png"].name)
+plt.show()
+
+# %% [markdown]
+# ## 2 · Real expert load: AllenAI's routing counts
+# How often each expert was chosen by OLMoE-1B-7B (64 experts, top-8) or Mixtral-8x7B (8 experts,
+# top-2) in layers 0, 7 and 15 on five text domains. Normalised entropy 1 means a perfectly balanced
+# load. These are counts, not per-token logits: they show how uneven the real load is, which is what
+# a skipping policy redistributes.
+
+# %%
+load_rows, shares = [], {}
+for domain in DOMAINS:
+    counts_LE = load_routing_counts(counts_model, domain)
+    for li, layer in enumerate(COUNT_LAYERS):
+        load_rows.append({"model": counts_model, "domain": domain, "layer": layer,
+                          "tokens_x_k": int(counts_LE[li].sum()),
+                          "normalised_entropy": normalised_entropy(counts_LE[li])})
+        shares[(domain, layer)] = np.sort(counts_LE[li] / counts_LE[li].sum())[::-1]
+load = pd.DataFrame(load_rows)
+table = load.pivot(index="domain", columns="layer", values="normalised_entropy").reset_index()
+table.columns = ["domain"] + [f"layer {c}" for c in table.columns[1:]]
+save_table(table, f"01_expert_load_entropy_{counts_model}",
+           caption=f"Normalised entropy of the expert load, {counts_model}, AllenAI routing counts")
+results.save("expert_load", load)
+
+fig, axes = figure("full", aspect=0.3, ncols=len(COUNT_LAYERS), sharey=True)
+for ax, layer in zip(axes, COUNT_LAYERS):
+    for domain in DOMAINS:
+        s = shares[(domain, layer)]
+        ax.plot(np.arange(1, len(s) + 1), 100 * s, label=domain, lw=1)
+    ax.set(title=f"layer {layer}", xlabel="expert rank by load")
+axes[0].set_ylabel("share of routed pairs (%)")
+axes[-1].legend(frameon=False)
+savefig(fig, f"01_expert_load_{counts_model}")
+plt.show()
+table
+
+# %% [markdown]
+# ## 3 · Explorer
+# Sliders for the EntropyAdaptiveK threshold, TopP's p and RatioSkip's beta; the k histogram and the
+# compute saved update from the logits above. Only with `interactive=True` (a headless run skips it).
+
+# %%
+if interactive:
+    import ipywidgets as widgets
+    from IPython.display import display
+
+    lo, hi = float(entropy_T.min()), float(entropy_T.max())
+
+    def explore(threshold: float, p: float, beta: float):
+        k_lo, k_hi = adaptive_k_values[0], adaptive_k_values[-1]
+        pol = {f"TopK k={native_k} (native)": TopK(native_k),
+               "EntropyAdaptiveK": EntropyAdaptiveK((k_lo, k_hi), (threshold,)),
+               f"TopP p={p:.2f}": TopP(p, k_max=native_k),
+               f"RatioSkip beta={beta:.2f}": RatioSkip(beta, k_max=native_k)}
+        fig = plot_stats(compare(logits_TE, pol), "explorer (random logits)")
+        plt.show()
+        plt.close(fig)
+
+    explorer = widgets.interactive(
+        explore,
+        threshold=widgets.FloatSlider(value=float(entropy_T.median()), min=lo, max=hi, step=(hi - lo) / 100,
+                                      description="entropy thr", continuous_update=False),
+        p=widgets.FloatSlider(value=top_p, min=0.05, max=1.0, step=0.05, description="TopP p",
+                              continuous_update=False),
+        beta=widgets.FloatSlider(value=ratio_beta, min=0.0, max=1.0, step=0.05, description="beta",
+                                 continuous_update=False),
+    )
+    display(explorer)
