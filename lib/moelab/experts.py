@@ -26,9 +26,11 @@ class PairLayout:
     expert_idx: torch.Tensor  # [P] int64, expert of each pair (ascending)
     weights: torch.Tensor  # [P] float32, routing weight of each pair
     offsets: torch.Tensor  # [E] int32, cumulative end row of each expert's group
+    padded: bool = False  # True: T * k_max rows, rows from offsets[-1] on are padding (token T, weight 0)
 
     @property
     def num_pairs(self) -> int:
+        """Rows in the layout: the kept pairs, or the worst case T * k_max when padded."""
         return self.token_idx.shape[0]
 
 
@@ -60,6 +62,27 @@ def grouped_mm_supported(x: torch.Tensor, w: torch.Tensor) -> bool:
         # CUTLASS path: bf16 on sm90+, 16-byte aligned rows
         return x.dtype == torch.bfloat16 and major >= 9 and w.shape[-1] % 8 == 0 and w.shape[-2] % 8 == 0
     return False
+
+
+_LAYOUT_MODE = "auto"  # "auto" | "exact" | "padded"
+
+
+def set_layout(mode: str) -> None:
+    """Force the pair layout: 'auto' (padded Triton layout on CUDA, exact torch layout elsewhere),
+    'exact' (torch, sized by the kept pairs: one host sync) or 'padded' (Triton, no host sync)."""
+    global _LAYOUT_MODE
+    if mode not in ("auto", "exact", "padded"):
+        raise ValueError(f"layout mode={mode!r}: must be 'auto', 'exact' or 'padded'")
+    _LAYOUT_MODE = mode
+
+
+def make_layout(plan: RoutingPlan) -> PairLayout:
+    """The layout the current mode picks for this plan."""
+    if _LAYOUT_MODE == "padded" or (_LAYOUT_MODE == "auto" and plan.expert_ids.is_cuda):
+        from moelab.kernels.layout import pair_layout_padded
+
+        return pair_layout_padded(plan)
+    return pair_layout(plan)
 
 
 _GEMM_MODE = "auto"  # "auto" | "grouped" | "loop"
@@ -107,12 +130,15 @@ def run_experts(
         raise ValueError(
             f"weights gate_up {tuple(gate_up_EHD.shape)} / down {tuple(down_EDF.shape)} do not match hidden D={D}"
         )
-    layout = layout if layout is not None else pair_layout(plan)
-    x_PD = x_TD[layout.token_idx]
+    layout = layout if layout is not None else make_layout(plan)
+    # padded layouts: rows past offsets[-1] are never written by the GEMMs; they gather token 0 and
+    # land in a dummy output row T, so whatever they hold never reaches a real token
+    pad = 1 if layout.padded else 0
+    x_PD = x_TD[layout.token_idx.clamp_max(T - 1)] if pad else x_TD[layout.token_idx]
     h_PH = grouped_gemm(x_PD, gate_up_EHD, layout.offsets)
     gate_PF, up_PF = h_PH.chunk(2, dim=-1)
     a_PF = act_fn(gate_PF) * up_PF
     y_PD = grouped_gemm(a_PF, down_EDF, layout.offsets)
-    out_TD = torch.zeros(T, D, dtype=torch.float32, device=x_TD.device)
+    out_TD = torch.zeros(T + pad, D, dtype=torch.float32, device=x_TD.device)
     out_TD.index_add_(0, layout.token_idx, y_PD.float() * layout.weights[:, None])
-    return out_TD.to(x_TD.dtype)
+    return out_TD[:T].to(x_TD.dtype)

@@ -1,0 +1,114 @@
+"""Expert-sorted pair layout without a host sync, sized for the worst case T * k_max.
+
+The torch reference (`moelab.experts.pair_layout`) sizes its output by the number of kept pairs P,
+which needs P on the host. Here the buffers hold N = T * k_max rows: rows [0, P) are the kept pairs,
+sorted by expert and, within an expert, by token (the reference's order, exactly); rows [P, N) are
+padding (token T, expert E, weight 0). `offsets[E-1]` = P lives on the device, and torch._grouped_mm
+reads it there, so a captured CUDA graph runs with any number of kept pairs.
+
+Two launches and two cumsums: (1) per token block, how many pairs go to each expert; cumsum over
+blocks and then over experts gives every block's first row per expert; (2) each pair's row = that
+base + its rank among the block's earlier tokens of the same expert (a cumsum inside the tile).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from moelab.experts import PairLayout
+from moelab.routing import RoutingPlan
+
+__all__ = ["pair_layout_padded"]
+
+
+@triton.jit
+def _expert_hits(ids_ptr, rows, row_ok, cols, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
+    """[BLOCK_T, BLOCK_E] int32: 1 where the token uses the expert (a token's experts are distinct)."""
+    hit = tl.zeros((BLOCK_T, BLOCK_E), tl.int32)
+    for j in range(K):
+        e = tl.load(ids_ptr + rows.to(tl.int64) * K + j, mask=row_ok, other=-1)
+        hit += (e[:, None] == cols[None, :]).to(tl.int32)
+    return hit
+
+
+@triton.jit
+def _count_kernel(ids_ptr, counts_ptr, T, E, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, BLOCK_E)
+    hit = _expert_hits(ids_ptr, rows, rows < T, cols, K, BLOCK_T, BLOCK_E)
+    tl.store(counts_ptr + pid * E + cols, tl.sum(hit, axis=0), mask=cols < E)
+
+
+@triton.jit
+def _scatter_kernel(
+    ids_ptr, w_ptr, counts_ptr, cum_ptr, offs_ptr, tok_ptr, exp_ptr, wout_ptr,
+    T, E, NB, N,
+    K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_Q: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_ok = rows < T
+    cols = tl.arange(0, BLOCK_E)
+    col_ok = cols < E
+    hit = _expert_hits(ids_ptr, rows, row_ok, cols, K, BLOCK_T, BLOCK_E)
+    rank = tl.cumsum(hit, axis=0) - hit  # earlier tokens of this block with the same expert
+    ends = tl.load(offs_ptr + cols, mask=col_ok, other=0)
+    totals = tl.load(cum_ptr + (NB - 1) * E + cols, mask=col_ok, other=0)
+    cum_b = tl.load(cum_ptr + pid * E + cols, mask=col_ok, other=0)
+    cnt_b = tl.load(counts_ptr + pid * E + cols, mask=col_ok, other=0)
+    base = ends - totals + cum_b - cnt_b  # first row of this block's pairs, per expert
+    pos_tile = base[None, :] + rank
+    for j in range(K):
+        src = rows.to(tl.int64) * K + j
+        e = tl.load(ids_ptr + src, mask=row_ok, other=-1)
+        pos = tl.sum(tl.where(cols[None, :] == e[:, None], pos_tile, 0), axis=1)
+        ok = row_ok & (e >= 0)
+        w = tl.load(w_ptr + src, mask=ok, other=0.0)
+        tl.store(tok_ptr + pos, rows.to(tl.int64), mask=ok)
+        tl.store(exp_ptr + pos, e.to(tl.int64), mask=ok)
+        tl.store(wout_ptr + pos, w, mask=ok)
+    # padding rows [P, N): each program fills its own stretch of BLOCK_T * K rows
+    P = tl.load(offs_ptr + E - 1)
+    q_local = tl.arange(0, BLOCK_Q)
+    q = pid * (BLOCK_T * K) + q_local
+    pad = (q_local < BLOCK_T * K) & (q < N) & (q >= P)
+    tl.store(tok_ptr + q, tl.zeros((BLOCK_Q,), tl.int64) + T, mask=pad)
+    tl.store(exp_ptr + q, tl.zeros((BLOCK_Q,), tl.int64) + E, mask=pad)
+    tl.store(wout_ptr + q, tl.zeros((BLOCK_Q,), tl.float32), mask=pad)
+
+
+def _blocks(T: int, E: int) -> tuple[int, int]:
+    block_e = triton.next_power_of_2(max(E, 2))
+    block_t = max(1, min(128, 2048 // block_e))
+    return min(block_t, triton.next_power_of_2(max(T, 1))), block_e
+
+
+def pair_layout_padded(plan: RoutingPlan) -> PairLayout:
+    """Kept pairs sorted by expert in T * k_max rows, padding after offsets[-1]; no host sync."""
+    ids = plan.expert_ids
+    T, K = ids.shape
+    E = plan.num_experts
+    dev = ids.device
+    N = T * K
+    tok = torch.empty(N, dtype=torch.int64, device=dev)
+    exp = torch.empty(N, dtype=torch.int64, device=dev)
+    w = torch.empty(N, dtype=torch.float32, device=dev)
+    if T == 0:
+        return PairLayout(tok, exp, w, torch.zeros(E, dtype=torch.int32, device=dev), padded=True)
+    if ids.dtype != torch.int32 or not ids.is_contiguous():
+        raise ValueError(f"plan.expert_ids dtype={ids.dtype}, contiguous={ids.is_contiguous()}: need contiguous int32")
+    weights = plan.weights.contiguous()
+    block_t, block_e = _blocks(T, E)
+    nb = triton.cdiv(T, block_t)
+    counts = torch.empty(nb, E, dtype=torch.int32, device=dev)
+    _count_kernel[(nb,)](ids, counts, T, E, K=K, BLOCK_T=block_t, BLOCK_E=block_e)
+    cum = torch.cumsum(counts, 0, dtype=torch.int32)
+    offsets = torch.cumsum(cum[-1], 0, dtype=torch.int32)
+    _scatter_kernel[(nb,)](
+        ids, weights, counts, cum, offsets, tok, exp, w, T, E, nb, N,
+        K=K, BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_Q=triton.next_power_of_2(block_t * K),
+    )
+    return PairLayout(tok, exp, w, offsets, padded=True)
