@@ -1,0 +1,359 @@
+"""Decode-step CUDA graphs: batch-size buckets, one shared memory pool, eager forwards that borrow it.
+
+Flow: `GraphRunner(step_fn, make_inputs, buckets)` -> `.capture()` (largest bucket first, every graph
+into ONE `torch.cuda.MemPool` on one capture stream, as torchtitan's cudagraph.py shares one pool)
+-> `runner(*inputs)` pads the batch to its bucket, copies into the static inputs, replays, and
+returns the first n rows of the static outputs. `runner.eager(*inputs)` runs step_fn without a
+graph, its scratch memory taken from the same pool (see moelab.scratch) unless reuse is off.
+Replaying while eager scratch of the pool is live raises `ScratchLiveError`.
+
+Proof helpers: `pool_segments` / `pool_bytes` read the allocator snapshot (segments carry their pool
+id); `trace_allocations` records the allocator's own alloc events of a call, and
+`fraction_in_segments` says which share of those bytes fell inside given segments.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from moelab.scratch import (
+    ScratchBuffers,
+    ScratchLiveError,
+    active_scopes,
+    live_scratch_bytes,
+    prefer_graph_pool,
+    register_capture_stream,
+    round_block,
+)
+
+__all__ = [
+    "make_buckets",
+    "check_buckets",
+    "bucket_for",
+    "capture_order",
+    "GraphRunner",
+    "pool_segments",
+    "pool_bytes",
+    "trace_allocations",
+    "fraction_in_segments",
+    "prefer_graph_pool",
+    "ScratchLiveError",
+]
+
+log = logging.getLogger(__name__)
+
+
+# ----- buckets (pure logic)
+def make_buckets(max_batch: int) -> list[int]:
+    """Powers of two up to max_batch, and max_batch itself: 1, 2, 4, ..., max_batch."""
+    if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+        raise ValueError(f"max_batch={max_batch!r}: must be an int >= 1")
+    out, b = [], 1
+    while b < max_batch:
+        out.append(b)
+        b *= 2
+    out.append(max_batch)
+    return out
+
+
+def check_buckets(buckets: Sequence[int]) -> list[int]:
+    """Validated, ascending, distinct bucket sizes."""
+    bs = list(buckets)
+    if not bs:
+        raise ValueError("buckets=[]: need at least one batch size")
+    for b in bs:
+        if isinstance(b, bool) or not isinstance(b, int) or b < 1:
+            raise ValueError(f"bucket {b!r} in {bs}: batch sizes must be ints >= 1")
+    if len(set(bs)) != len(bs):
+        raise ValueError(f"buckets={bs}: batch sizes must be distinct")
+    return sorted(bs)
+
+
+def bucket_for(n: int, buckets: Sequence[int]) -> int:
+    """The smallest bucket that holds a batch of n."""
+    bs = check_buckets(buckets)
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"batch size n={n!r}: must be an int >= 1")
+    for b in bs:
+        if b >= n:
+            return b
+    raise ValueError(f"batch size n={n} exceeds the largest bucket {bs[-1]}: run it eagerly or add a bucket")
+
+
+def capture_order(buckets: Sequence[int]) -> list[int]:
+    """Largest first: the smaller graphs then fit in blocks the largest one freed during its capture."""
+    return sorted(check_buckets(buckets), reverse=True)
+
+
+# ----- allocator snapshot helpers
+def pool_segments(pid: tuple[int, int], snapshot: list | None = None) -> list[tuple[int, int, int]]:
+    """(address, total_size, allocated_size) of every allocator segment of pool `pid`."""
+    segs = torch.cuda.memory_snapshot() if snapshot is None else snapshot
+    return [
+        (s["address"], s["total_size"], s["allocated_size"])
+        for s in segs
+        if tuple(s.get("segment_pool_id", (0, 0))) == tuple(pid)
+    ]
+
+
+def pool_bytes(pid: tuple[int, int], snapshot: list | None = None) -> dict:
+    """Reserved and allocated bytes of one pool (from the allocator snapshot)."""
+    segs = pool_segments(pid, snapshot)
+    return {"reserved": sum(s[1] for s in segs), "allocated": sum(s[2] for s in segs), "segments": len(segs)}
+
+
+@contextlib.contextmanager
+def trace_allocations():
+    """Record the allocator's alloc events in the body; yields a list filled with (address, size) on exit."""
+    events: list[tuple[int, int]] = []
+    torch.cuda.synchronize()
+    torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python", max_entries=1_000_000)
+    try:
+        yield events
+        torch.cuda.synchronize()
+        snap = torch.cuda.memory._snapshot()
+        for dev in snap["device_traces"]:
+            events.extend((e["addr"], e["size"]) for e in dev if e["action"] == "alloc")
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+
+
+def fraction_in_segments(allocs: Sequence[tuple[int, int]], segments: Sequence[tuple[int, int, int]]) -> float:
+    """Share of the allocated bytes whose block lies inside one of the segments (address ranges)."""
+    total = sum(n for _, n in allocs)
+    if total == 0:
+        return float("nan")
+    inside = 0
+    for addr, n in allocs:
+        if any(base <= addr and addr + n <= base + size for base, size, _ in segments):
+            inside += n
+    return inside / total
+
+
+# ----- the runner
+@dataclass
+class _Graph:
+    graph: "torch.cuda.CUDAGraph"
+    inputs: tuple  # static input tensors, batch = bucket
+    outputs: tuple  # static output tensors
+    pool: object  # MemPool (shared) or the graph's own pool handle (private)
+
+
+def _as_tuple(out) -> tuple:
+    if isinstance(out, torch.Tensor):
+        return (out,)
+    if isinstance(out, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in out):
+        return tuple(out)
+    raise ValueError(f"step_fn returned {type(out).__name__}: must return a tensor or a tuple of tensors")
+
+
+class GraphRunner:
+    """CUDA graphs of `step_fn` for a set of batch-size buckets, sharing one pool (or one pool each).
+
+    step_fn(*inputs) -> tensor or tuple of tensors, every input and output batched along dim 0 and
+    rows independent of one another (a decode step). make_inputs(b) builds example inputs of batch b
+    (their content is used for warm-up; padding rows are zero at replay).
+    pool: 'shared' (one MemPool for all buckets, captured largest first) or 'private' (one pool each).
+    """
+
+    def __init__(
+        self,
+        step_fn: Callable,
+        make_inputs: Callable[[int], tuple],
+        buckets: Sequence[int],
+        *,
+        pool: str = "shared",
+        warmup: int = 2,
+        device=None,
+    ):
+        if pool not in ("shared", "private"):
+            raise ValueError(f"pool={pool!r}: must be 'shared' or 'private'")
+        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
+            raise ValueError(f"warmup={warmup!r}: must be an int >= 1 (cuBLAS and lazy state before capture)")
+        self.step_fn = step_fn
+        self.make_inputs = make_inputs
+        self.buckets = check_buckets(buckets)
+        self.pool_mode = pool
+        self.warmup = warmup
+        self.device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+        self.graphs: dict[int, _Graph] = {}
+        self.pool = None  # the shared MemPool
+        self.stream = None
+        self.scratch = ScratchBuffers(self.device)
+        self.eager_fallbacks = 0  # eager forwards that hit OOM in the pool and re-ran on the ordinary allocator
+        self._baseline_allocated: int | None = None  # allocated bytes of the shared pool right after capture
+
+    # capture
+    def capture(self, release_cache: bool = True) -> "GraphRunner":
+        """Warm up and capture every bucket, largest first. release_cache: empty_cache() after (warm-up blocks)."""
+        if not torch.cuda.is_available():
+            raise RuntimeError("GraphRunner.capture needs CUDA")
+        if self.graphs:
+            raise RuntimeError("already captured")
+        self.stream = torch.cuda.Stream(self.device)
+        if self.pool_mode == "shared":
+            self.pool = torch.cuda.MemPool()
+            register_capture_stream(self.pool, self.stream)
+        cur = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(cur)
+        with torch.no_grad():
+            for b in capture_order(self.buckets):
+                inputs = tuple(self.make_inputs(b))
+                self._check_inputs(inputs, b)
+                with torch.cuda.stream(self.stream):  # warm-up on the capture stream, ordinary allocator
+                    for _ in range(self.warmup):
+                        _as_tuple(self.step_fn(*inputs))
+                g = torch.cuda.CUDAGraph()
+                pool_arg = self.pool.id if self.pool is not None else None
+                with torch.cuda.graph(g, pool=pool_arg, stream=self.stream):
+                    outs = _as_tuple(self.step_fn(*inputs))
+                for o in outs:
+                    if o.shape[0] != b:
+                        raise ValueError(f"step_fn output of shape {tuple(o.shape)}: dim 0 must be the batch {b}")
+                self.graphs[b] = _Graph(g, inputs, outs, self.pool if self.pool is not None else g.pool())
+        cur.wait_stream(self.stream)
+        torch.cuda.synchronize(self.device)
+        if release_cache:
+            torch.cuda.empty_cache()
+        if self.pool is not None:
+            self._baseline_allocated = pool_bytes(self.pool.id)["allocated"]
+        return self
+
+    def _check_inputs(self, inputs: tuple, b: int) -> None:
+        if not inputs or not all(isinstance(t, torch.Tensor) for t in inputs):
+            raise ValueError("inputs must be one or more tensors")
+        for t in inputs:
+            if t.dim() == 0 or t.shape[0] != b:
+                raise ValueError(f"input of shape {tuple(t.shape)}: dim 0 must be the batch size {b}")
+
+    def pool_ids(self) -> dict[int, tuple[int, int]]:
+        """Pool id of each bucket's graph (all the same when shared)."""
+        return {b: (g.pool.id if hasattr(g.pool, "id") else tuple(g.pool)) for b, g in self.graphs.items()}
+
+    def pool_bytes(self) -> dict[tuple[int, int], dict]:
+        """Reserved/allocated bytes of each distinct pool the graphs own."""
+        snap = torch.cuda.memory_snapshot()
+        return {pid: pool_bytes(pid, snap) for pid in dict.fromkeys(self.pool_ids().values())}
+
+    # replay
+    def check_replay_safe(self) -> None:
+        """Raise ScratchLiveError if eager scratch memory of the shared pool is live."""
+        if self.pool is None:
+            return
+        if active_scopes(self.pool):
+            raise ScratchLiveError(
+                f"replay refused: an eager forward holding scratch in graph pool {self.pool.id} is still running; "
+                "finish it (leave its scratch scope) before replaying"
+            )
+        live = live_scratch_bytes(self.pool)
+        if live:
+            raise ScratchLiveError(
+                f"replay refused: {live} bytes of eager scratch buffers from graph pool {self.pool.id} are still "
+                "referenced after their forward ended; a replay would overwrite them. Drop those tensors first"
+            )
+
+    def __call__(self, *inputs):
+        """Replay the bucket graph for a batch of n <= max bucket; returns fresh tensors of n rows."""
+        if not self.graphs:
+            raise RuntimeError("capture() first")
+        self.check_replay_safe()
+        n = inputs[0].shape[0] if inputs and isinstance(inputs[0], torch.Tensor) else None
+        if n is None:
+            raise ValueError("inputs must be tensors batched along dim 0")
+        b = bucket_for(n, self.buckets)
+        g = self.graphs[b]
+        if len(inputs) != len(g.inputs):
+            raise ValueError(f"got {len(inputs)} inputs, the graphs were captured with {len(g.inputs)}")
+        cur = torch.cuda.current_stream(self.device)
+        for static, x in zip(g.inputs, inputs):
+            if x.shape[0] != n or x.shape[1:] != static.shape[1:] or x.dtype != static.dtype:
+                raise ValueError(
+                    f"input {tuple(x.shape)} {x.dtype}: need ({n}, *{tuple(static.shape[1:])}) {static.dtype}"
+                )
+            static[:n].copy_(x)
+            if n < b:
+                static[n:].zero_()
+        self.stream.wait_stream(cur)
+        with torch.cuda.stream(self.stream):
+            g.graph.replay()
+        cur.wait_stream(self.stream)
+        outs = tuple(o[:n].clone() for o in g.outputs)
+        return outs[0] if len(outs) == 1 else outs
+
+    # eager
+    def eager(self, *inputs, reuse: bool = True, stream=None):
+        """step_fn without a graph, on the capture stream; with reuse its scratch lives in the shared pool.
+
+        stream: override the stream (another stream cannot reuse the pool's free blocks: the pool grows).
+
+        Outputs are copied out to the ordinary allocator before the scratch scope ends. An OOM in the
+        pool re-runs the forward on the ordinary allocator (warning + `eager_fallbacks`).
+        """
+        pool = self.pool if (reuse and self.pool is not None) else None
+        stream = stream or self.stream or torch.cuda.current_stream(self.device)
+        cur = torch.cuda.current_stream(self.device)
+        stream.wait_stream(cur)
+        try:
+            outs = self._eager_in(pool, stream, inputs)
+        except torch.cuda.OutOfMemoryError as e:
+            if pool is None:
+                raise
+            self.eager_fallbacks += 1
+            log.warning(
+                "eager forward: graph pool %s out of memory (%s); re-running on the ordinary allocator "
+                "(fallback %d)", pool.id, str(e).splitlines()[0], self.eager_fallbacks,
+            )
+            outs = self._eager_in(None, stream, inputs)
+        cur.wait_stream(stream)
+        return outs[0] if len(outs) == 1 else outs
+
+    def _eager_in(self, pool, stream, inputs) -> tuple:
+        before = torch.cuda.memory_allocated(self.device)
+        with torch.no_grad(), prefer_graph_pool(pool), self.scratch.forward(pool, stream, route_all=pool is not None):
+            outs = _as_tuple(self.step_fn(*inputs))
+            with self.scratch.unrouted():
+                kept = tuple(o.clone() for o in outs)  # results leave the pool before the scope ends
+            del outs
+        if pool is not None:
+            self._check_no_leak(before, kept)
+        return kept
+
+    def _check_no_leak(self, before: int, kept: tuple) -> None:
+        """After a routed forward only its copied-out results may remain allocated; else verify the pool."""
+        grown = torch.cuda.memory_allocated(self.device) - before
+        allowed = sum(round_block(t.untyped_storage().nbytes()) for t in kept)
+        if grown <= allowed:
+            return
+        now = pool_bytes(self.pool.id)["allocated"]
+        if self._baseline_allocated is not None and now > self._baseline_allocated:
+            raise ScratchLiveError(
+                f"the eager forward left {now - self._baseline_allocated} bytes allocated in graph pool "
+                f"{self.pool.id} (a tensor made inside it outlived the forward); replays would overwrite it"
+            )
+
+    def scratch_fraction_in_pool(self, *inputs, reuse: bool = True, stream=None) -> dict:
+        """Proof that reuse is on: share of one eager forward's allocated bytes inside the graph pool.
+
+        in_pool: inside any segment of the shared pool (after the forward);
+        in_captured: inside the segments the pool had right after capture (memory really shared).
+        """
+        if self.pool is None:
+            raise ValueError("pool='private' has no shared pool to borrow from")
+        captured = pool_segments(self.pool.id)
+        with trace_allocations() as allocs:
+            outs = _as_tuple(self.eager(*inputs, reuse=reuse, stream=stream))
+            result_ptrs = {t.untyped_storage().data_ptr() for t in outs}
+        # the copied-out results go to the ordinary allocator on purpose: they are not scratch
+        scratch = [(a, n) for a, n in allocs if a not in result_ptrs]
+        segs_after = pool_segments(self.pool.id)
+        return {
+            "scratch_bytes": sum(n for _, n in scratch),
+            "allocations": len(scratch),
+            "fraction_in_pool": fraction_in_segments(scratch, segs_after),
+            "fraction_in_captured_segments": fraction_in_segments(scratch, captured),
+        }

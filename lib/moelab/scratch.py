@@ -1,0 +1,332 @@
+"""Scratch buffers for the eager forward, borrowed from a CUDA-graph memory pool.
+
+The captured decode graphs own a pool whose blocks sit free between replays; the eager forward can
+borrow them instead of growing a second pool. Three rules make that safe and real:
+- the pool is a `torch.cuda.MemPool` (a `graph_pool_handle()` tuple cannot route allocations: that is
+  the bug that silently disabled the published TensorRT-LLM version);
+- allocations run on the stream the graphs were captured on: the caching allocator only hands a free
+  block to a request on the block's own stream, so any other stream grows the pool instead of reusing it;
+- a scratch buffer lives for one eager forward; a replay while one is live raises (the replay writes
+  into the blocks the graph freed during capture).
+Only `torch.cuda.OutOfMemoryError` from the pool is caught: it falls back to the ordinary allocator,
+logs a warning and counts the fallback.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import itertools
+import logging
+import math
+import threading
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+__all__ = [
+    "prefer_graph_pool",
+    "preferred_pool",
+    "pool_id",
+    "register_capture_stream",
+    "capture_stream",
+    "BestFitFreeList",
+    "ScratchBuffers",
+    "ScratchLiveError",
+    "live_scratch_bytes",
+    "active_scopes",
+    "round_block",
+]
+
+log = logging.getLogger(__name__)
+
+_tls = threading.local()
+_capture_streams: dict[tuple[int, int], "torch.cuda.Stream"] = {}
+# pool id -> (storage weak reference, bytes) of scratch blocks; not expired = pool memory still in use
+_live_blocks: dict[tuple[int, int], list] = {}
+# pool id -> number of eager scopes currently open on it (any thread)
+_open_scopes: dict[tuple[int, int], int] = {}
+_registry_lock = threading.Lock()
+
+
+class ScratchLiveError(RuntimeError):
+    """A graph replay was requested while eager scratch memory of its pool is still in use."""
+
+
+def pool_id(pool) -> tuple[int, int]:
+    """The (int, int) id of a MemPool; ValueError for anything that cannot route allocations."""
+    pid = getattr(pool, "id", None)
+    if not (isinstance(pid, tuple) and len(pid) == 2 and all(isinstance(i, int) for i in pid)):
+        raise ValueError(
+            f"pool={pool!r}: must be a torch.cuda.MemPool (with an .id of two ints); a graph_pool_handle() "
+            "tuple cannot be passed to torch.cuda.use_mem_pool"
+        )
+    return pid
+
+
+def _stack() -> list:
+    if not hasattr(_tls, "pools"):
+        _tls.pools = []
+    return _tls.pools
+
+
+@contextlib.contextmanager
+def prefer_graph_pool(pool):
+    """Make `pool` (a MemPool, or None for 'no preference') the preferred pool of this thread.
+
+    Nests; the previous preference comes back on exit, also when the body raises.
+    """
+    if pool is not None:
+        pool_id(pool)
+    stack = _stack()
+    depth = len(stack)
+    stack.append(pool)
+    try:
+        yield pool
+    finally:
+        del stack[depth:]
+
+
+def preferred_pool():
+    """The pool preferred by the innermost `prefer_graph_pool` of this thread (None outside any)."""
+    stack = _stack()
+    return stack[-1] if stack else None
+
+
+def register_capture_stream(pool, stream) -> None:
+    """Remember the stream a pool's graphs were captured on: scratch allocations must use it to reuse blocks."""
+    _capture_streams[pool_id(pool)] = stream
+
+
+def capture_stream(pool):
+    """The registered capture stream of `pool`, or None."""
+    return _capture_streams.get(pool_id(pool))
+
+
+def round_block(nbytes: int) -> int:
+    """Block size the CUDA caching allocator gives a request of nbytes (multiples of 512 bytes)."""
+    if nbytes < 0:
+        raise ValueError(f"nbytes={nbytes}: must be >= 0")
+    return max(512, 512 * math.ceil(nbytes / 512))
+
+
+def _track(pid, block) -> None:
+    # a storage weak reference outlives the Python tensor: views handed to the caller keep it unexpired
+    with _registry_lock:
+        _live_blocks.setdefault(pid, []).append((StorageWeakRef(block.untyped_storage()), block.numel()))
+
+
+def live_scratch_bytes(pool) -> int:
+    """Bytes of scratch blocks from `pool` that something still references after their forward ended."""
+    pid = pool_id(pool)
+    with _registry_lock:
+        refs = [(r, n) for r, n in _live_blocks.get(pid, []) if not r.expired()]
+        _live_blocks[pid] = refs
+    return sum(n for _, n in refs)
+
+
+def active_scopes(pool) -> int:
+    """Eager scratch scopes currently open on `pool`."""
+    return _open_scopes.get(pool_id(pool), 0)
+
+
+class BestFitFreeList:
+    """Free blocks ordered by size: `take(n)` returns the smallest block of at least n bytes.
+
+    Ties go to the block that was freed first. Pure Python: the policy is testable without a GPU.
+    """
+
+    def __init__(self):
+        self._keys: list[tuple[int, int]] = []  # (nbytes, seq), sorted
+        self._blocks: dict[int, object] = {}
+        self._seq = itertools.count()
+
+    def put(self, nbytes: int, block) -> None:
+        if nbytes < 0:
+            raise ValueError(f"nbytes={nbytes}: must be >= 0")
+        seq = next(self._seq)
+        bisect.insort(self._keys, (nbytes, seq))
+        self._blocks[seq] = block
+
+    def take(self, nbytes: int):
+        """Remove and return the best-fitting block, or None if no free block is large enough."""
+        if nbytes < 0:
+            raise ValueError(f"nbytes={nbytes}: must be >= 0")
+        i = bisect.bisect_left(self._keys, (nbytes, -1))
+        if i == len(self._keys):
+            return None
+        _, seq = self._keys.pop(i)
+        return self._blocks.pop(seq)
+
+    def clear(self) -> None:
+        self._keys.clear()
+        self._blocks.clear()
+
+    def blocks(self) -> list:
+        return [self._blocks[seq] for _, seq in self._keys]
+
+    def sizes(self) -> list[int]:
+        return [n for n, _ in self._keys]
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+
+class ScratchBuffers:
+    """Per-forward scratch tensors, best-fit reused, allocated from the preferred graph pool.
+
+    with scratch.forward():               # one eager forward; pool = preferred_pool()
+        buf = scratch.empty((T, F), torch.bfloat16)
+        ...
+        scratch.release(buf)              # its block can serve a later request of this forward
+    At the end of the scope every block goes back to the caching allocator (inside the pool).
+    route_all=True also routes every other allocation of the body into the pool (the whole eager forward).
+    """
+
+    def __init__(self, device=None):
+        self.device = torch.device(device) if device is not None else None
+        self.fallbacks = 0  # requests the pool could not serve (out of memory) and the ordinary allocator did
+        self.fallback_bytes = 0
+        self.pool_bytes = 0  # bytes of new blocks taken from the pool
+        self.reused = 0  # requests served by a block freed earlier in the same forward
+        self.requests = 0
+        self._scope = None
+
+    # ----- scope
+    @contextlib.contextmanager
+    def forward(self, pool="preferred", stream=None, route_all: bool = False):
+        """One eager forward. pool: a MemPool, None (ordinary allocator) or 'preferred'."""
+        if self._scope is not None:
+            raise RuntimeError("ScratchBuffers.forward() scopes do not nest: one eager forward at a time")
+        if isinstance(pool, str):
+            if pool != "preferred":
+                raise ValueError(f"pool={pool!r}: must be a MemPool, None or 'preferred'")
+            pool = preferred_pool()
+        pid = pool_id(pool) if pool is not None else None
+        if pid is not None and stream is None:
+            stream = capture_stream(pool)
+        scope = _Scope(pool, pid, stream, route_all)
+        self._scope = scope
+        if pid is not None:
+            with _registry_lock:
+                _open_scopes[pid] = _open_scopes.get(pid, 0) + 1
+        try:
+            with contextlib.ExitStack() as es:
+                if stream is not None:
+                    es.enter_context(torch.cuda.stream(stream))
+                if pool is not None and route_all:
+                    scope.begin_routing()
+                    es.callback(scope.end_routing)
+                yield self
+        finally:
+            blocks = scope.handed + scope.free.blocks()
+            scope.free.clear()
+            scope.handed.clear()
+            if pid is not None:
+                for b in blocks:
+                    _track(pid, b)
+            del blocks
+            self._scope = None
+            if pid is not None:
+                with _registry_lock:
+                    _open_scopes[pid] -= 1
+
+    def _need_scope(self):
+        if self._scope is None:
+            raise RuntimeError("scratch buffers live inside `with scratch.forward():` (one eager forward)")
+        return self._scope
+
+    # ----- buffers
+    def empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised tensor of `shape` and `dtype` whose memory is a scratch block."""
+        scope = self._need_scope()
+        shape = tuple(int(s) for s in shape)
+        if any(s < 0 for s in shape):
+            raise ValueError(f"shape={shape}: sizes must be >= 0")
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        nbytes = round_block(math.prod(shape) * itemsize)
+        self.requests += 1
+        block = scope.free.take(nbytes)
+        if block is not None:
+            self.reused += 1
+        else:
+            block = self._new_block(scope, nbytes)
+        scope.handed.append(block)
+        n = math.prod(shape) * itemsize
+        return block[:n].view(dtype).view(shape)
+
+    def release(self, t: torch.Tensor) -> None:
+        """Give a buffer's block back for best-fit reuse later in this forward (t must not be used after)."""
+        scope = self._need_scope()
+        ptr = t.untyped_storage().data_ptr()
+        for i, b in enumerate(scope.handed):
+            if b.data_ptr() == ptr:
+                scope.handed.pop(i)
+                scope.free.put(b.numel(), b)
+                return
+        raise ValueError(f"tensor at {ptr:#x} was not handed out by this scratch scope")
+
+    def _new_block(self, scope, nbytes: int) -> torch.Tensor:
+        device = self.device or (torch.device("cuda", torch.cuda.current_device()) if scope.pool is not None else "cpu")
+        if scope.pool is None:
+            return torch.empty(nbytes, dtype=torch.uint8, device=device)
+        try:
+            with scope.routed():
+                block = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            self.pool_bytes += nbytes
+            return block
+        except torch.cuda.OutOfMemoryError as e:
+            self.fallbacks += 1
+            self.fallback_bytes += nbytes
+            log.warning(
+                "scratch: graph pool %s out of memory for %d bytes (%s); using the ordinary allocator "
+                "(fallback %d)", scope.pid, nbytes, str(e).splitlines()[0], self.fallbacks,
+            )
+            with scope.unrouted():
+                return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    @contextlib.contextmanager
+    def unrouted(self):
+        """Inside a route_all scope: allocate with the ordinary allocator (e.g. outputs that outlive the forward)."""
+        with self._need_scope().unrouted():
+            yield
+
+
+class _Scope:
+    """State of one eager forward: free list, handed-out blocks, pool routing on/off."""
+
+    def __init__(self, pool, pid, stream, route_all):
+        self.pool, self.pid, self.stream, self.route_all = pool, pid, stream, route_all
+        self.free = BestFitFreeList()
+        self.handed: list[torch.Tensor] = []
+        self._cm = None
+
+    def begin_routing(self):
+        self._cm = torch.cuda.use_mem_pool(self.pool)
+        self._cm.__enter__()
+
+    def end_routing(self):
+        if self._cm is not None:
+            cm, self._cm = self._cm, None
+            cm.__exit__(None, None, None)
+
+    @contextlib.contextmanager
+    def routed(self):
+        """Allocations in the body go to the pool (already so when the whole forward is routed)."""
+        if self._cm is not None:
+            yield
+            return
+        with torch.cuda.use_mem_pool(self.pool):
+            yield
+
+    @contextlib.contextmanager
+    def unrouted(self):
+        """Allocations in the body go to the ordinary allocator; routing resumes after."""
+        was = self._cm is not None
+        if was:
+            self.end_routing()
+        try:
+            yield
+        finally:
+            if was:
+                self.begin_routing()

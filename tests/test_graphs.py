@@ -1,0 +1,358 @@
+"""Graph runner, shared pool and eager scratch: pure logic on any machine, the real thing on CUDA."""
+
+import logging
+import random
+import threading
+
+import pytest
+import torch
+
+from moelab.graphs import (
+    GraphRunner,
+    bucket_for,
+    capture_order,
+    check_buckets,
+    fraction_in_segments,
+    make_buckets,
+)
+from moelab.scratch import (
+    BestFitFreeList,
+    ScratchBuffers,
+    ScratchLiveError,
+    pool_id,
+    prefer_graph_pool,
+    preferred_pool,
+    round_block,
+)
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on the GPU machine)")
+
+
+class PoolToken:
+    """A pool identity for the context logic (anything with an .id of two ints is accepted, like MemPool)."""
+
+    def __init__(self, i):
+        self.id = (0, i)
+
+
+# ----- buckets
+def test_make_buckets():
+    assert make_buckets(1) == [1]
+    assert make_buckets(8) == [1, 2, 4, 8]
+    assert make_buckets(12) == [1, 2, 4, 8, 12]
+    for bad in (0, -3, 2.0, True, "8"):
+        with pytest.raises(ValueError, match="max_batch"):
+            make_buckets(bad)
+
+
+def test_bucket_for_is_smallest_holding_bucket():
+    bs = [1, 2, 4, 8, 12]
+    for n in range(1, 13):
+        b = bucket_for(n, bs)
+        assert b >= n and all(x < n for x in bs if x < b)
+    with pytest.raises(ValueError, match="exceeds the largest bucket 12"):
+        bucket_for(13, bs)
+    with pytest.raises(ValueError, match="n=0"):
+        bucket_for(0, bs)
+
+
+def test_check_buckets_and_capture_order():
+    assert check_buckets([8, 1, 4]) == [1, 4, 8]
+    assert capture_order([2, 16, 4, 1]) == [16, 4, 2, 1]
+    with pytest.raises(ValueError, match="distinct"):
+        check_buckets([1, 2, 2])
+    with pytest.raises(ValueError, match="at least one"):
+        check_buckets([])
+    with pytest.raises(ValueError, match=">= 1"):
+        check_buckets([0, 4])
+
+
+# ----- best fit
+def test_best_fit_takes_smallest_sufficient_block():
+    fl = BestFitFreeList()
+    for n, name in [(4096, "a"), (1024, "b"), (2048, "c"), (1024, "d")]:
+        fl.put(n, name)
+    assert fl.take(1000) == "b"  # smallest that fits; ties: freed first
+    assert fl.take(1000) == "d"
+    assert fl.take(1025) == "c"
+    assert fl.take(5000) is None
+    assert fl.take(4096) == "a"
+    assert len(fl) == 0
+
+
+def test_best_fit_random_against_brute_force():
+    rng = random.Random(0)
+    fl, free = BestFitFreeList(), []
+    for i in range(2000):
+        if free and rng.random() < 0.5:
+            want = rng.randrange(1, 10_000)
+            got = fl.take(want)
+            fits = [(n, j) for n, j in free if n >= want]
+            if not fits:
+                assert got is None
+            else:
+                best = min(fits)
+                assert got == best[1]
+                free.remove(best)
+        else:
+            n = rng.randrange(1, 10_000)
+            fl.put(n, i)
+            free.append((n, i))
+    assert sorted(fl.sizes()) == sorted(n for n, _ in free)
+
+
+def test_round_block():
+    assert [round_block(n) for n in (0, 1, 512, 513, 4096)] == [512, 512, 512, 1024, 4096]
+    with pytest.raises(ValueError, match="nbytes=-1"):
+        round_block(-1)
+
+
+# ----- preferred pool context
+def test_prefer_graph_pool_nests_and_restores():
+    a, b = PoolToken(1), PoolToken(2)
+    assert preferred_pool() is None
+    with prefer_graph_pool(a):
+        assert preferred_pool() is a
+        with prefer_graph_pool(b):
+            assert preferred_pool() is b
+            with prefer_graph_pool(None):
+                assert preferred_pool() is None
+            assert preferred_pool() is b
+        assert preferred_pool() is a
+    assert preferred_pool() is None
+
+
+def test_prefer_graph_pool_restores_on_error():
+    a, b = PoolToken(1), PoolToken(2)
+    with prefer_graph_pool(a):
+        with pytest.raises(KeyError):
+            with prefer_graph_pool(b):
+                raise KeyError("boom")
+        assert preferred_pool() is a
+    assert preferred_pool() is None
+
+
+def test_prefer_graph_pool_is_thread_local():
+    a = PoolToken(1)
+    seen = []
+    with prefer_graph_pool(a):
+        t = threading.Thread(target=lambda: seen.append(preferred_pool()))
+        t.start()
+        t.join()
+        assert preferred_pool() is a
+    assert seen == [None]
+
+
+def test_graph_pool_handle_tuple_is_rejected():
+    # the published bug: a graph_pool_handle() tuple passed where a MemPool is needed
+    with pytest.raises(ValueError, match="must be a torch.cuda.MemPool"):
+        with prefer_graph_pool((1, 0)):
+            pass
+    with pytest.raises(ValueError, match="must be a torch.cuda.MemPool"):
+        pool_id((1, 0))
+    assert preferred_pool() is None
+
+
+# ----- scratch buffers without a pool (CPU)
+def test_scratch_best_fit_reuse_within_one_forward():
+    sb = ScratchBuffers("cpu")
+    with sb.forward(pool=None):
+        a = sb.empty((250,), torch.float32)  # 1000 B -> 1024 B block
+        b = sb.empty((10, 128), torch.float32)  # 5120 B
+        pa, pb = a.untyped_storage().data_ptr(), b.untyped_storage().data_ptr()
+        sb.release(b)
+        sb.release(a)
+        c = sb.empty((300,), torch.uint8)  # fits both: best fit is a's block
+        assert c.untyped_storage().data_ptr() == pa
+        d = sb.empty((1200,), torch.float32)  # 4800 B: only b's block
+        assert d.untyped_storage().data_ptr() == pb
+        e = sb.empty((3000,), torch.float32)  # nothing free fits: new block
+        assert e.shape == (3000,) and e.dtype == torch.float32
+    assert (sb.requests, sb.reused, sb.fallbacks) == (5, 2, 0)
+
+
+def test_scratch_scope_rules():
+    sb = ScratchBuffers("cpu")
+    with pytest.raises(RuntimeError, match="inside `with scratch.forward"):
+        sb.empty((4,), torch.float32)
+    with sb.forward(pool=None):
+        with pytest.raises(RuntimeError, match="do not nest"):
+            with sb.forward(pool=None):
+                pass
+        with pytest.raises(ValueError, match="not handed out"):
+            sb.release(torch.zeros(3))
+        with pytest.raises(ValueError, match="shape"):
+            sb.empty((-1, 2), torch.float32)
+    with pytest.raises(ValueError, match="pool='default'"):
+        with sb.forward(pool="default"):
+            pass
+
+
+def test_runner_validates_arguments():
+    with pytest.raises(ValueError, match="pool='global'"):
+        GraphRunner(lambda x: x, lambda b: (torch.zeros(b),), [1, 2], pool="global", device="cpu")
+    with pytest.raises(ValueError, match="warmup=0"):
+        GraphRunner(lambda x: x, lambda b: (torch.zeros(b),), [1, 2], warmup=0, device="cpu")
+
+
+def test_fraction_in_segments():
+    segs = [(1000, 100, 0), (5000, 1000, 0)]
+    assert fraction_in_segments([(1000, 50), (5100, 50)], segs) == 1.0
+    assert fraction_in_segments([(1000, 50), (2000, 150)], segs) == 0.25
+    assert fraction_in_segments([(1090, 20)], segs) == 0.0  # crosses the segment's end
+
+
+# ----- CUDA
+def _mlp_step(D=256, H=1024, seed=0):
+    """A small MoE-free decode-like step: two GEMMs and a softmax, rows independent."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    w1 = torch.randn(D, H, device="cuda", generator=g, dtype=torch.bfloat16) / D**0.5
+    w2 = torch.randn(H, D, device="cuda", generator=g, dtype=torch.bfloat16) / H**0.5
+
+    def step(x_BD):
+        h = torch.nn.functional.gelu(x_BD @ w1)
+        y = h @ w2
+        return torch.softmax(y.float(), -1)
+
+    return step, (lambda b: (torch.randn(b, D, device="cuda", dtype=torch.bfloat16),))
+
+
+def _hf_step():
+    """Decode step of a tiny random Mixtral (transformers, grouped_mm experts), one token per sequence."""
+    from moelab.models import tiny_random
+
+    model = tiny_random("mixtral", hidden_size=128, intermediate_size=256, vocab_size=512).to("cuda", torch.bfloat16)
+
+    def step(ids_B1):
+        return model(input_ids=ids_B1, use_cache=False, logits_to_keep=1).logits[:, -1].float()
+
+    return step, (lambda b: (torch.randint(0, 512, (b, 1), device="cuda"),))
+
+
+STEPS = {"mlp": _mlp_step, "hf-mixtral": _hf_step}
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", list(STEPS))
+def test_stress_interleaved_eager_and_replays_match_no_graph_run(kind):
+    step, make = STEPS[kind]()
+    buckets = [1, 2, 4, 8, 16, 32]
+    runner = GraphRunner(step, make, buckets).capture()
+    rng = random.Random(0)
+    cases = []
+    with torch.no_grad():
+        for _ in range(48):
+            n = rng.randint(1, 32)
+            (x,) = make(n)
+            b = bucket_for(n, buckets)
+            pad = torch.zeros((b, *x.shape[1:]), dtype=x.dtype, device=x.device)
+            pad[:n] = x
+            cases.append((x, step(pad)[:n].clone(), step(x).clone()))  # no graph, no pool
+    torch.cuda.synchronize()
+    mismatches, replays, eagers = 0, 0, 0
+    for _ in range(1200):
+        x, ref_graph, ref_eager = cases[rng.randrange(len(cases))]
+        if rng.random() < 0.5:
+            out, ref = runner(x), ref_graph
+            replays += 1
+        else:
+            out, ref = runner.eager(x), ref_eager
+            eagers += 1
+        mismatches += not torch.equal(out, ref)
+    assert replays > 400 and eagers > 400
+    assert mismatches == 0
+    assert runner.eager_fallbacks == 0
+
+
+@gpu
+@pytest.mark.gpu
+def test_shared_pool_graphs_reuse_one_pool_and_private_pools_do_not():
+    step, make = _mlp_step(D=512, H=4096)
+    shared = GraphRunner(step, make, [8, 64, 256]).capture()
+    assert len(set(shared.pool_ids().values())) == 1
+    private = GraphRunner(step, make, [8, 64, 256], pool="private").capture()
+    assert len(set(private.pool_ids().values())) == 3
+    shared_res = sum(p["reserved"] for p in shared.pool_bytes().values())
+    private_res = sum(p["reserved"] for p in private.pool_bytes().values())
+    assert shared_res < private_res
+
+
+@gpu
+@pytest.mark.gpu
+def test_proof_scratch_lands_in_graph_pool_only_when_on():
+    step, make = _mlp_step(D=512, H=4096)
+    runner = GraphRunner(step, make, [16, 64]).capture()
+    (x,) = make(64)
+    on = runner.scratch_fraction_in_pool(x, reuse=True)
+    off = runner.scratch_fraction_in_pool(x, reuse=False)
+    assert on["scratch_bytes"] > 0 and off["scratch_bytes"] > 0
+    assert on["fraction_in_pool"] == 1.0
+    assert on["fraction_in_captured_segments"] > 0.5  # blocks the graphs own, not new segments
+    assert off["fraction_in_pool"] == 0.0
+    # another stream cannot take the capture stream's free blocks: the pool grows instead
+    other = runner.scratch_fraction_in_pool(x, reuse=True, stream=torch.cuda.Stream())
+    assert other["fraction_in_pool"] == 1.0
+    assert other["fraction_in_captured_segments"] == 0.0
+
+
+@gpu
+@pytest.mark.gpu
+def test_replay_refused_while_scratch_is_live():
+    step, make = _mlp_step()
+    runner = GraphRunner(step, make, [4, 8]).capture()
+    (x,) = make(3)
+    with runner.scratch.forward(runner.pool):  # stream: the pool's capture stream
+        buf = runner.scratch.empty((1024,), torch.float32)
+        with pytest.raises(ScratchLiveError, match="still running"):
+            runner(x)
+    view = buf[:10]
+    del buf
+    with pytest.raises(ScratchLiveError, match="still\\s+referenced"):
+        runner(x)
+    del view
+    runner(x)  # fine once the scratch is gone
+
+
+@gpu
+@pytest.mark.gpu
+def test_preferred_pool_routes_scratch_into_graph_pool():
+    step, make = _mlp_step()
+    runner = GraphRunner(step, make, [4, 8]).capture()
+    sb = ScratchBuffers()
+    with prefer_graph_pool(runner.pool), sb.forward():
+        t = sb.empty((4096,), torch.float32)
+        ptr, n = t.data_ptr(), t.untyped_storage().nbytes()
+        del t
+    segs = [(s["address"], s["total_size"], 0) for s in torch.cuda.memory_snapshot()
+            if tuple(s["segment_pool_id"]) == runner.pool.id]
+    assert fraction_in_segments([(ptr, n)], segs) == 1.0
+    assert sb.pool_bytes > 0 and sb.fallbacks == 0
+
+
+@gpu
+@pytest.mark.gpu
+def test_pool_oom_falls_back_to_ordinary_allocator(caplog):
+    MiB = 1 << 20
+    pool = torch.cuda.MemPool()
+    stream = torch.cuda.current_stream()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    big = torch.empty(64 * MiB, dtype=torch.uint8, device="cuda")
+    del big  # a cached 64 MiB segment of the ordinary pool ...
+    pin = torch.empty(2 * MiB, dtype=torch.uint8, device="cuda")  # ... pinned by a live block: 62 MiB free in it
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_reserved() + MiB) / total)
+    sb = ScratchBuffers()
+    try:
+        with caplog.at_level(logging.WARNING, logger="moelab.scratch"):
+            with sb.forward(pool, stream=stream):
+                t = sb.empty((32 * MiB,), torch.uint8)  # the pool needs a new segment: out of memory
+                t.fill_(7)
+                ok = bool((t == 7).all())
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    assert ok
+    assert sb.fallbacks == 1 and sb.fallback_bytes == 32 * MiB
+    assert any("out of memory" in r.getMessage() for r in caplog.records)
+    del pin
