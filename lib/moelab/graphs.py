@@ -159,6 +159,7 @@ class GraphRunner:
     rows independent of one another (a decode step). make_inputs(b) builds example inputs of batch b
     (their content is used for warm-up; padding rows are zero at replay).
     pool: 'shared' (one MemPool for all buckets, captured largest first) or 'private' (one pool each).
+    stream: the capture stream (a new one if None); eager forwards that borrow the pool run on it.
     """
 
     def __init__(
@@ -170,6 +171,7 @@ class GraphRunner:
         pool: str = "shared",
         warmup: int = 2,
         device=None,
+        stream=None,
     ):
         if pool not in ("shared", "private"):
             raise ValueError(f"pool={pool!r}: must be 'shared' or 'private'")
@@ -183,7 +185,7 @@ class GraphRunner:
         self.device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
         self.graphs: dict[int, _Graph] = {}
         self.pool = None  # the shared MemPool
-        self.stream = None
+        self.stream = stream  # capture stream (new one if None); pass one to share cuBLAS workspaces across runners
         self.scratch = ScratchBuffers(self.device)
         self.eager_fallbacks = 0  # eager forwards that hit OOM in the pool and re-ran on the ordinary allocator
         self._baseline_allocated: int | None = None  # allocated bytes of the shared pool right after capture
@@ -195,7 +197,8 @@ class GraphRunner:
             raise RuntimeError("GraphRunner.capture needs CUDA")
         if self.graphs:
             raise RuntimeError("already captured")
-        self.stream = torch.cuda.Stream(self.device)
+        if self.stream is None:
+            self.stream = torch.cuda.Stream(self.device)
         if self.pool_mode == "shared":
             self.pool = torch.cuda.MemPool()
             register_capture_stream(self.pool, self.stream)

@@ -1,0 +1,340 @@
+"""CUDA-graph memory pool reuse, measured: four arms with everything else fixed, and adaptive routing in graphs.
+
+Workload per model (the same in every arm): `rounds` times one eager forward of a prompt chunk
+(prefill_batch x prefill_len tokens, last-position logits) and `decode_steps` decode steps of
+random batch sizes in [1, max bucket] (one new token per sequence, no KV cache: context length 1).
+Arms:
+  eager          no graphs; decode and prefill eager
+  private        decode graphs, one private pool per bucket; prefill eager (ordinary allocator)
+  shared         decode graphs in one shared MemPool, captured largest first; prefill eager (ordinary)
+  shared+reuse   as shared, and the prefill's memory comes from the graph pool (moelab.graphs)
+Recorded per arm: allocator reserved/allocated peaks over the arm's start, driver-level used memory
+(torch.cuda.mem_get_info), bytes per pool, decode tokens/s, and (shared arms) the share of the
+prefill's allocated bytes that fell inside the graph pool.
+Adaptive (--adaptive): decode with moelab routing + skipping experts (Triton routing kernel and padded
+pair layout, fixed worst-case capacity T * k_max) captured in the graphs; tokens/s graphs vs eager and
+EntropyAdaptiveK vs the native TopK through the same path.
+
+python benchmarks/graph_pool.py --models tiny-mixtral,tiny-qwen-moe,tiny-olmoe,synthetic --adaptive
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import logging
+import random
+import time
+
+import torch
+from tqdm import tqdm
+
+from moelab.graphs import GraphRunner, make_buckets, pool_bytes
+from moelab.results import write_results
+
+log = logging.getLogger("graph_pool")
+MiB = float(1 << 20)
+ARMS = ("eager", "private", "shared", "shared+reuse")
+
+# a Mixtral-like config, random-initialised, sized so that activations and pools are hundreds of MiB
+SYNTHETIC = dict(
+    vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=4, num_attention_heads=16,
+    num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=4096,
+)
+
+
+def load_model(name: str, device):
+    """(model, how): an embedded checkpoint if trained, else the registry config random-initialised."""
+    from moelab import models
+
+    if name == "synthetic":
+        from transformers import MixtralConfig, MixtralForCausalLM
+
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = MixtralForCausalLM(MixtralConfig(**SYNTHETIC)).to(torch.bfloat16).eval()
+        return model, "random-init Mixtral-like " + ",".join(f"{k}={v}" for k, v in SYNTHETIC.items())
+    try:
+        model, _ = models.load(name, device=device)
+        return model, "trained checkpoint data/models/" + name
+    except FileNotFoundError as e:
+        log.warning("%s: %s; using the registry config, random-initialised", name, e)
+        return models.build(name).to(device, torch.bfloat16).eval(), "random-init (checkpoint not present)"
+
+
+def decode_step(model):
+    def step(ids_B1):
+        return model(input_ids=ids_B1, use_cache=False, logits_to_keep=1).logits[:, -1]
+
+    return step
+
+
+def sync():
+    torch.cuda.synchronize()
+
+
+def clean():
+    gc.collect()
+    sync()
+    torch.cuda.empty_cache()
+
+
+def pools_of(snapshot) -> dict:
+    """Reserved bytes per pool id (default pool = (0, 0))."""
+    out: dict = {}
+    for s in snapshot:
+        pid = tuple(s.get("segment_pool_id", (0, 0)))
+        out[pid] = out.get(pid, 0) + s["total_size"]
+    return out
+
+
+def run_arm(arm, step, vocab, buckets, args, stream, seed=0):
+    """One arm of the workload; returns its row (memory, throughput, proof)."""
+    dev = torch.device("cuda")
+    rng = random.Random(seed)
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    max_b = buckets[-1]
+    prompts = torch.randint(0, vocab, (args.prefill_batch, args.prefill_len), device=dev, generator=gen)
+    sizes = [rng.randint(1, max_b) for _ in range(args.rounds * args.decode_steps)]
+    decode_ids = {n: torch.randint(0, vocab, (n, 1), device=dev, generator=gen) for n in set(sizes)}
+    clean()
+    torch.cuda.reset_peak_memory_stats()
+    base_res, base_alloc = torch.cuda.memory_reserved(), torch.cuda.memory_allocated()
+    free0 = torch.cuda.mem_get_info()[0]
+    min_free = free0
+    runner = None
+    t_capture = 0.0
+    if arm != "eager":
+        t0 = time.perf_counter()
+        runner = GraphRunner(step, lambda b: (decode_ids.get(b, torch.zeros(b, 1, dtype=torch.long, device=dev)),),
+                             buckets, pool="private" if arm == "private" else "shared", stream=stream).capture()
+        t_capture = time.perf_counter() - t0
+    after_capture = pools_of(torch.cuda.memory_snapshot())
+    graph_pool_capture = sum(v for k, v in after_capture.items() if k != (0, 0))
+    min_free = min(min_free, torch.cuda.mem_get_info()[0])
+
+    def prefill():
+        with torch.no_grad():
+            if arm == "shared+reuse":
+                return runner.eager(prompts, reuse=True)
+            if runner is not None:
+                return runner.eager(prompts, reuse=False)
+            return step(prompts)
+
+    def decode(n):
+        with torch.no_grad():
+            return runner(decode_ids[n]) if runner is not None else step(decode_ids[n])
+
+    # warm-up round (not timed): lazily created state lands before the measured rounds
+    prefill()
+    decode(sizes[0])
+    sync()
+    t_dec = t_pre = 0.0
+    tokens = 0
+    k = 0
+    for _ in range(args.rounds):
+        t0 = time.perf_counter()
+        prefill()
+        sync()
+        t1 = time.perf_counter()
+        min_free = min(min_free, torch.cuda.mem_get_info()[0])
+        for _ in range(args.decode_steps):
+            decode(sizes[k])
+            tokens += sizes[k]
+            k += 1
+        sync()
+        t2 = time.perf_counter()
+        t_pre += t1 - t0
+        t_dec += t2 - t1
+    min_free = min(min_free, torch.cuda.mem_get_info()[0])
+    snap = torch.cuda.memory_snapshot()
+    by_pool = pools_of(snap)
+    row = {
+        "arm": arm,
+        "buckets": buckets,
+        "prefill_tokens": args.prefill_batch * args.prefill_len,
+        "decode_tokens": tokens,
+        "decode_tokens_per_s": tokens / t_dec,
+        "prefill_ms": 1e3 * t_pre / args.rounds,
+        "capture_s": t_capture,
+        "reserved_peak_mib": (torch.cuda.max_memory_reserved() - base_res) / MiB,
+        "allocated_peak_mib": (torch.cuda.max_memory_allocated() - base_alloc) / MiB,
+        "driver_used_peak_mib": (free0 - min_free) / MiB,
+        "graph_pools": len([p for p in by_pool if p != (0, 0)]),
+        "graph_pool_mib_after_capture": graph_pool_capture / MiB,
+        "graph_pool_mib_end": sum(v for p, v in by_pool.items() if p != (0, 0)) / MiB,
+        "default_pool_mib_end": (by_pool.get((0, 0), 0) - base_res) / MiB,
+        "mib_per_pool": {f"{p[0]}:{p[1]}": v / MiB for p, v in by_pool.items() if p != (0, 0)},
+        "eager_fallbacks": runner.eager_fallbacks if runner is not None else 0,
+    }
+    if runner is not None and runner.pool is not None:
+        proof = runner.scratch_fraction_in_pool(prompts, reuse=arm == "shared+reuse")
+        row.update({
+            "scratch_fraction_in_pool": proof["fraction_in_pool"],
+            "scratch_fraction_in_captured_segments": proof["fraction_in_captured_segments"],
+            "scratch_mib_traced": proof["scratch_bytes"] / MiB,
+            "pool_allocated_mib_end": pool_bytes(runner.pool.id)["allocated"] / MiB,
+        })
+    runner = None
+    clean()
+    return row
+
+
+@contextlib.contextmanager
+def capturable_routing():
+    """moelab.hf.patched validates logits with a host sync (route(check=True)); graphs need check=False."""
+    import moelab.hf as hf
+    from moelab.routing import route
+
+    orig = hf.route
+    hf.route = lambda *a, **kw: route(*a, **{**kw, "check": False})
+    try:
+        yield
+    finally:
+        hf.route = orig
+
+
+def adaptive_rows(name, model, step, vocab, buckets, args, stream):
+    """Decode tokens/s: graphs vs eager, EntropyAdaptiveK vs native TopK, all through moelab routing."""
+    from moelab.hf import moe_layers, patched, record_router
+    from moelab.routing import EntropyAdaptiveK, TopK
+
+    dev = torch.device("cuda")
+    layers = moe_layers(model)
+    native_k = layers[0].native_k
+    gen = torch.Generator(device=dev).manual_seed(1)
+    calib = torch.randint(0, vocab, (8, 64), device=dev, generator=gen)
+    with torch.no_grad(), record_router(model, logits=False) as rec:
+        model(input_ids=calib, use_cache=False, logits_to_keep=1)
+    ent = torch.cat([rec.entropy(i) for i in rec.layers])
+    thr = float(ent.median())
+    k_lo = max(1, native_k // 2)
+    policies = {"native TopK": TopK(native_k), "EntropyAdaptiveK": EntropyAdaptiveK((k_lo, native_k), (thr,))}
+    rng = random.Random(2)
+    sizes = [rng.randint(1, buckets[-1]) for _ in range(args.decode_steps * args.rounds)]
+    ids = {n: torch.randint(0, vocab, (n, 1), device=dev, generator=gen) for n in set(sizes)}
+    rows = []
+    for pname, pol in policies.items():
+        with patched(model, pol) as patch, capturable_routing():
+            for mode in ("eager", "graphs"):
+                runner = None
+                if mode == "graphs":
+                    runner = GraphRunner(step, lambda b: (ids.get(b, torch.zeros(b, 1, dtype=torch.long,
+                                                                                  device=dev)),),
+                                         buckets, stream=stream).capture()
+                fn = runner if runner is not None else step
+                with torch.no_grad():
+                    fn(ids[sizes[0]])
+                    sync()
+                    t0 = time.perf_counter()
+                    for n in sizes:
+                        fn(ids[n])
+                    sync()
+                    dt = time.perf_counter() - t0
+                rows.append({"model": name, "arm": f"adaptive:{mode}", "policy": pname, "native_k": native_k,
+                             "policy_repr": repr(pol), "decode_tokens": sum(sizes),
+                             "decode_tokens_per_s": sum(sizes) / dt})
+                runner = fn = None
+                clean()
+            # mean k of the same decode inputs, eager (kept pairs counted by the patch, read once)
+            before = {i: int(v) for i, v in patch.kept_pairs.items()}
+            tok_before = dict(patch.tokens)
+            with torch.no_grad():
+                for n in sorted(ids):
+                    step(ids[n])
+            kept = sum(int(patch.kept_pairs[i]) - before[i] for i in before)
+            toks = sum(patch.tokens[i] - tok_before[i] for i in before)
+            for r in rows[-2:]:
+                r["mean_k"] = kept / toks
+                r["expert_reduction"] = 1 - kept / toks / native_k
+    return rows
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="tiny-mixtral,tiny-qwen-moe,tiny-olmoe,synthetic")
+    ap.add_argument("--max-batch", type=int, default=256, help="largest decode bucket (buckets: powers of 2 up to it)")
+    ap.add_argument("--prefill-batch", type=int, default=2)
+    ap.add_argument("--prefill-len", type=int, default=128, help="prompt chunk = prefill_batch x prefill_len tokens")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--decode-steps", type=int, default=40, help="decode steps per round")
+    ap.add_argument("--arms", default=",".join(ARMS))
+    ap.add_argument("--adaptive", action="store_true", help="also adaptive routing in graphs (moelab.hf)")
+    ap.add_argument("--out-dir", default=None, help="results directory (default data/results)")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/graph_pool.py measures CUDA graphs and needs a GPU")
+    arms = args.arms.split(",")
+    for a in arms:
+        if a not in ARMS:
+            raise SystemExit(f"arm {a!r}: choose from {ARMS}")
+    buckets = make_buckets(args.max_batch)
+    rows, errors = [], []
+    stream = torch.cuda.Stream()
+    for name in tqdm(args.models.split(","), desc="models"):
+        model, how = load_model(name, "cuda")
+        vocab = model.config.vocab_size
+        step = decode_step(model)
+        with torch.no_grad():  # cuBLAS workspaces etc. on both streams before any baseline
+            for s in (torch.cuda.current_stream(), stream):
+                with torch.cuda.stream(s):
+                    step(torch.zeros(args.prefill_batch, args.prefill_len, dtype=torch.long, device="cuda"))
+                    step(torch.zeros(buckets[-1], 1, dtype=torch.long, device="cuda"))
+        sync()
+        weights_mib = sum(p.numel() * p.element_size() for p in model.parameters()) / MiB
+        for arm in tqdm(arms, desc=name, leave=False):
+            row = run_arm(arm, step, vocab, buckets, args, stream)
+            rows.append({"model": name, "weights": how, "weights_mib": weights_mib, **row})
+            log.info("%s %s: reserved peak %.1f MiB, %.0f tok/s", name, arm, row["reserved_peak_mib"],
+                     row["decode_tokens_per_s"])
+        if args.adaptive:
+            try:
+                rows.extend(adaptive_rows(name, model, step, vocab, buckets, args, stream))
+            except (RuntimeError, ValueError, ImportError, AttributeError) as e:
+                log.warning("%s: adaptive routing in graphs failed: %s", name, e)
+                errors.append(f"{name}: adaptive routing in graphs failed: {type(e).__name__}: {e}")
+        del model, step
+        clean()
+    summary = summarise(rows)
+    notes = (
+        "Decode step = one token per sequence without KV cache (context length 1), logits of the last "
+        "position; buckets " + str(buckets) + "; prefill = eager forward of a prompt chunk. Memory over each "
+        "arm's start (weights excluded). Target: shared+reuse reserved peak <= 1.05 x max(graph pool after "
+        "capture, eager-only reserved peak), against shared (no reuse). " + " | ".join(errors)
+    )
+    path = write_results("graph-pool", rows + summary, notes=notes, out_dir=args.out_dir)
+    print(path)
+    for r in summary:
+        print(r)
+
+
+def summarise(rows) -> list[dict]:
+    """Per model: the targets (memory vs max/sum, tokens/s with vs without reuse)."""
+    out = []
+    for m in dict.fromkeys(r["model"] for r in rows):
+        by = {r["arm"]: r for r in rows if r["model"] == m}
+        if not all(a in by for a in ("eager", "shared", "shared+reuse")):
+            continue
+        pool = by["shared"]["graph_pool_mib_after_capture"]
+        eager_peak = by["eager"]["reserved_peak_mib"]
+        with_reuse = by["shared+reuse"]["reserved_peak_mib"]
+        without = by["shared"]["reserved_peak_mib"]
+        out.append({
+            "model": m, "arm": "summary",
+            "graph_pool_mib": pool, "eager_reserved_peak_mib": eager_peak,
+            "max_mib": max(pool, eager_peak), "sum_mib": pool + eager_peak,
+            "reuse_reserved_peak_mib": with_reuse, "no_reuse_reserved_peak_mib": without,
+            "reuse_over_max": with_reuse / max(pool, eager_peak),
+            "saved_mib": without - with_reuse, "saved_pct": 100 * (without - with_reuse) / without,
+            "tokens_per_s_reuse_over_no_reuse": by["shared+reuse"]["decode_tokens_per_s"]
+            / by["shared"]["decode_tokens_per_s"],
+            "memory_target_met": with_reuse <= 1.05 * max(pool, eager_peak),
+            "speed_target_met": by["shared+reuse"]["decode_tokens_per_s"] >= 0.98 * by["shared"]["decode_tokens_per_s"],
+        })
+    return out
+
+
+if __name__ == "__main__":
+    main()
