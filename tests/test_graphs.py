@@ -1,5 +1,6 @@
 """Graph runner, shared pool and eager scratch: pure logic on any machine, the real thing on CUDA."""
 
+import gc
 import logging
 import random
 import threading
@@ -336,6 +337,7 @@ def test_pool_oom_falls_back_to_ordinary_allocator(caplog):
     MiB = 1 << 20
     pool = torch.cuda.MemPool()
     stream = torch.cuda.current_stream()
+    gc.collect()  # graphs of earlier tests: their pools must not be freed by the OOM path below
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     big = torch.empty(64 * MiB, dtype=torch.uint8, device="cuda")

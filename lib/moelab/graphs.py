@@ -15,6 +15,7 @@ id); `trace_allocations` records the allocator's own alloc events of a call, and
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -112,7 +113,9 @@ def trace_allocations():
     """Record the allocator's alloc events in the body; yields a list filled with (address, size) on exit."""
     events: list[tuple[int, int]] = []
     torch.cuda.synchronize()
-    torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python", max_entries=1_000_000)
+    record = torch.cuda.memory._record_memory_history
+    kw = {"clear_history": True} if "clear_history" in inspect.signature(record).parameters else {}
+    record(enabled="all", context=None, stacks="python", max_entries=1_000_000, **kw)
     try:
         yield events
         torch.cuda.synchronize()
