@@ -1,0 +1,254 @@
+"""Triton routing kernel and padded pair layout: identical to the torch reference, no host sync.
+
+On a CPU the kernels run under TRITON_INTERPRET=1 (set here, before the kernel modules are
+imported) on small shapes; on a GPU they run compiled, and the `gpu` tests add large random shapes,
+CUDA-graph capture and a no-host-sync check.
+"""
+
+import importlib
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+    for _mod in ("moelab.kernels.routing", "moelab.kernels.layout"):  # decorated before the flag was set
+        if _mod in sys.modules:
+            importlib.reload(sys.modules[_mod])
+
+pytest.importorskip("triton")
+
+import moelab.experts as ex  # noqa: E402
+from moelab.kernels.layout import pair_layout_padded  # noqa: E402
+from moelab.kernels.routing import MAX_EXPERTS, RoutingStats, route_triton  # noqa: E402
+from moelab.routing import EntropyAdaptiveK, RatioSkip, TopK, TopP, route, route_torch, set_backend  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on the GPU machine)")
+
+
+def policies(E: int, rng: torch.Generator):
+    kmax = min(E, 1 + int(torch.randint(8, (1,), generator=rng)))
+    ks = sorted({1, max(1, kmax // 2), kmax})
+    hmax = math.log(E)
+    th = sorted(float(v) for v in torch.rand(len(ks) - 1, generator=rng) * hmax)
+    if len(set(th)) != len(th):
+        ks, th = [kmax], []
+    return [
+        TopK(kmax),
+        EntropyAdaptiveK(tuple(ks), tuple(th)),
+        TopP(float(torch.rand(1, generator=rng)) * 0.95 + 0.05, k_max=kmax, k_min=min(2, kmax)),
+        RatioSkip(float(torch.rand(1, generator=rng)), k_max=kmax),
+    ]
+
+
+def near_boundary(logits: torch.Tensor, policy, tol: float = 1e-5) -> torch.Tensor:
+    """Tokens whose k the reference decides within rounding of a threshold (either answer is right)."""
+    ref = route_torch(logits, TopK(policy.k_max), False)
+    p = ref.weights
+    if isinstance(policy, EntropyAdaptiveK):
+        t = torch.tensor(policy.thresholds or [float("inf")], device=logits.device)
+        return ((ref.entropy[:, None] - t).abs() < tol).any(-1)
+    if isinstance(policy, TopP):
+        before = torch.cumsum(p, -1) - p
+        return ((before - policy.p).abs() < tol).any(-1)
+    if isinstance(policy, RatioSkip):
+        return ((p - policy.beta * p[:, :1]).abs() < tol).any(-1)
+    return torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
+
+
+def assert_same_plan(logits, policy, renorm, stats=None):
+    ref = route_torch(logits, policy, renorm)
+    got = route_triton(logits, policy, renorm, stats)
+    assert got.expert_ids.dtype == torch.int32 and got.weights.dtype == torch.float32
+    assert got.k.dtype == torch.int32 and got.entropy.dtype == torch.float32
+    assert got.expert_ids.shape == ref.expert_ids.shape and got.num_experts == ref.num_experts
+    if logits.shape[0] == 0:
+        return ref, got
+    ok = ~near_boundary(logits, policy)
+    assert ok.float().mean() > 0.9
+    assert torch.equal(got.k[ok], ref.k[ok]), policy
+    assert torch.equal(got.expert_ids[ok], ref.expert_ids[ok]), policy
+    assert (got.weights[ok] - ref.weights[ok]).abs().max().item() <= 1e-6, policy
+    torch.testing.assert_close(got.entropy, ref.entropy, atol=1e-5, rtol=1e-6)
+    return ref, got
+
+
+@pytest.mark.parametrize("E", [2, 8, 60, 64, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_kernel_matches_reference(E, dtype):
+    rng = torch.Generator().manual_seed(E * 7 + dtype.itemsize)
+    for T in (0, 1, 3, 37):
+        scale = float(torch.rand(1, generator=rng)) * 4
+        logits = (torch.randn(T, E, generator=rng) * scale).to(dtype).to(DEV)
+        for pol in policies(E, rng):
+            for renorm in (True, False):
+                assert_same_plan(logits, pol, renorm)
+
+
+def test_ties_break_by_lower_index():
+    rng = torch.Generator().manual_seed(1)
+    # few distinct values: many exact ties, in every dtype, plus an all-equal row
+    logits = torch.randint(-2, 3, (40, 16), generator=rng).float()
+    logits[0] = 0.0
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for pol in (TopK(5), TopP(0.5, k_max=6), RatioSkip(0.9, k_max=6), EntropyAdaptiveK((2, 5), (2.0,))):
+            _, got = assert_same_plan(logits.to(dtype).to(DEV), pol, True)
+            assert got.expert_ids[0, :5].tolist() == [0, 1, 2, 3, 4] or pol.k_max == 6
+
+
+def test_stats_accumulate_on_device():
+    rng = torch.Generator().manual_seed(2)
+    pol = EntropyAdaptiveK((1, 2, 4), (1.2, 1.7))
+    mine, ref = RoutingStats.zeros(4, DEV), RoutingStats.zeros(4, DEV)
+    for T in (0, 5, 33, 64):
+        logits = (torch.randn(T, 8, generator=rng) * 2).to(DEV)
+        route_triton(logits, pol, True, stats=mine)
+        ref.add_torch(route_torch(logits, pol, True))
+    a, b = mine.summary(), ref.summary()
+    assert a["tokens"] == b["tokens"] == 102
+    assert a["k_hist"] == b["k_hist"] and a["k_hist"][0] == a["k_hist"][3] == 0
+    assert math.isclose(a["mean_entropy"], b["mean_entropy"], rel_tol=1e-6)
+    mine.reset()
+    assert mine.summary()["tokens"] == 0
+
+
+def test_dispatch_switch():
+    logits = (torch.randn(20, 8) * 2).to(DEV)
+    pol = TopP(0.7, k_max=3)
+    try:
+        set_backend("triton")
+        a = route(logits, pol, renormalize=False)
+        set_backend("torch")
+        b = route(logits, pol, renormalize=False)
+    finally:
+        set_backend("auto")
+    assert torch.equal(a.expert_ids, b.expert_ids)
+    assert (a.weights - b.weights).abs().max() <= 1e-6
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match=f"E={MAX_EXPERTS + 1}"):
+        route_triton(torch.zeros(2, MAX_EXPERTS + 1, device=DEV), TopK(2), True)
+    with pytest.raises(ValueError, match="at most 8 k values"):
+        route_triton(torch.zeros(2, 16, device=DEV), EntropyAdaptiveK(tuple(range(1, 10)), tuple(range(8))), True)
+    with pytest.raises(ValueError, match="bins"):
+        route_triton(torch.zeros(2, 16, device=DEV), TopK(2), True, stats=RoutingStats.zeros(3, DEV))
+    with pytest.raises(ValueError, match="k_max"):
+        RoutingStats.zeros(0, DEV)
+
+
+def check_layout(plan):
+    ref = ex.pair_layout(plan.to("cpu"))
+    got = pair_layout_padded(plan)
+    T, K = plan.expert_ids.shape
+    P = ref.num_pairs
+    assert got.padded and got.num_pairs == T * K
+    assert torch.equal(got.offsets.cpu(), ref.offsets)
+    assert torch.equal(got.token_idx[:P].cpu(), ref.token_idx)
+    assert torch.equal(got.expert_idx[:P].cpu(), ref.expert_idx)
+    assert torch.equal(got.weights[:P].cpu(), ref.weights)
+    assert (got.token_idx[P:] == T).all() and (got.weights[P:] == 0).all()
+    assert (got.expert_idx[P:] == plan.num_experts).all()
+
+
+@pytest.mark.parametrize("E", [2, 8, 60, 256])
+def test_padded_layout_matches_reference(E):
+    rng = torch.Generator().manual_seed(E)
+    for T in (0, 1, 9, 150):
+        logits = (torch.randn(T, E, generator=rng) * 2).to(DEV)
+        check_layout(route_torch(logits, TopP(0.6, k_max=min(4, E)), False))
+
+
+@pytest.mark.parametrize("gemm", ["grouped", "loop"])
+def test_padded_layout_runs_the_same_experts(gemm):
+    g = torch.Generator().manual_seed(3)
+    T, D, Fd, E = 48, 16, 24, 8
+    x = torch.randn(T, D, generator=g).to(DEV)
+    gu = (torch.randn(E, 2 * Fd, D, generator=g) / 4).to(DEV)
+    dn = (torch.randn(E, D, Fd, generator=g) / 5).to(DEV)
+    plan = route_torch((torch.randn(T, E, generator=g) * 2).to(DEV), EntropyAdaptiveK((1, 2), (1.5,)), True)
+    ex.set_gemm(gemm)
+    try:
+        ex.set_layout("exact")
+        exact = ex.run_experts(x, plan, gu, dn)
+        ex.set_layout("padded")
+        padded = ex.run_experts(x, plan, gu, dn)
+    finally:
+        ex.set_layout("auto")
+        ex.set_gemm("auto")
+    torch.testing.assert_close(padded, exact, atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------- GPU: in full
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_random_shapes_in_full():
+    rng = torch.Generator().manual_seed(11)
+    for trial in range(40):
+        E = int(torch.randint(2, MAX_EXPERTS + 1, (1,), generator=rng))
+        T = [0, 1, 16, 64, 512, 4096, 65536][trial % 7]
+        dtype = [torch.float32, torch.bfloat16, torch.float16][trial % 3]
+        logits = torch.randn(T, E, generator=rng) * float(torch.rand(1, generator=rng) * 6)
+        if T > 512 or dtype != torch.float32:  # large T: bf16-representable values (no 1-ulp near-ties)
+            logits = logits.to(torch.bfloat16).float()
+        if trial % 4 == 0 and T:
+            logits = logits.round()  # many exact ties
+        logits = logits.to(dtype).cuda()
+        for pol in policies(E, rng):
+            ref, got = assert_same_plan(logits, pol, bool(trial % 2))
+            if T:
+                check_layout(got)
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_no_host_sync_and_graph_capture():
+    T, E, D, Fd = 512, 64, 256, 128
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(T, D, generator=g).cuda().bfloat16()
+    gu = (torch.randn(E, 2 * Fd, D, generator=g) / 16).cuda().bfloat16()
+    dn = (torch.randn(E, D, Fd, generator=g) / 11).cuda().bfloat16()
+    logits = (torch.randn(T, E, generator=g) * 2).cuda()
+    pol = EntropyAdaptiveK((2, 4, 8), (3.0, 3.6))
+    stats = RoutingStats.zeros(8, "cuda")
+
+    def step(lg):
+        plan = route_triton(lg, pol, False, stats)
+        return plan, ex.run_experts(x, plan, gu, dn, layout=pair_layout_padded(plan))
+
+    step(logits)  # compile outside the checks
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step(logits)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    stats.reset()
+    static = logits.clone()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step(static)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        plan_g, y_g = step(static)
+    stats.reset()
+    for scale in (0.3, 3.0):  # different numbers of kept pairs through the same graph
+        static.copy_(torch.randn(T, E, generator=g).cuda() * scale)
+        graph.replay()
+        ref_plan = route_torch(static, pol, False)
+        assert torch.equal(plan_g.expert_ids, ref_plan.expert_ids)
+        ex.set_layout("exact")
+        try:
+            y_ref = ex.run_experts(x, ref_plan, gu, dn)
+        finally:
+            ex.set_layout("auto")
+        torch.testing.assert_close(y_g.float(), y_ref.float(), atol=2e-2, rtol=2e-2)
+    assert stats.summary()["tokens"] == 2 * T
