@@ -1,0 +1,123 @@
+"""Calibration: thresholds reach compute targets, the budget search stays within its budget."""
+
+import numpy as np
+import pytest
+import torch
+
+from moelab.calibrate import (
+    budget_search,
+    calibrate_thresholds,
+    calibration_ids,
+    compare_at_matched_compute,
+    match_policy,
+    pareto_mask,
+    published_configs,
+    thresholds_at,
+    verdict,
+)
+from moelab.evaluate import estimate, evaluate, router_sample
+from moelab.hf import moe_layers
+from moelab.models import tiny_random
+
+CTX = 64
+
+
+@pytest.fixture(scope="module")
+def model():
+    m = tiny_random("mixtral", num_hidden_layers=2)
+    for layer in moe_layers(m):
+        torch.nn.init.normal_(layer.block.gate.weight, std=0.4)
+    return m
+
+
+@pytest.fixture(scope="module")
+def sample(model):
+    ids = torch.randint(0, 256, (1024,), generator=torch.Generator().manual_seed(0))
+    return router_sample(model, ids, context=CTX, progress=False)
+
+
+def test_threshold_family_ends(sample):
+    assert estimate(sample, thresholds_at(sample, (1, 2, 4), 0.0))["mean_k"] == 4.0
+    assert estimate(sample, thresholds_at(sample, (1, 2, 4), 1.0))["mean_k"] == 1.0
+
+
+@pytest.mark.parametrize("target", [0.0, 0.2, 0.35])
+def test_calibrated_thresholds_hit_target(sample, target):
+    pol = calibrate_thresholds(sample, (1, 2, 4), target)
+    assert estimate(sample, pol)["expert_reduction"] == pytest.approx(target, abs=0.01)
+    per = calibrate_thresholds(sample, (1, 2, 4), target, per_layer=True)
+    assert len(per) == 2
+    for mk in estimate(sample, per)["mean_k_layers"]:
+        assert 1 - mk / 2 == pytest.approx(target, abs=0.01)
+
+
+@pytest.mark.parametrize("kind", ["TopP", "RatioSkip"])
+def test_matched_policies_hit_target(sample, kind):
+    pol = match_policy(sample, kind, 0.25, k_min=1, k_max=4)
+    assert type(pol).__name__ == kind
+    assert estimate(sample, pol)["expert_reduction"] == pytest.approx(0.25, abs=0.01)
+
+
+def test_unreachable_target_raises(sample):
+    with pytest.raises(ValueError, match="target_reduction=0.6"):
+        calibrate_thresholds(sample, (1, 2, 4), 0.6)  # k >= 1 on native 2: at most 50%
+    with pytest.raises(ValueError, match="at least two"):
+        calibrate_thresholds(sample, (2,), 0.1)
+
+
+def test_budget_search_stays_within_budget(model, sample):
+    cal = torch.randint(0, 256, (256,), generator=torch.Generator().manual_seed(1))
+    res = budget_search(model, sample, cal, (1, 2, 4), budget=0.003, steps=3, context=CTX, stride=CTX,
+                        progress=False)
+    tr = res["trace"]
+    assert res["within_budget"] == (res["ppl_change"] <= 0.003)
+    if res["within_budget"]:
+        # the chosen point is the largest reduction among the measured points within budget
+        assert res["target_reduction"] == tr[tr.within]["target_reduction"].max()
+    # its numbers are a real measurement on the calibration text
+    again = evaluate(model, res["policy"], cal, context=CTX, stride=CTX, progress=False).summary
+    assert again["ppl"] == pytest.approx(res["ppl"], rel=1e-9)
+
+
+def test_compare_and_verdict(model, sample):
+    ev_ids = torch.randint(0, 256, (256,), generator=torch.Generator().manual_seed(2))
+    base = evaluate(model, None, ev_ids, context=CTX, stride=CTX, progress=False).summary["ppl"]
+    f = compare_at_matched_compute(model, sample, ev_ids, [0.2, 0.4], (1, 2, 4), base, context=CTX, stride=CTX,
+                                   progress=False)
+    assert set(f["kind"]) == {"EntropyAdaptiveK", "TopP", "RatioSkip", "TopK"}
+    assert len(f) == 7 and f["estimated"].eq(False).all()
+    text = verdict(f)
+    assert text.startswith("Entropy is") and "reduction" in text
+
+
+def test_pareto_mask():
+    m = pareto_mask([0.1, 0.2, 0.2, 0.3], [1.0, 1.1, 1.05, 1.0])
+    assert m.tolist() == [False, False, False, True]
+    assert pareto_mask([0.1, 0.3], [1.0, 2.0]).tolist() == [True, True]
+
+
+def test_published_configs():
+    assert set(published_configs("qwen2_moe", 60)) == {"trtllm-default", "sdk-qwen-moe", "qwen1.5-measured"}
+    assert set(published_configs("mixtral", 8)) == {"trtllm-default", "sdk-mixtral"}
+    assert set(published_configs("mixtral", 4)) == {"sdk-mixtral"}  # k 8 does not fit 4 experts
+
+
+def test_calibration_ids_from_heldout_only():
+    from moelab.data import heldout_texts, load_text
+    from moelab.tokenizer import train_tokenizer
+
+    held = heldout_texts()
+    tok = train_tokenizer({"t": held["tinyshakespeare"][:5000]}, vocab_size=300)
+    ids = calibration_ids(tok, 700)
+    assert ids.numel() == 700
+    share = 700 // len(held)
+    first = tok(held["tinyshakespeare"], add_special_tokens=False)["input_ids"][:share]
+    start = list(held).index("tinyshakespeare") * share
+    assert ids[start : start + share].tolist() == first
+    # the evaluation text's opening does not appear
+    ev = tok(load_text("wikitext2_test.raw")[:2000], add_special_tokens=False)["input_ids"][:50]
+    s = " ".join(map(str, ids.tolist()))
+    assert " ".join(map(str, ev)) not in s
+    with pytest.raises(ValueError, match="unknown"):
+        calibration_ids(tok, 100, names=["wikitext2_test.raw"])
+    assert np.isfinite(ids.numpy()).all()

@@ -1,0 +1,77 @@
+"""Evaluation: measured perplexity and compute with routing changed; estimates from recorded routers."""
+
+import pytest
+import torch
+
+from moelab.evaluate import confirm_estimates, estimate, evaluate, policy_label, router_sample
+from moelab.hf import moe_layers
+from moelab.models import tiny_random
+from moelab.perplexity import perplexity
+from moelab.routing import EntropyAdaptiveK, RatioSkip, TopK, TopP
+
+CTX = 64
+
+
+@pytest.fixture(scope="module")
+def model():
+    m = tiny_random("mixtral", num_hidden_layers=3)
+    for layer in moe_layers(m):  # a spread of router entropies
+        torch.nn.init.normal_(layer.block.gate.weight, std=0.4)
+    return m
+
+
+@pytest.fixture(scope="module")
+def ids():
+    return torch.randint(0, 256, (640,), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.fixture(scope="module")
+def base(model, ids):
+    return evaluate(model, None, ids, context=CTX, stride=CTX // 2, progress=False)
+
+
+def test_baseline_is_plain_perplexity(model, ids, base):
+    ref = perplexity(model, None, ids, context=CTX, stride=CTX // 2, progress=False)
+    assert base.summary["ppl"] == pytest.approx(ref["ppl"], rel=1e-6)  # batch 8 vs 1: float noise
+    assert base.summary["scored_tokens"] == ref["scored_tokens"] == 639
+    assert base.summary["mean_k"] == 2 and base.summary["expert_reduction"] == 0
+    assert base.summary["forward_reduction"] == pytest.approx(0.0)
+    assert set(base.layers["layer"]) == {0, 1, 2}
+    q = base.layers[["ent_q05", "ent_q50", "ent_q95"]].to_numpy()
+    assert (q[:, 0] <= q[:, 1]).all() and (q[:, 1] <= q[:, 2]).all() and q.max() <= torch.log(torch.tensor(8.0))
+
+
+def test_native_topk_patched_equals_baseline(model, ids, base):
+    ev = evaluate(model, TopK(2), ids, context=CTX, stride=CTX // 2, baseline_ppl=base.summary["ppl"], progress=False)
+    assert ev.summary["ppl_change"] == pytest.approx(0.0, abs=1e-5)
+    assert ev.summary["mean_k"] == 2.0
+
+
+def test_top1_halves_expert_work_and_changes_ppl(model, ids, base):
+    ev = evaluate(model, TopK(1), ids, context=CTX, stride=CTX // 2, baseline_ppl=base.summary["ppl"], progress=False)
+    s = ev.summary
+    assert s["mean_k"] == 1.0 and s["expert_reduction"] == 0.5
+    assert 0 < s["forward_reduction"] < 0.5  # attention, embeddings and router are not skipped
+    assert abs(s["ppl_change"]) > 1e-4
+    hist = ev.k_hist[ev.k_hist.tokens > 0]
+    assert set(hist["k"]) == {1} and (hist["fraction"] == 1.0).all()
+    assert policy_label(TopK(1)) == s["label"] == "TopK k=1"
+
+
+def test_estimates(model, ids):
+    sample = router_sample(model, ids, context=CTX, progress=False)
+    assert sample.num_tokens == 640 and sample.num_layers == 3
+    assert estimate(sample, TopK(1))["mean_k"] == 1.0
+    load = sample.expert_load()
+    assert load.shape == (3, 8) and (load.sum(1) == 640 * 2).all()
+    med = float(sample.entropy[0].median())
+    pol = EntropyAdaptiveK((1, 2, 4), (med - 0.1, med + 0.1))
+    est = estimate(sample, pol)
+    assert est["estimated"] is True and 1 < est["mean_k"] < 4
+    # layer 0 sees the same input with or without patching: with the same chunks, its estimate is exact
+    ev = evaluate(model, pol, ids, context=CTX, stride=CTX, progress=False)
+    assert ev.layers["mean_k"][0] == pytest.approx(est["mean_k_layers"][0], abs=1e-9)
+    conf = confirm_estimates(model, sample, [pol, TopP(0.6, 4), RatioSkip(0.5, 4)], ids, context=CTX, stride=CTX,
+                             progress=False)
+    assert len(conf) == 3 and set(conf.columns) >= {"est_mean_k", "mean_k", "est_error"}
+    assert (conf["est_error"].abs() < 0.5).all()
