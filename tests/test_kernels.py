@@ -190,9 +190,9 @@ def test_padded_layout_runs_the_same_experts(gemm):
 @pytest.mark.gpu
 def test_gpu_random_shapes_in_full():
     rng = torch.Generator().manual_seed(11)
-    for trial in range(40):
+    for trial in range(10):  # each trial compiles its own kernels: keep the count modest
         E = int(torch.randint(2, MAX_EXPERTS + 1, (1,), generator=rng))
-        T = [0, 1, 16, 64, 512, 4096, 65536][trial % 7]
+        T = [0, 1, 16, 64, 512, 4096, 65536, 3000, 77, 20000][trial]
         dtype = [torch.float32, torch.bfloat16, torch.float16][trial % 3]
         logits = torch.randn(T, E, generator=rng) * float(torch.rand(1, generator=rng) * 6)
         if T > 512 or dtype != torch.float32:  # large T: bf16-representable values (no 1-ulp near-ties)
