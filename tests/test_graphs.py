@@ -287,14 +287,36 @@ def test_proof_scratch_lands_in_graph_pool_only_when_on():
     (x,) = make(64)
     on = runner.scratch_fraction_in_pool(x, reuse=True)
     off = runner.scratch_fraction_in_pool(x, reuse=False)
-    assert on["scratch_bytes"] > 0 and off["scratch_bytes"] > 0
-    assert on["fraction_in_pool"] == 1.0
-    assert on["fraction_in_captured_segments"] > 0.5  # blocks the graphs own, not new segments
-    assert off["fraction_in_pool"] == 0.0
+    assert on["scratch_bytes"] > 0 and off["scratch_bytes"] > 0, (on, off)
+    assert on["fraction_in_pool"] == 1.0, on
+    assert on["fraction_in_captured_segments"] > 0.5, on  # blocks the graphs own, not new segments
+    assert off["fraction_in_pool"] == 0.0, off
     # another stream cannot take the capture stream's free blocks: the pool grows instead
-    other = runner.scratch_fraction_in_pool(x, reuse=True, stream=torch.cuda.Stream())
-    assert other["fraction_in_pool"] == 1.0
-    assert other["fraction_in_captured_segments"] == 0.0
+    other_stream = torch.cuda.Stream()
+    with torch.cuda.stream(other_stream), torch.no_grad():
+        step(x)  # its cuBLAS workspace outside the pool (else it would stay live in the pool: refused)
+    other_stream.synchronize()
+    other = runner.scratch_fraction_in_pool(x, reuse=True, stream=other_stream)
+    assert other["fraction_in_pool"] == 1.0, other
+    assert other["fraction_in_captured_segments"] == 0.0, other
+
+
+@gpu
+@pytest.mark.gpu
+def test_forward_leaving_memory_in_the_pool_is_refused():
+    step, make = _mlp_step()
+    runner = GraphRunner(step, make, [4, 8]).capture()
+    kept = []
+
+    def leaky(x):  # keeps an intermediate made inside the pool beyond the forward
+        y = step(x)
+        kept.append(torch.empty(1 << 20, device="cuda"))
+        return y
+
+    runner.step_fn = leaky
+    (x,) = make(4)
+    with pytest.raises(ScratchLiveError, match="outlived the forward"):
+        runner.eager(x)
 
 
 @gpu
@@ -351,10 +373,9 @@ def test_pool_oom_falls_back_to_ordinary_allocator(caplog):
             with sb.forward(pool, stream=stream):
                 t = sb.empty((32 * MiB,), torch.uint8)  # the pool needs a new segment: out of memory
                 t.fill_(7)
-                ok = bool((t == 7).all())
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
-    assert ok
+    assert bool((t == 7).all())
     assert sb.fallbacks == 1 and sb.fallback_bytes == 32 * MiB
     assert any("out of memory" in r.getMessage() for r in caplog.records)
     del pin
