@@ -1,0 +1,204 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 06 · CUDA-graph memory pool reuse
+#
+# Decode steps run as CUDA graphs, one per batch-size bucket, all captured (largest first) into
+# **one** `torch.cuda.MemPool`. The eager forward (a prompt chunk) can borrow that pool's free blocks
+# instead of growing the ordinary allocator's pool, so the process holds max(graph pool, eager
+# scratch) instead of their sum (`moelab.graphs`, `moelab.scratch`). It only works when the eager
+# allocations run on the graphs' capture stream, and it is only safe when no eager buffer is live
+# across a replay: `GraphRunner` refuses such a replay.
+#
+# Numbers come from `benchmarks/graph_pool.py`, run on the GPU machine; this notebook plots the
+# committed results file and says where it came from. Four arms, everything else fixed: eager only;
+# graphs with a private pool per bucket; graphs sharing one pool; shared pool + eager reuse. With
+# `live=True` on a CUDA machine it also runs a small runner here and shows the proof that reuse is on.
+
+# %% tags=["parameters"]
+model: str = "all"  # model rows to chart: all, tiny-mixtral, tiny-qwen-moe, tiny-olmoe or synthetic
+arms: list[str] = ["eager", "private", "shared", "shared+reuse"]  # arms to chart, in order
+results_dir: str = ""  # directory with graph-pool-*.json (default data/results, the committed results)
+live: bool = False  # also run a small GraphRunner on this machine's GPU (needs CUDA; skipped without)
+live_model: str = "tiny-mixtral"  # model for the live run (GPU-sized: synthetic via benchmarks/graph_pool.py)
+buckets: list[int] = [1, 2, 4, 8, 16, 32, 64]  # decode buckets of the live run (GPU-sized: up to 256)
+interactive: bool = False  # show ipywidgets explorers (never in headless runs)
+
+# %%
+import pandas as pd
+import torch
+
+from moelab import results
+from moelab.plots import figure, save_table, savefig
+
+doc = results.load_results("graph-pool", results_dir or None)
+m = doc["machine"]
+print(f"results: {doc['topic']} created {doc['created']} at commit {doc['commit']}")
+print(f"machine: {m['device']}, torch {m['torch']}, CUDA {m['cuda']}, transformers {m['transformers']}, "
+      f"triton {m['triton']}, Python {m['python']}")
+print(f"command: {doc['command']}")
+print(f"notes: {doc['notes']}")
+rows = results.rows_frame(doc)
+models = [x for x in dict.fromkeys(rows["model"]) if model in ("all", x)]
+if not models:
+    raise ValueError(f"model={model!r}: not in the results; choose all or one of {sorted(set(rows['model']))}")
+arm_rows = rows[rows["arm"].isin(arms) & rows["model"].isin(models)].copy()
+
+# %% [markdown]
+# ## 1 · Targets per model
+# `max_mib` = max(graph pool after capture, eager-only reserved peak); `sum_mib` their sum. With
+# reuse the serving loop's reserved peak should be at most 1.05 x max (memory target), and decode
+# tokens/s within 2% of the shared pool without reuse (speed target).
+
+# %%
+summary = rows[(rows["arm"] == "summary") & rows["model"].isin(models)].dropna(axis=1, how="all")
+cols = ["model", "graph_pool_mib", "eager_reserved_peak_mib", "max_mib", "sum_mib", "no_reuse_reserved_peak_mib",
+        "reuse_reserved_peak_mib", "reuse_over_max", "saved_mib", "saved_pct", "tokens_per_s_reuse_over_no_reuse",
+        "memory_target_met", "speed_target_met"]
+summary = summary[[c for c in cols if c in summary]]
+save_table(summary, "06_graph_pool_targets", caption="graph pool reuse: memory and speed targets per model")
+results.save("06_graph_pool_targets", summary)
+summary
+
+# %% [markdown]
+# ## 2 · Proof that reuse is on
+# Share of the eager forward's allocated bytes (allocator history) whose addresses fall inside the
+# graph pool's segments: 100% with reuse, 0% without. `in captured segments`: inside the segments the
+# pool had right after capture, i.e. memory really shared rather than the pool growing.
+
+# %%
+proof_cols = ["model", "arm", "scratch_mib_traced", "scratch_fraction_in_pool", "scratch_fraction_in_captured_segments",
+              "eager_fallbacks"]
+proof = arm_rows[arm_rows["arm"].isin(["shared", "shared+reuse"])]
+proof = proof[[c for c in proof_cols if c in proof]]
+results.save("06_graph_pool_proof", proof.reset_index(drop=True))
+proof
+
+
+# %% [markdown]
+# ## 3 · Memory and throughput per arm
+# Reserved peak of the serving loop (after capture), split into the graph pools and the ordinary
+# pool at the end of the loop; dashed: max(graph pool, eager peak), dotted: their sum.
+
+# %%
+def plot_model(name: str):
+    r = arm_rows[arm_rows["model"] == name].set_index("arm").reindex([a for a in arms if a in set(arm_rows["arm"])])
+    s = summary[summary["model"] == name]
+    fig, (ax1, ax2) = figure("full", aspect=0.34, ncols=2, layout="constrained")
+    x = range(len(r))
+    ax1.bar(x, r["graph_pool_mib_end"], label="graph pool(s)", color="#0173B2")
+    ax1.bar(x, r["default_pool_mib_end"], bottom=r["graph_pool_mib_end"], label="ordinary pool", color="#DE8F05")
+    ax1.scatter(x, r["reserved_peak_mib"], marker="_", s=200, color="black", label="reserved peak", zorder=3)
+    if len(s):
+        ax1.axhline(float(s["max_mib"].iloc[0]), ls="--", lw=0.8, color="grey", label="max(pool, eager)")
+        ax1.axhline(float(s["sum_mib"].iloc[0]), ls=":", lw=0.8, color="grey", label="pool + eager")
+    ax1.set_xticks(list(x), r.index, rotation=15)
+    ax1.set_ylabel("MiB over the arm's start")
+    ax1.set_title(f"{name}: memory")
+    ax1.legend(frameon=False, fontsize=6, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    ax2.bar(x, r["decode_tokens_per_s"] / 1e3, color="#029E73")
+    ax2.set_xticks(list(x), r.index, rotation=15)
+    ax2.set_ylabel("decode tokens/s (thousands)")
+    ax2.set_title(f"{name}: decode throughput")
+    savefig(fig, f"06_graph_pool_memory_{name}")
+    return fig
+
+
+for name in models:
+    plot_model(name)
+
+# %%
+mem_cols = ["model", "arm", "reserved_peak_mib", "allocated_peak_mib", "driver_used_peak_mib", "graph_pools",
+            "graph_pool_mib_after_capture", "graph_pool_mib_end", "default_pool_mib_end", "capture_reserved_peak_mib",
+            "decode_tokens_per_s", "prefill_ms"]
+arms_table = arm_rows[[c for c in mem_cols if c in arm_rows]].reset_index(drop=True)
+save_table(arms_table, "06_graph_pool_arms", caption="graph pool arms: memory (MiB) and decode throughput")
+results.save("06_graph_pool_arms", arms_table)
+arms_table
+
+# %% [markdown]
+# ## 4 · Adaptive routing inside the graphs
+# Decode through moelab routing (Triton routing kernel) and skipping experts (padded pair layout,
+# fixed worst-case capacity T x k_max) captured in the graphs: tokens/s of graphs vs eager, and of
+# `EntropyAdaptiveK` vs the native `TopK` through the same path. `mean_k` / `expert_reduction` are
+# counted against the native k on the same decode inputs.
+
+# %%
+ad = rows[rows["arm"].astype(str).str.startswith("adaptive:") & rows["model"].isin(models)]
+if len(ad):
+    ad = ad.assign(mode=ad["arm"].str.split(":").str[1])
+    table = ad.pivot_table(index=["model", "policy"], columns="mode", values="decode_tokens_per_s").reset_index()
+    table = table.merge(ad.groupby(["model", "policy"])[["mean_k", "expert_reduction"]].first().reset_index())
+    table["graphs_over_eager"] = table["graphs"] / table["eager"]
+    save_table(table, "06_graph_pool_adaptive", caption="adaptive routing in CUDA graphs: decode tokens/s")
+    results.save("06_graph_pool_adaptive", table)
+    fig, ax = figure("full", aspect=0.3)
+    labels = [f"{a}\n{b}" for a, b in zip(table["model"], table["policy"])]
+    xs = range(len(table))
+    ax.bar([i - 0.2 for i in xs], table["eager"] / 1e3, width=0.4, label="eager", color="#DE8F05")
+    ax.bar([i + 0.2 for i in xs], table["graphs"] / 1e3, width=0.4, label="graphs", color="#0173B2")
+    ax.set_xticks(list(xs), labels, fontsize=6)
+    ax.set_ylabel("decode tokens/s (thousands)")
+    ax.set_yscale("log")
+    ax.legend(frameon=False)
+    savefig(fig, "06_graph_pool_adaptive")
+else:
+    table = pd.DataFrame()
+    print("no adaptive rows in this results file (benchmark run without --adaptive)")
+table
+
+# %% [markdown]
+# ## 5 · Live run (optional, CUDA only)
+# A small `GraphRunner` on this machine: bucket graphs in one shared pool, one eager forward with and
+# without reuse, and the share of its bytes that landed in the pool.
+
+# %%
+if live and not torch.cuda.is_available():
+    print("live=True but this machine has no CUDA: skipped (the charts above are the committed GPU results)")
+elif live:
+    from moelab import models as mm
+    from moelab.graphs import GraphRunner
+
+    net = mm.build(live_model).to("cuda", torch.bfloat16)
+    vocab = net.config.vocab_size
+
+    def step(ids):
+        return net(input_ids=ids, use_cache=False, logits_to_keep=1).logits[:, -1]
+
+    runner = GraphRunner(step, lambda b: (torch.randint(0, vocab, (b, 1), device="cuda"),), buckets).capture()
+    prompt = torch.randint(0, vocab, (2, 64), device="cuda")
+    live_rows = [{"reuse": r, **runner.scratch_fraction_in_pool(prompt, reuse=r)} for r in (False, True)]
+    live_df = pd.DataFrame(live_rows)
+    print({f"{a}:{b}": v for (a, b), v in runner.pool_bytes().items()})
+    results.save("06_graph_pool_live", live_df)
+    live_df
+
+# %% [markdown]
+# ## 6 · Explorer (`interactive=True`)
+
+# %%
+if interactive:
+    import ipywidgets as widgets
+    from IPython.display import display
+
+    pick = widgets.Dropdown(options=models, description="model")
+    out = widgets.Output()
+
+    def show(change=None):
+        out.clear_output(wait=True)
+        with out:
+            display(plot_model(pick.value))
+
+    pick.observe(show, names="value")
+    show()
+    display(widgets.VBox([pick, out]))
