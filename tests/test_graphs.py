@@ -379,3 +379,16 @@ def test_pool_oom_falls_back_to_ordinary_allocator(caplog):
     assert sb.fallbacks == 1 and sb.fallback_bytes == 32 * MiB
     assert any("out of memory" in r.getMessage() for r in caplog.records)
     del pin
+
+
+@gpu
+@pytest.mark.gpu
+def test_graph_pool_handle_tuple_cannot_route_allocations():
+    # what the published TensorRT-LLM change passed to use_mem_pool; it raised, and `except Exception` hid it
+    handle = torch.cuda.graph_pool_handle()
+    with pytest.raises(AttributeError):
+        with torch.cuda.use_mem_pool(handle):
+            pass
+    with pytest.raises(ValueError, match="graph_pool_handle"):
+        with prefer_graph_pool(handle):
+            pass
