@@ -1,0 +1,265 @@
+"""The embedded MoE models: registry, loading, and what moelab needs to know about any MoE model.
+
+Three small models trained by `moelab.train` live in data/models/<name> and mirror the routing
+geometry of Mixtral-8x7B (8 experts, top-2, renormalised), Qwen1.5-MoE-A2.7B (60 experts, top-4, not
+renormalised, shared expert with a gate) and OLMoE-1B-7B (64 experts, top-8, not renormalised).
+`load` takes those names or any local transformers checkpoint directory of a supported MoE family.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from moelab.data import data_dir
+
+log = logging.getLogger(__name__)
+
+# family (config.model_type) -> (config class, causal-LM class), names from transformers 5
+FAMILIES = {
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM"),
+}
+
+_SHARED = dict(  # every embedded model: one tokenizer, one width, one depth
+    vocab_size=8192,
+    hidden_size=256,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    max_position_embeddings=512,
+    tie_word_embeddings=True,
+    bos_token_id=0,
+    eos_token_id=0,
+    pad_token_id=1,
+)
+
+# name -> (family, config kwargs). Expert widths keep ~9.5M parameters (~19 MB in bf16) per model.
+TINY = {
+    "tiny-mixtral": (
+        "mixtral",
+        dict(_SHARED, num_key_value_heads=2, intermediate_size=256, num_local_experts=8, num_experts_per_tok=2,
+             router_aux_loss_coef=0.02),
+    ),
+    "tiny-qwen-moe": (
+        "qwen2_moe",
+        dict(_SHARED, num_key_value_heads=4, num_experts=60, num_experts_per_tok=4, moe_intermediate_size=32,
+             shared_expert_intermediate_size=128, intermediate_size=128, norm_topk_prob=False,
+             decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.01),
+    ),
+    "tiny-olmoe": (
+        "olmoe",
+        dict(_SHARED, num_key_value_heads=4, intermediate_size=32, num_experts=64, num_experts_per_tok=8,
+             norm_topk_prob=False, router_aux_loss_coef=0.01),
+    ),
+}
+NAMES = tuple(TINY)
+
+# family -> the real model's expert count, k and convention, scaled down for `tiny_random`
+_RANDOM = {
+    "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32),
+    "qwen2_moe": dict(num_experts=60, num_experts_per_tok=4, moe_intermediate_size=16,
+                      shared_expert_intermediate_size=32, intermediate_size=32, norm_topk_prob=False),
+    "qwen3_moe": dict(num_experts=16, num_experts_per_tok=4, moe_intermediate_size=16, intermediate_size=32,
+                      norm_topk_prob=True, head_dim=16),
+    "olmoe": dict(num_experts=64, num_experts_per_tok=8, intermediate_size=16, norm_topk_prob=False),
+}
+
+
+def _classes(family: str):
+    import transformers
+
+    if family not in FAMILIES:
+        raise ValueError(f"family={family!r}: not a supported MoE family; choose one of {sorted(FAMILIES)}")
+    cfg_name, model_name = FAMILIES[family]
+    return getattr(transformers, cfg_name), getattr(transformers, model_name)
+
+
+def models_dir() -> Path:
+    return data_dir() / "models"
+
+
+def model_dir(name: str) -> Path:
+    """data/models/<name> for a registry name."""
+    if name not in TINY:
+        raise ValueError(f"model {name!r}: not an embedded model; choose one of {list(NAMES)}")
+    return models_dir() / name
+
+
+def tokenizer_dir() -> Path:
+    """The shared tokenizer of the embedded models (a copy also sits in each model's folder)."""
+    return models_dir() / "tokenizer"
+
+
+def configs() -> dict:
+    """The three tiny configs (transformers config objects), by registry name."""
+    out = {}
+    for name, (family, kwargs) in TINY.items():
+        cfg_cls, _ = _classes(family)
+        out[name] = cfg_cls(**kwargs)
+    return out
+
+
+def build(name_or_family: str, seed: int = 0, **overrides):
+    """A freshly initialised model: a registry name's config, or a family's tiny config + overrides."""
+    if name_or_family in TINY:
+        family, kwargs = TINY[name_or_family]
+        kwargs = dict(kwargs)
+    else:
+        family = name_or_family
+        kwargs = dict(_SHARED, vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=128, **_RANDOM.get(family, {}))
+    kwargs.update(overrides)
+    cfg_cls, model_cls = _classes(family)
+    torch.manual_seed(seed)
+    model = model_cls(cfg_cls(**kwargs))
+    return model.eval()
+
+
+def tiny_random(family: str, seed: int = 0, **overrides):
+    """A tiny random-initialised model of a family (mixtral, qwen2_moe, qwen3_moe, olmoe), for tests.
+
+    Keeps the real model's expert count, k and renormalisation (qwen3_moe: 16 experts to stay small);
+    width 64, 2 layers, vocab 256. Any config field can be overridden.
+    """
+    if family not in FAMILIES:
+        raise ValueError(f"family={family!r}: not a supported MoE family; choose one of {sorted(FAMILIES)}")
+    return build(family, seed=seed, **overrides)
+
+
+def _num_experts(cfg) -> int | None:
+    for key in ("num_local_experts", "num_experts", "n_routed_experts"):
+        n = getattr(cfg, key, None)
+        if isinstance(n, int) and n > 0:
+            return n
+    return None
+
+
+def moe_info(model_or_config) -> dict:
+    """num_experts, native_k, renormalize (the model's top-k convention) and family of an MoE model."""
+    cfg = getattr(model_or_config, "config", model_or_config)
+    if hasattr(cfg, "get_text_config"):
+        cfg = cfg.get_text_config()
+    family = getattr(cfg, "model_type", None)
+    E = _num_experts(cfg)
+    k = getattr(cfg, "num_experts_per_tok", None)
+    if E is None or not isinstance(k, int):
+        raise ValueError(
+            f"model_type={family!r}: not an MoE model (no num_experts/num_local_experts and num_experts_per_tok "
+            f"in its config)"
+        )
+    if family == "mixtral":
+        renorm = True  # Mixtral always renormalises its top-k weights
+    else:
+        renorm = bool(getattr(cfg, "norm_topk_prob", False))
+    info = {"num_experts": E, "native_k": k, "renormalize": renorm, "family": family}
+    if getattr(cfg, "shared_expert_intermediate_size", 0):
+        info["shared_expert"] = True
+    return info
+
+
+def resolve(name_or_path: str | Path) -> Path:
+    """A registry name -> data/models/<name>; a path -> itself. Raises if there is no checkpoint."""
+    s = str(name_or_path)
+    if s in TINY:
+        path = model_dir(s)
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(
+                f"{path}: embedded model {s!r} has no checkpoint (no config.json); "
+                f"train it with `python -m moelab.train --model {s}` or restore data/models from git"
+            )
+        return path
+    path = Path(s).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(
+            f"{path}: no such directory; pass one of {list(NAMES)} or a local transformers checkpoint directory"
+        )
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"{path}: no config.json in it, so it is not a transformers checkpoint directory")
+    return path
+
+
+def load(name_or_path: str | Path, device=None, dtype=None):
+    """(model, tokenizer) from a registry name or a local checkpoint dir; eval mode.
+
+    device: default CPU. dtype: default float32 on CPU, bfloat16 on CUDA. Raises FileNotFoundError for a
+    missing checkpoint and ValueError for a model that is not a supported MoE model.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve(name_or_path)
+    cfg = AutoConfig.from_pretrained(path)
+    try:
+        info = moe_info(cfg)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+    if info["family"] not in FAMILIES:
+        log.warning("%s: family %r is not one moelab has an adapter for (%s)", path, info["family"], sorted(FAMILIES))
+    device = torch.device(device or "cpu")
+    if dtype is None:
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    tok_path = path if (path / "tokenizer.json").exists() or (path / "tokenizer_config.json").exists() else None
+    if tok_path is None:
+        raise FileNotFoundError(f"{path}: no tokenizer files (tokenizer.json, tokenizer_config.json) beside the model")
+    tokenizer = AutoTokenizer.from_pretrained(tok_path)
+    return model, tokenizer
+
+
+def n_params(model) -> int:
+    """Distinct parameters (tied embeddings counted once)."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel()
+    return total
+
+
+@torch.no_grad()
+def router_stats(model, ids, seq_len: int | None = None, max_tokens: int = 16384, batch_size: int = 8) -> dict:
+    """Per-layer router statistics of a model on a token stream (chunks of seq_len, no padding).
+
+    load_entropy[l]: normalised entropy of layer l's expert load (top-k selections counted), 1 = balanced;
+    token_entropy_q[l]: quantiles (q05, q25, q50, q75, q95) of per-token router entropy / log(E).
+    """
+    info = moe_info(model)
+    E, k = info["num_experts"], info["native_k"]
+    ids = torch.as_tensor(ids, dtype=torch.long).flatten()[:max_tokens]
+    seq_len = seq_len or min(512, model.config.max_position_embeddings)
+    n = ids.numel() // seq_len
+    if n < 1:
+        raise ValueError(f"{ids.numel()} tokens: need at least seq_len={seq_len} for router statistics")
+    x_NL = ids[: n * seq_len].view(n, seq_len)
+    device = next(model.parameters()).device
+    loads, ents = None, None
+    for i in range(0, n, batch_size):
+        out = model(input_ids=x_NL[i : i + batch_size].to(device), output_router_logits=True, use_cache=False)
+        layers = [r for r in out.router_logits if r is not None]
+        if loads is None:
+            loads = [torch.zeros(E, dtype=torch.float64) for _ in layers]
+            ents = [[] for _ in layers]
+        for l, logits_TE in enumerate(layers):
+            logits_TE = logits_TE.float().reshape(-1, E)
+            top_TK = logits_TE.topk(k, dim=-1).indices
+            loads[l] += torch.bincount(top_TK.flatten().cpu(), minlength=E).double()
+            logp_TE = torch.log_softmax(logits_TE, dim=-1)
+            ents[l].append((-(logp_TE.exp() * logp_TE).sum(-1) / np.log(E)).cpu())
+    qs = (0.05, 0.25, 0.5, 0.75, 0.95)
+    load_entropy, token_q = [], []
+    for l in range(len(loads)):
+        p = loads[l] / loads[l].sum()
+        nz = p[p > 0]
+        load_entropy.append(float(-(nz * nz.log()).sum() / np.log(E)))
+        token_q.append([float(v) for v in torch.quantile(torch.cat(ents[l]), torch.tensor(qs)).tolist()])
+    return {
+        "tokens": n * seq_len,
+        "load_entropy": load_entropy,
+        "token_entropy_quantiles": qs,
+        "token_entropy_q": token_q,
+        "load": [ld.tolist() for ld in loads],
+    }

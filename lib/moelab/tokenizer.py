@@ -1,0 +1,73 @@
+"""The embedded models' shared tokenizer: a byte-level BPE trained on `moelab.data.training_texts()`.
+
+Byte-level, so any text encodes without unknown tokens; saved as a transformers
+`PreTrainedTokenizerFast` so `AutoTokenizer.from_pretrained(dir)` loads it next to each model.
+Also the unigram baseline the models are compared against (same tokenizer, same text).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import Counter
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+EOS = "<|endoftext|>"
+PAD = "<|pad|>"
+VOCAB_SIZE = 8192
+
+
+def train_tokenizer(texts: dict[str, str] | None = None, vocab_size: int = VOCAB_SIZE):
+    """Train a byte-level BPE on `texts` (default: the training texts) -> PreTrainedTokenizerFast."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    if vocab_size < 300:
+        raise ValueError(f"vocab_size={vocab_size}: must be >= 300 (256 bytes + specials + merges)")
+    if texts is None:
+        from moelab.data import training_texts
+
+        texts = training_texts()
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS, PAD],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(list(texts.values()), trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token=EOS, bos_token=EOS, pad_token=PAD
+    )
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    """Token ids of a long text, no special tokens (the same call everywhere in moelab)."""
+    return tokenizer(text, add_special_tokens=False, return_attention_mask=False)["input_ids"]
+
+
+def unigram_perplexity(tokenizer, train_text: str | list[int], eval_text: str | list[int]) -> dict:
+    """Perplexity of an add-one-smoothed unigram model fitted on train_text, scored on eval_text.
+
+    The floor a language model must beat by far: it knows token frequencies and nothing else.
+    """
+    train_ids = encode(tokenizer, train_text) if isinstance(train_text, str) else list(train_text)
+    eval_ids = encode(tokenizer, eval_text) if isinstance(eval_text, str) else list(eval_text)
+    if not eval_ids:
+        raise ValueError("eval_text: encodes to 0 tokens; need at least 1 to score")
+    V = len(tokenizer)
+    counts = Counter(train_ids)
+    total = len(train_ids) + V
+    nll = -sum(math.log((counts.get(t, 0) + 1) / total) for t in eval_ids) / len(eval_ids)
+    return {"ppl": math.exp(nll), "nll": nll, "scored_tokens": len(eval_ids), "train_tokens": len(train_ids)}
+
+
+def save_tokenizer(tokenizer, directory: str | Path) -> Path:
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(directory)
+    return directory

@@ -1,0 +1,421 @@
+"""Train an embedded MoE model: a plain loop with the model's own router load-balancing loss.
+
+`python -m moelab.train --model tiny-olmoe --out data/models/tiny-olmoe` trains on
+`moelab.data.training_texts()` (never WikiText-2 test), validates on `heldout_texts()` every
+`eval_every` steps, keeps the best-validation weights (bf16 safetensors) in `out`, keeps the latest
+state (fp32 weights, optimizer, data order, RNG) in `out/.resume` so a killed run resumes where it
+stopped, and writes `out/train_log.json`. `--card` evaluates a trained checkpoint and writes its README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import logging
+import math
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from moelab import models
+from moelab.results import command_line, commit, machine, write_json
+from moelab.tokenizer import EOS, encode
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    model: str = "tiny-olmoe"  # registry name (its config) or a family for a micro model
+    out: str = ""  # output dir (default data/models/<model>)
+    tokenizer: str = ""  # tokenizer dir (default data/models/tokenizer)
+    overrides: dict = dataclasses.field(default_factory=dict)  # config fields over the registry config
+    seq_len: int = 512
+    batch_size: int = 32
+    lr: float = 1.5e-3
+    min_lr_frac: float = 0.1
+    warmup_steps: int = 50
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    max_steps: int = 800
+    time_budget_s: float = 0.0  # stop early after this much training wall time (0: no limit)
+    stop_after: int = 0  # stop this invocation after this many steps, resumable (0: run to the end)
+    eval_every: int = 50
+    eval_tokens: int = 65536  # held-out tokens per validation (the first eval_tokens/7 of each held-out text)
+    train_tokens: int = 0  # use only the first N training tokens (0: all), e.g. for CPU tests
+    seed: int = 0
+    device: str = ""  # default: cuda if available
+    amp: str = "bf16"  # autocast dtype on CUDA: bf16 or none
+    log_every: int = 10
+
+
+# fields that may differ when a run is resumed (they do not change what is computed)
+_RESUMABLE_CHANGES = ("time_budget_s", "stop_after", "device", "log_every")
+
+
+def _stream(tokenizer, texts: dict[str, str], per_text: int = 0) -> torch.Tensor:
+    """All texts encoded and joined with EOS between them, as one int32 stream.
+
+    per_text > 0: only the first per_text tokens of each text (texts are cut to 8 chars/token first, more
+    than any text here needs, so that short slices encode fast).
+    """
+    eos = tokenizer.convert_tokens_to_ids(EOS)
+    values = [v[: per_text * 8] for v in texts.values()] if per_text else list(texts.values())
+    enc = tokenizer(values, add_special_tokens=False, return_attention_mask=False)["input_ids"]
+    out: list[int] = []
+    for ids in enc:
+        out.extend(ids[:per_text] if per_text else ids)
+        out.append(eos)
+    return torch.tensor(out, dtype=torch.int32)
+
+
+def _lr(cfg: TrainConfig, step: int) -> float:
+    """Linear warm-up, then cosine decay to min_lr_frac * lr at max_steps."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    t = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps))
+    return cfg.lr * (cfg.min_lr_frac + (1 - cfg.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+@torch.no_grad()
+def validation_loss(model, val_LS: torch.Tensor, batch_size: int, device, amp_dtype) -> float:
+    """Mean next-token loss (no router loss) over the fixed held-out chunks."""
+    model.eval()
+    total, n = 0.0, 0
+    for i in range(0, val_LS.shape[0], batch_size):
+        x = val_LS[i : i + batch_size].to(device).long()
+        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+            logits = model(input_ids=x, use_cache=False).logits
+        loss = torch.nn.functional.cross_entropy(
+            logits[:, :-1].float().reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1), reduction="sum"
+        )
+        total += float(loss)
+        n += x[:, 1:].numel()
+    model.train()
+    return total / n
+
+
+def _save_best(model, out: Path) -> None:
+    """The best weights as bf16 safetensors + config (a copy, so the fp32 master weights stay exact)."""
+    copy.deepcopy(model).to(torch.bfloat16).save_pretrained(out)
+
+
+def _save_resume(model, opt, state: dict, out: Path) -> None:
+    d = out / ".resume"
+    tmp = out / ".resume.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    model.save_pretrained(tmp)
+    torch.save({"optimizer": opt.state_dict(), "torch_rng": torch.get_rng_state(),
+                "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
+               tmp / "optim.pt")
+    write_json(tmp / "state.json", state)
+    shutil.rmtree(d, ignore_errors=True)
+    tmp.rename(d)
+
+
+def _forward_backward(model, x, amp_dtype, device):
+    with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+        outp = model(input_ids=x, labels=x, use_cache=False)
+    outp.loss.backward()
+    return outp
+
+
+def _first_step(model, x, amp_dtype, device):
+    """The first step, falling back to the eager experts loop if this torch's grouped_mm cannot run here
+    (fp32 expert weights under bf16 autocast are not supported by every torch/GPU pair)."""
+    impl = getattr(model.config, "_experts_implementation", None)
+    if impl in (None, "eager"):
+        return _forward_backward(model, x, amp_dtype, device)
+    try:
+        return _forward_backward(model, x, amp_dtype, device)
+    except (RuntimeError, NotImplementedError) as e:
+        log.warning("experts implementation %r failed on %s (%s); falling back to 'eager'", impl, device, e)
+        model.zero_grad(set_to_none=True)
+        model.config._experts_implementation = "eager"
+        return _forward_backward(model, x, amp_dtype, device)
+
+
+def train(cfg: TrainConfig) -> dict:
+    """Train (or resume) one model; returns the train log (also written to out/train_log.json)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from moelab.data import heldout_texts, training_texts
+
+    if cfg.seq_len < 8 or cfg.batch_size < 1 or cfg.max_steps < 1:
+        raise ValueError(f"seq_len={cfg.seq_len}, batch_size={cfg.batch_size}, max_steps={cfg.max_steps}: "
+                         "need seq_len >= 8, batch_size >= 1, max_steps >= 1")
+    if cfg.amp not in ("bf16", "none"):
+        raise ValueError(f"amp={cfg.amp!r}: must be 'bf16' or 'none'")
+    out = Path(cfg.out or models.models_dir() / cfg.model)
+    out.mkdir(parents=True, exist_ok=True)
+    device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    amp_dtype = torch.bfloat16 if (device.type == "cuda" and cfg.amp == "bf16") else None
+
+    tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer or models.tokenizer_dir())
+    tokenizer.save_pretrained(out)
+    t0 = time.perf_counter()
+    texts = training_texts()
+    if cfg.train_tokens:  # the first train_tokens of the stream, without encoding all of it
+        train_ids = _stream(tokenizer, {k: texts[k] for k in list(texts)[:1]}, cfg.train_tokens)[: cfg.train_tokens]
+    else:
+        train_ids = _stream(tokenizer, texts)
+    held = heldout_texts()
+    val_ids = _stream(tokenizer, held, max(1, cfg.eval_tokens // len(held)))
+    L = cfg.seq_len
+    n_chunks = train_ids.numel() // L
+    if n_chunks < cfg.batch_size:
+        raise ValueError(f"{train_ids.numel()} training tokens: fewer than one batch of {cfg.batch_size}x{L}")
+    train_NL = train_ids[: n_chunks * L].view(n_chunks, L)
+    val_LS = val_ids[: (val_ids.numel() // L) * L].view(-1, L)
+    log.info("data: %d training tokens (%d chunks), %d validation tokens, encoded in %.1fs",
+             train_ids.numel(), n_chunks, val_LS.numel(), time.perf_counter() - t0)
+
+    resume = out / ".resume" / "state.json"
+    if resume.exists():
+        state = json.loads(resume.read_text())
+        changed = {k: (v, state["config"].get(k)) for k, v in dataclasses.asdict(cfg).items()
+                   if state["config"].get(k) != v and k not in _RESUMABLE_CHANGES}
+        if changed:
+            raise ValueError(f"{resume}: resuming with a different config {changed} (new, old); "
+                             f"delete {resume.parent} to start over")
+        model = AutoModelForCausalLM.from_pretrained(out / ".resume", dtype=torch.float32).to(device)
+        log.info("resuming %s at step %d", out, state["step"])
+    else:
+        state = {"config": dataclasses.asdict(cfg), "step": 0, "tokens_seen": 0, "train_wall_s": 0.0,
+                 "loss_curve": [], "val_curve": [], "best_val": None, "best_step": None}
+        model = models.build(cfg.model, seed=cfg.seed, **cfg.overrides).to(device)
+    model.train()
+    model.config.output_router_logits = True  # the model adds router_aux_loss_coef * its balancing loss
+    coef = float(model.config.router_aux_loss_coef)
+
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "norm" not in n]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2 or "norm" in n]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
+    if resume.exists():
+        extra = torch.load(out / ".resume" / "optim.pt", weights_only=False)
+        opt.load_state_dict(extra["optimizer"])
+        torch.set_rng_state(extra["torch_rng"])
+        if extra["cuda_rng"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(extra["cuda_rng"])
+
+    def order(epoch: int) -> torch.Tensor:  # the data order of an epoch depends only on seed and epoch
+        g = torch.Generator().manual_seed(cfg.seed * 100003 + epoch)
+        return torch.randperm(n_chunks, generator=g)
+
+    per_epoch = n_chunks // cfg.batch_size
+    bar = tqdm(total=cfg.max_steps, initial=state["step"], desc=f"train {cfg.model}", unit="step")
+    t_start = time.perf_counter() - state["train_wall_s"]
+    stop_reason = "max_steps"
+    start_step = state["step"]
+    while state["step"] < cfg.max_steps:
+        step = state["step"]
+        epoch, pos = divmod(step, per_epoch)
+        idx = order(epoch)[pos * cfg.batch_size : (pos + 1) * cfg.batch_size]
+        x = train_NL[idx].to(device).long()
+        for group in opt.param_groups:
+            group["lr"] = _lr(cfg, step)
+        opt.zero_grad(set_to_none=True)
+        if state["step"] == start_step:  # first step of this invocation: check the experts kernel works here
+            outp = _first_step(model, x, amp_dtype, device)
+        else:
+            outp = _forward_backward(model, x, amp_dtype, device)
+        loss = outp.loss
+        gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        state["step"] = step + 1
+        state["tokens_seen"] += x.numel()
+        bar.update(1)
+        if state["step"] % cfg.log_every == 0 or state["step"] == 1:
+            aux = float(outp.aux_loss.detach()) if outp.aux_loss is not None else 0.0
+            lm = loss.item() - coef * aux
+            state["loss_curve"].append({"step": state["step"], "tokens": state["tokens_seen"], "loss": lm,
+                                        "aux_loss": aux, "lr": _lr(cfg, step), "grad_norm": float(gnorm),
+                                        "epoch": state["tokens_seen"] / train_ids.numel()})
+            bar.set_postfix(loss=f"{lm:.3f}", aux=f"{aux:.3f}")
+        last = state["step"] == cfg.max_steps
+        over_time = bool(cfg.time_budget_s) and time.perf_counter() - t_start > cfg.time_budget_s
+        stop_now = bool(cfg.stop_after) and state["step"] - start_step >= cfg.stop_after
+        if state["step"] % cfg.eval_every == 0 or last or over_time or stop_now:
+            val = validation_loss(model, val_LS, cfg.batch_size, device, amp_dtype)
+            state["val_curve"].append({"step": state["step"], "tokens": state["tokens_seen"], "val_loss": val,
+                                       "epoch": state["tokens_seen"] / train_ids.numel()})
+            tqdm.write(f"{cfg.model} step {state['step']}: val loss {val:.4f} (ppl {math.exp(val):.1f})")
+            if state["best_val"] is None or val < state["best_val"]:
+                state["best_val"], state["best_step"] = val, state["step"]
+                _save_best(model, out)
+            state["train_wall_s"] = time.perf_counter() - t_start
+            _save_resume(model, opt, state, out)
+        if over_time or stop_now:
+            stop_reason = f"time_budget_s={cfg.time_budget_s}" if over_time else f"stop_after={cfg.stop_after}"
+            break
+    bar.close()
+    state["train_wall_s"] = time.perf_counter() - t_start
+    train_log = {
+        "model": cfg.model,
+        "config": dataclasses.asdict(cfg),
+        "model_config": model.config.to_diff_dict(),
+        "moe": models.moe_info(model),
+        "experts_implementation": getattr(model.config, "_experts_implementation", None),
+        "params": models.n_params(model),
+        "steps": state["step"],
+        "stop_reason": stop_reason,
+        "tokens_seen": state["tokens_seen"],
+        "train_tokens": int(train_ids.numel()),
+        "epochs": state["tokens_seen"] / train_ids.numel(),
+        "validation_tokens": int(val_LS.numel()),
+        "best_val_loss": state["best_val"],
+        "best_step": state["best_step"],
+        "loss_curve": state["loss_curve"],
+        "val_curve": state["val_curve"],
+        "wall_time_s": state["train_wall_s"],
+        "device": str(device),
+        "machine": machine(),
+        "commit": commit(),
+        "command": command_line(),
+        "data": "moelab.data.training_texts() (tinyshakespeare, five OLMoE domain texts, WikiText-2 valid, "
+                "each minus its last 5% held out); validation: first eval_tokens of heldout_texts()",
+    }
+    write_json(out / "train_log.json", train_log)
+    return train_log
+
+
+# ---- model card ---------------------------------------------------------------------------------------
+
+def evaluate(name_or_path, eval_tokens: int | None = None, stats_tokens: int = 32768, context: int = 2048,
+             stride: int = 512) -> dict:
+    """WikiText-2 test perplexity vs a unigram model (same tokenizer), and router statistics on held-out text."""
+    from moelab.data import heldout_texts, load_text, training_texts
+    from moelab.perplexity import perplexity
+    from moelab.tokenizer import unigram_perplexity
+
+    model, tok = models.load(name_or_path)
+    test_ids = encode(tok, load_text("wikitext2_test.raw"))
+    if eval_tokens:
+        test_ids = test_ids[:eval_tokens]
+    ppl = perplexity(model, tok, test_ids, context=context, stride=stride)
+    uni = unigram_perplexity(tok, _stream(tok, training_texts()).tolist(), test_ids)
+    held = _stream(tok, heldout_texts())
+    stats = models.router_stats(model, held, max_tokens=stats_tokens)
+    return {"wikitext2_test": ppl, "unigram": uni, "router": stats, "params": models.n_params(model),
+            "moe": models.moe_info(model), "machine": machine(), "commit": commit()}
+
+
+def _card(name: str, path: Path, ev: dict, tlog: dict) -> str:
+    moe = ev["moe"]
+    mc = tlog["model_config"]
+    d = mc.get("hidden_size")
+    q = ev["router"]["token_entropy_q"]
+    rows = "\n".join(
+        f"| {l} | {ev['router']['load_entropy'][l]:.3f} | " + " | ".join(f"{v:.3f}" for v in q[l]) + " |"
+        for l in range(len(q))
+    )
+    size_mb = sum(f.stat().st_size for f in path.glob("*.safetensors")) / 1e6
+    val = tlog["val_curve"]
+    wt, uni = ev["wikitext2_test"], ev["unigram"]
+    renorm = "renormalised" if moe["renormalize"] else "not renormalised"
+    shared = ", plus a shared expert with its gate" if moe.get("shared_expert") else ""
+    return f"""# {name}
+
+A small {moe['family']} mixture-of-experts language model trained by `moelab.train`, so that moelab's
+notebooks have a *trained* router to study on a machine without a model hub. Its routing geometry
+mirrors the real model: {moe['num_experts']} experts, top-{moe['native_k']}, top-k weights
+{renorm}{shared}.
+
+**Good for**: studying routing policies (adaptive k, top-p, ratio skipping) end to end on a CPU in seconds:
+real learned routers, real perplexity changes. **Not** a useful language model: it is tiny and trained on
+~3M tokens, so absolute perplexities are high; compare policies against this model's own top-k.
+
+## Size
+- {ev['params']:,} parameters (tied input/output embeddings), hidden {d}, {mc.get('num_hidden_layers')} layers,
+  vocabulary {mc.get('vocab_size')}, context {mc.get('max_position_embeddings')} tokens
+- weights stored in bf16 safetensors: {size_mb:.1f} MB; `moelab.models.load('{name}')` loads fp32 on the CPU
+
+## Data and training
+- Tokenizer: byte-level BPE, {mc.get('vocab_size')} tokens, trained with `tokenizers` on the training texts
+  (shared by the three embedded models; `moelab.tokenizer`).
+- Training text: `moelab.data.training_texts()`: tinyshakespeare, the five OLMoE domain texts
+  (arXiv, books, C4, GitHub, Wikipedia) and WikiText-2 valid, each minus its last 5% (held out):
+  {tlog['train_tokens']:,} tokens. WikiText-2 test is never trained on.
+- {tlog['steps']} steps of {tlog['config']['batch_size']} x {tlog['config']['seq_len']} tokens
+  ({tlog['tokens_seen']:,} tokens, {tlog['epochs']:.2f} epochs), AdamW lr {tlog['config']['lr']}, cosine,
+  router load-balancing loss coefficient {mc.get('router_aux_loss_coef')};
+  {tlog['wall_time_s']:.0f} s on {tlog['machine']['device']} (commit {tlog['commit'][:12]}).
+- Checkpoint = best validation loss on the held-out slices: step {tlog['best_step']},
+  val loss {tlog['best_val_loss']:.3f} (ppl {math.exp(tlog['best_val_loss']):.1f}); first/last validation:
+  {val[0]['val_loss']:.3f} / {val[-1]['val_loss']:.3f}. Full curves in `train_log.json`.
+
+## Evaluation (`python -m moelab.train --card {name}`, {ev['machine']['device']}, commit {ev['commit'][:12]})
+| | perplexity | scored tokens |
+|---|---|---|
+| this model, WikiText-2 test (raw), context {wt['context']}, stride {wt['stride']} | **{wt['ppl']:.1f}** | \
+{wt['scored_tokens']:,} |
+| unigram model (add-one, fitted on the training tokens), same tokenizer | {uni['ppl']:.1f} | {uni['scored_tokens']:,} |
+
+Router statistics on {ev['router']['tokens']:,} held-out tokens (`moelab.models.router_stats`):
+load entropy = normalised entropy of the expert load (top-{moe['native_k']} selections), 1 = balanced;
+per-token router entropy / log({moe['num_experts']}) at quantiles 5/25/50/75/95%.
+
+| layer | load entropy | q05 | q25 | q50 | q75 | q95 |
+|---|---|---|---|---|---|---|
+{rows}
+"""
+
+
+def write_card(name_or_path: str, eval_tokens: int | None = None) -> Path:
+    """Evaluate a trained model (registry name or checkpoint dir with train_log.json); write README.md, eval.json."""
+    path = models.resolve(name_or_path)
+    tlog = json.loads((path / "train_log.json").read_text())
+    ev = evaluate(path, eval_tokens=eval_tokens)
+    write_json(path / "eval.json", ev)
+    name = name_or_path if str(name_or_path) in models.NAMES else path.name
+    (path / "README.md").write_text(_card(name, path, ev, tlog))
+    return path / "README.md"
+
+
+def train_tokenizer_cli() -> Path:
+    """Train the shared tokenizer into data/models/tokenizer."""
+    from moelab.tokenizer import save_tokenizer, train_tokenizer
+
+    return save_tokenizer(train_tokenizer(), models.tokenizer_dir())
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m moelab.train", description=__doc__.split("\n")[0])
+    for f in dataclasses.fields(TrainConfig):
+        if f.name == "overrides":
+            p.add_argument("--overrides", type=json.loads, default={},
+                           help="JSON dict of config fields over the registry config")
+            continue
+        p.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default)
+    p.add_argument("--card", action="store_true",
+                   help="evaluate the trained model (--out dir, else --model's) and write its README.md")
+    p.add_argument("--card-tokens", type=int, default=0, help="with --card: score only this many test tokens")
+    p.add_argument("--tokenizer-only", action="store_true", help="train the shared tokenizer and exit")
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
+    if a.tokenizer_only:
+        print(train_tokenizer_cli())
+        return 0
+    if a.card:
+        print(write_card(a.out or a.model, eval_tokens=a.card_tokens or None))
+        return 0
+    cfg = TrainConfig(**{f.name: getattr(a, f.name) for f in dataclasses.fields(TrainConfig)})
+    tlog = train(cfg)
+    print(json.dumps({k: tlog[k] for k in ("model", "steps", "tokens_seen", "epochs", "best_val_loss",
+                                            "best_step", "wall_time_s", "params")}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
+
+__all__ = ["TrainConfig", "train", "validation_loss", "evaluate", "write_card", "main"]

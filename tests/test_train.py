@@ -1,0 +1,65 @@
+"""The training loop on a micro model on the CPU: it learns, resumes exactly, and logs the run."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from moelab import models
+from moelab.train import TrainConfig, train
+
+pytestmark = pytest.mark.skipif(not (models.tokenizer_dir() / "tokenizer.json").exists(),
+                                reason="the shared tokenizer data/models/tokenizer is missing")
+
+MICRO = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+             intermediate_size=16, num_experts=8, num_experts_per_tok=2)
+
+
+def _cfg(out, **kw):
+    base = dict(model="tiny-olmoe", out=str(out), overrides=MICRO, seq_len=32, batch_size=4, lr=3e-3,
+                warmup_steps=2, max_steps=8, eval_every=4, eval_tokens=700, train_tokens=4000, log_every=1,
+                device="cpu")
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def test_train_resume_and_log(tmp_path):
+    full = train(_cfg(tmp_path / "full"))
+    # the same run killed after 3 steps and resumed must end with the same weights
+    part = train(_cfg(tmp_path / "split", stop_after=3))
+    assert part["steps"] == 3 and part["stop_reason"] == "stop_after=3"
+    resumed = train(_cfg(tmp_path / "split"))
+    assert resumed["steps"] == 8 and resumed["tokens_seen"] == full["tokens_seen"] == 8 * 4 * 32
+    w_full = load_file(tmp_path / "full" / ".resume" / "model.safetensors")
+    w_split = load_file(tmp_path / "split" / ".resume" / "model.safetensors")
+    assert w_full.keys() == w_split.keys()
+    for k in w_full:
+        torch.testing.assert_close(w_full[k], w_split[k], rtol=1e-5, atol=1e-6, msg=k)
+    # a changed config does not silently resume
+    with pytest.raises(ValueError, match="different config"):
+        train(_cfg(tmp_path / "split", lr=1e-3))
+
+    log = json.loads((tmp_path / "split" / "train_log.json").read_text())
+    for key in ("config", "tokens_seen", "loss_curve", "val_curve", "wall_time_s", "device", "machine", "commit"):
+        assert key in log, key
+    assert log["machine"]["torch"] == torch.__version__
+    assert [p["step"] for p in log["loss_curve"]] == list(range(1, 9))
+    assert all(p["aux_loss"] > 0 for p in log["loss_curve"])  # the router balancing loss was on
+    losses = [p["loss"] for p in log["loss_curve"]]
+    assert losses[-1] < losses[0]  # it learns
+    assert log["best_val_loss"] == min(v["val_loss"] for v in log["val_curve"])
+
+    # the best checkpoint is a loadable bf16 model with the tokenizer beside it
+    model, tok = models.load(tmp_path / "split")
+    assert model.dtype == torch.float32 and models.moe_info(model)["num_experts"] == 8
+    stored = load_file(tmp_path / "split" / "model.safetensors")
+    assert all(v.dtype == torch.bfloat16 for v in stored.values())
+    assert tok.decode(tok("the sea")["input_ids"]) == "the sea"
+
+
+def test_bad_config_raises(tmp_path):
+    with pytest.raises(ValueError, match="seq_len=4"):
+        train(_cfg(tmp_path / "x", seq_len=4))
+    with pytest.raises(ValueError, match="amp='fp16'"):
+        train(_cfg(tmp_path / "x", amp="fp16"))
