@@ -20,7 +20,7 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from moelab.evaluate import RouterSample, estimate, evaluate, policy_label
+from moelab.evaluate import RouterSample, estimate, evaluate, policy_label, router_sample
 from moelab.routing import EntropyAdaptiveK, Policy, RatioSkip, TopK, TopP
 
 __all__ = [
@@ -35,6 +35,9 @@ __all__ = [
     "PUBLISHED",
     "CLAIMS",
     "published_configs",
+    "calibration_k_values",
+    "paper_rows",
+    "paper_table",
 ]
 
 log = logging.getLogger(__name__)
@@ -286,14 +289,19 @@ def verdict(frame: pd.DataFrame, kinds=("EntropyAdaptiveK", "TopP", "RatioSkip")
     if not lines:
         return "No target reduction was reached by two or more policies, so there is no matched comparison."
     total = sum(wins.values())
-    leader = max(wins, key=wins.get)
     ent = wins.get("EntropyAdaptiveK", 0)
-    if leader == "EntropyAdaptiveK" and ent > total / 2:
+    others = {k: v for k, v in wins.items() if k != "EntropyAdaptiveK"}
+    best_other = max(others, key=others.get) if others else None
+    counts = ", ".join(f"{k} {v}" for k, v in sorted(wins.items(), key=lambda kv: -kv[1]))
+    if best_other is None or ent > others[best_other]:
         head = (f"Entropy is the better signal here: EntropyAdaptiveK has the lowest perplexity at {ent} of "
-                f"{total} matched compute levels.")
+                f"{total} matched compute levels ({counts}).")
+    elif ent == others[best_other]:
+        head = (f"Entropy is not clearly the better signal here: EntropyAdaptiveK ties with {best_other} for the "
+                f"most matched compute levels with the lowest perplexity ({counts} of {total}).")
     else:
-        head = (f"Entropy is not the better signal here: {leader} has the lowest perplexity at {wins[leader]} "
-                f"of {total} matched compute levels, EntropyAdaptiveK at {ent}.")
+        head = (f"Entropy is not the better signal here: {best_other} has the lowest perplexity at "
+                f"{others[best_other]} of {total} matched compute levels, EntropyAdaptiveK at {ent} ({counts}).")
     fixed = []
     for _, r in frame[frame["kind"] == "TopK"].iterrows():
         vals = at(float(r["expert_reduction"]))
@@ -336,3 +344,129 @@ def published_configs(family: str, num_experts: int) -> dict[str, EntropyAdaptiv
         if kv[-1] <= num_experts:
             out[name] = EntropyAdaptiveK(kv, th)
     return out
+
+
+def calibration_k_values(family: str, native_k: int) -> tuple[int, ...]:
+    """k values to calibrate with: the family's published preset if it reaches native k, else a ladder."""
+    preset = {"mixtral": "sdk-mixtral", "qwen2_moe": "sdk-qwen-moe", "olmoe": "sdk-olmoe"}.get(family)
+    if preset and PUBLISHED[preset][0][-1] >= native_k:
+        return PUBLISHED[preset][0]
+    ladder = sorted({max(1, native_k // 4), max(1, native_k // 2), native_k})
+    return tuple(ladder) if len(ladder) > 1 else (native_k, native_k + 1)
+
+
+def paper_rows(
+    model,
+    name: str,
+    eval_ids: torch.Tensor,
+    cal_ids: torch.Tensor,
+    context: int = 2048,
+    stride: int = 512,
+    batch_size: int = 8,
+    budget: float = 0.005,
+    budget_steps: int = 6,
+    targets=(0.1, 0.2, 0.3, 0.4),
+    k_values=None,
+    per_layer: bool = True,
+    fixed_ks=None,
+    progress: bool = True,
+) -> dict:
+    """Everything the paper table needs for one model, all measured with patched forwards.
+
+    Sections (column `section`): baseline (unchanged model), patched-native (the model's own TopK through
+    moelab: the patching noise floor), published (the configurations of the claims), claimed-target
+    (thresholds calibrated on held-out text to the PR's claimed reduction), calibrated (largest reduction
+    within `budget` on held-out text, shared and per-layer thresholds), matched (EntropyAdaptiveK, TopP,
+    RatioSkip at the same compute, and lower fixed k). Perplexity is always on eval_ids; thresholds only
+    ever see cal_ids. Returns dict(rows: list of dicts, traces: DataFrame, verdict: str).
+    """
+    import time
+
+    from moelab.hf import moe_layers, native_policy
+    from moelab.models import moe_info
+
+    info = moe_info(model)
+    family, native_k, E = info["family"], info["native_k"], info["num_experts"]
+    kw = dict(context=context, stride=stride, batch_size=batch_size)
+    claims = CLAIMS.get(family, {})
+    rows, traces = [], []
+
+    def add(section, ev_summary, t0, **extra):
+        rows.append({"model": name, "family": family, "section": section, **ev_summary, **extra,
+                     "wall_s": time.perf_counter() - t0, **claims})
+
+    t0 = time.perf_counter()
+    base = evaluate(model, None, eval_ids, progress=progress, **kw).summary
+    base_ppl = base["ppl"]
+    add("baseline", {**base, "ppl_base": base_ppl, "ppl_change": 0.0}, t0, config="native (unpatched)")
+    t0 = time.perf_counter()
+    nat = [native_policy(layer) for layer in moe_layers(model)]
+    s = evaluate(model, nat, eval_ids, baseline_ppl=base_ppl, progress=False, **kw).summary
+    add("patched-native", s, t0, config=f"TopK k={native_k} via moelab")
+    for cname, pol in published_configs(family, E).items():
+        t0 = time.perf_counter()
+        s = evaluate(model, pol, eval_ids, baseline_ppl=base_ppl, progress=False, **kw).summary
+        add("published", s, t0, config=cname)
+
+    t0 = time.perf_counter()
+    kv = tuple(k_values) if k_values else calibration_k_values(family, native_k)
+    sample = router_sample(model, cal_ids, context=context, batch_size=batch_size, k_cap=min(E, max(kv[-1], 16)),
+                           progress=False)
+    log.info("%s: router sample of %d held-out tokens in %.1fs", name, sample.num_tokens, time.perf_counter() - t0)
+    lo_r, hi_r = 1 - kv[-1] / native_k, 1 - kv[0] / native_k
+    if claims:
+        r = claims["pr_reduction"]
+        if lo_r <= r <= hi_r:
+            t0 = time.perf_counter()
+            pol = calibrate_thresholds(sample, kv, r)
+            s = evaluate(model, pol, eval_ids, baseline_ppl=base_ppl, progress=False, **kw).summary
+            add("claimed-target", s, t0, config=f"calibrated to claimed {r:.1%}", target_reduction=r)
+        else:
+            rows.append({"model": name, "family": family, "section": "claimed-target", "native_k": native_k,
+                         "config": f"claimed {r:.1%} unreachable: k >= {kv[0]} gives at most {hi_r:.1%}",
+                         "target_reduction": r, **claims})
+    cal_red = []
+    for pl in (False, True) if per_layer else (False,):
+        t0 = time.perf_counter()
+        res = budget_search(model, sample, cal_ids, kv, budget=budget, per_layer=pl, steps=budget_steps,
+                            progress=False, **kw)
+        traces.append(res["trace"].assign(model=name, per_layer=pl))
+        s = evaluate(model, res["policy"], eval_ids, baseline_ppl=base_ppl, progress=False, **kw).summary
+        add("calibrated", s, t0, config=f"{'per-layer' if pl else 'shared'} thresholds, budget {budget:+.1%}",
+            cal_ppl_change=res["ppl_change"], cal_within_budget=res["within_budget"],
+            target_reduction=res["target_reduction"])
+        cal_red.append(res["target_reduction"])
+    t0 = time.perf_counter()
+    tg = sorted({round(float(t), 4) for t in [*targets, *cal_red] if lo_r <= t <= hi_r and 0 < t})
+    if fixed_ks is None:
+        fixed_ks = sorted({k for k in (1, native_k // 2, (3 * native_k) // 4) if 1 <= k < native_k})
+    matched = compare_at_matched_compute(model, sample, eval_ids, tg, kv, base_ppl, fixed_ks=fixed_ks,
+                                         progress=progress, **kw)
+    for rec in matched.to_dict("records"):
+        rows.append({"model": name, "family": family, "section": "matched", "config": rec["label"], **rec,
+                     **claims})
+    rows[-1]["wall_s"] = time.perf_counter() - t0  # the whole matched block
+    return {"rows": rows, "traces": pd.concat(traces, ignore_index=True) if traces else pd.DataFrame(),
+            "verdict": verdict(matched) if len(matched) else "", "sample": sample}
+
+
+def paper_table(rows) -> pd.DataFrame:
+    """The paper's table: model, config, native k, mean k, compute %, ppl base -> policy, change %, claims."""
+    f = pd.DataFrame(rows)
+    f = f[f["section"].isin(["baseline", "patched-native", "published", "claimed-target", "calibrated"])]
+    out = pd.DataFrame({
+        "model": f["model"],
+        "config": f["config"],
+        "native k": f["native_k"],
+        "mean k": f.get("mean_k"),
+        "compute %": 100 * (1 - f.get("expert_reduction")),
+        "fwd compute %": 100 * (1 - f.get("forward_reduction")),
+        "ppl base": f.get("ppl_base"),
+        "ppl": f.get("ppl"),
+        "change %": 100 * f.get("ppl_change"),
+        "claimed": f.get("claimed_model"),
+        "claimed compute %": 100 * f.get("paper_compute"),
+        "claimed mean k": f.get("paper_mean_k"),
+        "claimed change %": 100 * (f.get("paper_ppl_adaptive") / f.get("paper_ppl_base") - 1),
+    })
+    return out.reset_index(drop=True)
