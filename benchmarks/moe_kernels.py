@@ -75,8 +75,9 @@ def softmax_topk(logits, k, renorm):
 # ------------------------------------------------------------------ timing
 
 
-def eager_us(fn, min_s=0.03):
-    """Per-call wall time of a host loop (Python launch included), synchronised at the end."""
+def eager_us(fn, min_s=0.01, repeats=5):
+    """Per-call wall time of a host loop (Python launch included), synchronised at the end; median of
+    `repeats` loops of n calls, n grown until a loop takes min_s."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
@@ -86,10 +87,17 @@ def eager_us(fn, min_s=0.03):
         for _ in range(n):
             fn()
         torch.cuda.synchronize()
-        dt = time.perf_counter() - t0
-        if dt >= min_s or n >= 4096:
-            return dt / n * 1e6
-        n *= 4
+        if time.perf_counter() - t0 >= min_s or n >= 4096:
+            break
+        n *= 2
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) / n * 1e6)
+    return sorted(times)[repeats // 2]
 
 
 def graph_us(make_call, inputs, calls):

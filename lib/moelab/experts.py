@@ -27,6 +27,7 @@ class PairLayout:
     weights: torch.Tensor  # [P] float32, routing weight of each pair
     offsets: torch.Tensor  # [E] int32, cumulative end row of each expert's group
     padded: bool = False  # True: T * k_max rows, rows from offsets[-1] on are padding (token T, weight 0)
+    slot_row: torch.Tensor | None = None  # [T, K] int32 row of each plan slot, -1 if unused (padded layouts)
 
     @property
     def num_pairs(self) -> int:
@@ -131,6 +132,13 @@ def run_experts(
             f"weights gate_up {tuple(gate_up_EHD.shape)} / down {tuple(down_EDF.shape)} do not match hidden D={D}"
         )
     layout = layout if layout is not None else make_layout(plan)
+    if layout.padded and layout.slot_row is not None and act_fn is F.silu:
+        # Triton steps that stop at the kept pairs (P = offsets[-1], on the device)
+        from moelab.kernels.experts import combine_rows, gather_rows, swiglu_rows
+
+        x_PD = gather_rows(x_TD, layout.token_idx, layout.offsets)
+        a_PF = swiglu_rows(grouped_gemm(x_PD, gate_up_EHD, layout.offsets), layout.offsets)
+        return combine_rows(grouped_gemm(a_PF, down_EDF, layout.offsets), layout.slot_row, plan, x_TD.dtype)
     # padded layouts: rows past offsets[-1] are never written by the GEMMs; they gather token 0 and
     # land in a dummy output row T, so whatever they hold never reaches a real token
     pad = 1 if layout.padded else 0

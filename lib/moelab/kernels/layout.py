@@ -3,8 +3,10 @@
 The torch reference (`moelab.experts.pair_layout`) sizes its output by the number of kept pairs P,
 which needs P on the host. Here the buffers hold N = T * k_max rows: rows [0, P) are the kept pairs,
 sorted by expert and, within an expert, by token (the reference's order, exactly); rows [P, N) are
-padding (token T, expert E, weight 0). `offsets[E-1]` = P lives on the device, and torch._grouped_mm
-reads it there, so a captured CUDA graph runs with any number of kept pairs.
+padding (token T, expert E, weight 0). `slot_row[t, j]` is the row of the plan's slot (t, j), -1
+where the slot is unused: the combine step gathers through it instead of scattering. `offsets[E-1]`
+= P lives on the device, and torch._grouped_mm reads it there, so a captured CUDA graph runs with
+any number of kept pairs.
 
 Two launches and two cumsums: (1) per token block, how many pairs go to each expert; cumsum over
 blocks and then over experts gives every block's first row per expert; (2) each pair's row = that
@@ -44,7 +46,7 @@ def _count_kernel(ids_ptr, counts_ptr, T, E, K: tl.constexpr, BLOCK_T: tl.conste
 
 @triton.jit
 def _scatter_kernel(
-    ids_ptr, w_ptr, counts_ptr, cum_ptr, offs_ptr, tok_ptr, exp_ptr, wout_ptr,
+    ids_ptr, w_ptr, counts_ptr, cum_ptr, offs_ptr, tok_ptr, exp_ptr, wout_ptr, slot_row_ptr,
     T, E, NB, N,
     K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_Q: tl.constexpr,
 ):
@@ -70,6 +72,7 @@ def _scatter_kernel(
         tl.store(tok_ptr + pos, rows.to(tl.int64), mask=ok)
         tl.store(exp_ptr + pos, e.to(tl.int64), mask=ok)
         tl.store(wout_ptr + pos, w, mask=ok)
+        tl.store(slot_row_ptr + src, tl.where(ok, pos, -1), mask=row_ok)
     # padding rows [P, N): each program fills its own stretch of BLOCK_T * K rows
     P = tl.load(offs_ptr + E - 1)
     q_local = tl.arange(0, BLOCK_Q)
@@ -96,8 +99,9 @@ def pair_layout_padded(plan: RoutingPlan) -> PairLayout:
     tok = torch.empty(N, dtype=torch.int64, device=dev)
     exp = torch.empty(N, dtype=torch.int64, device=dev)
     w = torch.empty(N, dtype=torch.float32, device=dev)
+    slot_row = torch.empty(T, K, dtype=torch.int32, device=dev)
     if T == 0:
-        return PairLayout(tok, exp, w, torch.zeros(E, dtype=torch.int32, device=dev), padded=True)
+        return PairLayout(tok, exp, w, torch.zeros(E, dtype=torch.int32, device=dev), padded=True, slot_row=slot_row)
     if ids.dtype != torch.int32 or not ids.is_contiguous():
         raise ValueError(f"plan.expert_ids dtype={ids.dtype}, contiguous={ids.is_contiguous()}: need contiguous int32")
     weights = plan.weights.contiguous()
@@ -108,7 +112,7 @@ def pair_layout_padded(plan: RoutingPlan) -> PairLayout:
     cum = torch.cumsum(counts, 0, dtype=torch.int32)
     offsets = torch.cumsum(cum[-1], 0, dtype=torch.int32)
     _scatter_kernel[(nb,)](
-        ids, weights, counts, cum, offsets, tok, exp, w, T, E, nb, N,
+        ids, weights, counts, cum, offsets, tok, exp, w, slot_row, T, E, nb, N,
         K=K, BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_Q=triton.next_power_of_2(block_t * K),
     )
-    return PairLayout(tok, exp, w, offsets, padded=True)
+    return PairLayout(tok, exp, w, offsets, padded=True, slot_row=slot_row)

@@ -2,10 +2,11 @@
 
 One program routes BLOCK_T tokens: fp32 softmax (as log-softmax then exp, the reference's formula),
 entropy, k_max rounds of "take the largest remaining probability, lowest index on ties" (the
-reference's stable descending sort), the policy's per-token k, the mask and the model's
-normalisation. Optional running statistics (k histogram, entropy sum, tokens) are added to device
-tensors with atomics, so the call can be captured in a CUDA graph. `moelab.routing.route` dispatches
-here on CUDA (or when the backend is forced to 'triton'; on a CPU that needs TRITON_INTERPRET=1).
+reference's stable descending sort; one int64 max per round over (probability bits, reversed
+index)), the policy's per-token k, the mask and the model's normalisation. Optional running
+statistics (k histogram, entropy sum, tokens) are added to device tensors with atomics, so the call
+can be captured in a CUDA graph. `moelab.routing.route` dispatches here on CUDA (or when the backend
+is forced to 'triton'; on a CPU that needs TRITON_INTERPRET=1).
 
 Exactness: ids, k and the tie order match `route_torch` whenever the fp32 probabilities are either
 equal (ties, broken by the lower index) or apart by more than the last-bit differences of two exp
@@ -82,6 +83,7 @@ def _route_kernel(
     KMIN,
     POLICY: tl.constexpr, NTH: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, RENORM: tl.constexpr, STATS: tl.constexpr,
+    BLOCK_K1: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -99,7 +101,11 @@ def _route_kernel(
     logp = xs - tl.log(s)[:, None]
     p = tl.exp(logp)
     ent = -tl.sum(p * tl.where(col_ok[None, :], logp, 0.0), axis=1)  # p = 0 in padding columns
-    pm = tl.where(col_ok[None, :], p, -1.0)  # probabilities still to rank; -1 = taken or padding
+    # rank key: probability bits (monotone for p >= 0) above the reversed column, so one int64 max
+    # picks the largest probability and, among equal ones, the lowest expert index; -1 = taken/padding
+    low = (BLOCK_E - 1 - cols).to(tl.int64)
+    key = (p.to(tl.int32, bitcast=True).to(tl.int64) << 32) | low[None, :]
+    key = tl.where(col_ok[None, :], key, -1)
 
     slots = tl.arange(0, BLOCK_K)[None, :]
     ids_tile = tl.full((BLOCK_T, BLOCK_K), -1, tl.int32)
@@ -108,8 +114,10 @@ def _route_kernel(
     csum = tl.zeros((BLOCK_T,), tl.float32)
     top = tl.max(p, axis=1)  # the first-ranked probability (RatioSkip)
     for j in range(K):
-        v, i = tl.max(pm, axis=1, return_indices=True, return_indices_tie_break_left=True)
-        pm = tl.where(cols[None, :] == i[:, None], -1.0, pm)
+        kmax = tl.max(key, axis=1)
+        key = tl.where(key == kmax[:, None], -1, key)
+        i = (BLOCK_E - 1) - (kmax & 0xFFFFFFFF).to(tl.int32)
+        v = (kmax >> 32).to(tl.int32).to(tl.float32, bitcast=True)
         ids_tile = tl.where(slots == j, i[:, None].to(tl.int32), ids_tile)
         w_tile = tl.where(slots == j, v[:, None], w_tile)
         if POLICY == 2:
@@ -153,9 +161,9 @@ def _route_kernel(
 
     if STATS:
         kk = tl.where(row_ok, k, -1)
-        for h in range(K + 1):
-            n = tl.sum((kk == h).to(tl.int64), axis=0)
-            tl.atomic_add(hist_ptr + h, n, mask=n > 0)
+        bins = tl.arange(0, BLOCK_K1)
+        n = tl.sum((kk[:, None] == bins[None, :]).to(tl.int64), axis=0)  # this block's k histogram
+        tl.atomic_add(hist_ptr + bins, n, mask=(bins <= K) & (n > 0))
         tl.atomic_add(entsum_ptr, tl.sum(tl.where(row_ok, ent, 0.0), axis=0).to(tl.float64))
         tl.atomic_add(tok_ptr, tl.sum(row_ok.to(tl.int64), axis=0))
 
@@ -223,6 +231,7 @@ def route_triton(
         fa, fb, *th, *kv, kmin,
         POLICY=code, NTH=nth, K=K, BLOCK_K=triton.next_power_of_2(K),
         BLOCK_T=block_t, BLOCK_E=block_e, RENORM=bool(renormalize), STATS=st is not None,
+        BLOCK_K1=triton.next_power_of_2(K + 1),
         num_warps=4,
     )
     return RoutingPlan(ids, w, k, ent, E)
