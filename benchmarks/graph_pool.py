@@ -8,6 +8,8 @@ Arms:
   private        decode graphs, one private pool per bucket; prefill eager (ordinary allocator)
   shared         decode graphs in one shared MemPool, captured largest first; prefill eager (ordinary)
   shared+reuse   as shared, and the prefill's memory comes from the graph pool (moelab.graphs)
+  shared+reuse+primed  as shared+reuse, and one prefill runs in the pool before capture, so that the
+                 graphs are captured into segments already sized for the eager forward
 Recorded per arm: allocator reserved/allocated peaks over the arm's start, driver-level used memory
 (torch.cuda.mem_get_info), bytes per pool, decode tokens/s, and (shared arms) the share of the
 prefill's allocated bytes that fell inside the graph pool.
@@ -35,7 +37,7 @@ from moelab.results import write_results
 
 log = logging.getLogger("graph_pool")
 MiB = float(1 << 20)
-ARMS = ("eager", "private", "shared", "shared+reuse")
+ARMS = ("eager", "private", "shared", "shared+reuse", "shared+reuse+primed")
 
 # a Mixtral-like config, random-initialised, sized so that activations and pools are hundreds of MiB
 # (Mixtral-8x7B's layer shapes, 4 layers instead of 32)
@@ -95,7 +97,7 @@ def pools_of(snapshot) -> dict:
     return out
 
 
-def run_arm(arm, step, vocab, buckets, args, stream, seed=0):
+def run_arm(arm, step, vocab, buckets, args, stream, weights_pid, seed=0):
     """One arm of the workload; returns its row (memory, throughput, proof)."""
     dev = torch.device("cuda")
     rng = random.Random(seed)
@@ -107,6 +109,11 @@ def run_arm(arm, step, vocab, buckets, args, stream, seed=0):
     clean()
     torch.cuda.reset_peak_memory_stats()
     base_res, base_alloc = torch.cuda.memory_reserved(), torch.cuda.memory_allocated()
+    base_default = pools_of(torch.cuda.memory_snapshot()).get((0, 0), 0)
+
+    def graph_pools(snapshot) -> dict:
+        return {p: v for p, v in pools_of(snapshot).items() if p not in ((0, 0), weights_pid)}
+
     free0 = torch.cuda.mem_get_info()[0]
     min_free = free0
     runner = None
@@ -114,17 +121,17 @@ def run_arm(arm, step, vocab, buckets, args, stream, seed=0):
     if arm != "eager":
         t0 = time.perf_counter()
         runner = GraphRunner(step, lambda b: (decode_ids.get(b, torch.zeros(b, 1, dtype=torch.long, device=dev)),),
-                             buckets, pool="private" if arm == "private" else "shared", stream=stream).capture()
+                             buckets, pool="private" if arm == "private" else "shared", stream=stream)
+        runner.capture(prime=(prompts,) if arm == "shared+reuse+primed" else None)
         t_capture = time.perf_counter() - t0
-    after_capture = pools_of(torch.cuda.memory_snapshot())
-    graph_pool_capture = sum(v for k, v in after_capture.items() if k != (0, 0))
+    graph_pool_capture = sum(graph_pools(torch.cuda.memory_snapshot()).values())
     capture_peak = torch.cuda.max_memory_reserved() - base_res
     capture_driver = free0 - torch.cuda.mem_get_info()[0]
     torch.cuda.reset_peak_memory_stats()  # from here on: the serving loop (warm-up blocks released)
 
     def prefill():
         with torch.no_grad():
-            if arm == "shared+reuse":
+            if arm.startswith("shared+reuse"):
                 return runner.eager(prompts, reuse=True)
             if runner is not None:
                 return runner.eager(prompts, reuse=False)
@@ -157,7 +164,8 @@ def run_arm(arm, step, vocab, buckets, args, stream, seed=0):
         t_dec += t2 - t1
     min_free = min(min_free, torch.cuda.mem_get_info()[0])
     snap = torch.cuda.memory_snapshot()
-    by_pool = pools_of(snap)
+    by_pool = graph_pools(snap)
+    default_end = pools_of(snap).get((0, 0), 0)
     row = {
         "arm": arm,
         "buckets": buckets,
@@ -171,15 +179,15 @@ def run_arm(arm, step, vocab, buckets, args, stream, seed=0):
         "reserved_peak_mib": (torch.cuda.max_memory_reserved() - base_res) / MiB,
         "allocated_peak_mib": (torch.cuda.max_memory_allocated() - base_alloc) / MiB,
         "driver_used_peak_mib": (free0 - min_free) / MiB,
-        "graph_pools": len([p for p in by_pool if p != (0, 0)]),
+        "graph_pools": len(by_pool),
         "graph_pool_mib_after_capture": graph_pool_capture / MiB,
-        "graph_pool_mib_end": sum(v for p, v in by_pool.items() if p != (0, 0)) / MiB,
-        "default_pool_mib_end": (by_pool.get((0, 0), 0) - base_res) / MiB,
-        "mib_per_pool": {f"{p[0]}:{p[1]}": v / MiB for p, v in by_pool.items() if p != (0, 0)},
+        "graph_pool_mib_end": sum(by_pool.values()) / MiB,
+        "default_pool_mib_end": (default_end - base_default) / MiB,
+        "mib_per_pool": {f"{p[0]}:{p[1]}": v / MiB for p, v in by_pool.items()},
         "eager_fallbacks": runner.eager_fallbacks if runner is not None else 0,
     }
     if runner is not None and runner.pool is not None:
-        proof = runner.scratch_fraction_in_pool(prompts, reuse=arm == "shared+reuse")
+        proof = runner.scratch_fraction_in_pool(prompts, reuse=arm.startswith("shared+reuse"))
         row.update({
             "scratch_fraction_in_pool": proof["fraction_in_pool"],
             "scratch_fraction_in_captured_segments": proof["fraction_in_captured_segments"],
@@ -220,14 +228,16 @@ def adaptive_rows(name, model, step, vocab, buckets, args, stream):
     ent = torch.cat([rec.entropy(i) for i in rec.layers])
     thr = float(ent.median())
     k_lo = max(1, native_k // 2)
-    policies = {"native TopK": TopK(native_k), "EntropyAdaptiveK": EntropyAdaptiveK((k_lo, native_k), (thr,))}
+    policies = {"transformers (unpatched)": None, "native TopK": TopK(native_k),
+                "EntropyAdaptiveK": EntropyAdaptiveK((k_lo, native_k), (thr,))}
     rng = random.Random(2)
     # bucket-sized batches: eager sees the graphs' shapes (and its Triton kernels compile once, in warm-up)
     sizes = [rng.choice(buckets) for _ in range(args.decode_steps * args.rounds)]
     ids = {n: torch.randint(0, vocab, (n, 1), device=dev, generator=gen) for n in buckets}
     rows = []
     for pname, pol in policies.items():
-        with patched(model, pol) as patch, capturable_routing():
+        ctx = contextlib.nullcontext() if pol is None else patched(model, pol)
+        with ctx as patch, capturable_routing():
             for mode in ("eager", "graphs"):
                 runner = None
                 if mode == "graphs":
@@ -249,6 +259,10 @@ def adaptive_rows(name, model, step, vocab, buckets, args, stream):
                              "decode_tokens_per_s": sum(sizes) / dt})
                 runner = fn = None
                 clean()
+            if patch is None:  # the model's own top-k
+                for r in rows[-2:]:
+                    r["mean_k"], r["expert_reduction"] = float(native_k), 0.0
+                continue
             # mean k of the same decode inputs, eager (kept pairs counted by the patch, read once)
             before = {i: int(v) for i, v in patch.kept_pairs.items()}
             tok_before = dict(patch.tokens)
@@ -300,7 +314,7 @@ def main(argv=None):
         sync()
         weights_mib = sum(p.numel() * p.element_size() for p in model.parameters()) / MiB
         for arm in tqdm(arms, desc=name, leave=False):
-            row = run_arm(arm, step, vocab, buckets, args, stream)
+            row = run_arm(arm, step, vocab, buckets, args, stream, weights_pool.id)
             rows.append({"model": name, "weights": how, "weights_mib": weights_mib, **row})
             log.info("%s %s: reserved peak %.1f MiB, %.0f tok/s", name, arm, row["reserved_peak_mib"],
                      row["decode_tokens_per_s"])
@@ -350,6 +364,16 @@ def summarise(rows) -> list[dict]:
             "memory_target_met": with_reuse <= 1.05 * max(pool, eager_peak),
             "speed_target_met": by["shared+reuse"]["decode_tokens_per_s"] >= 0.98 * by["shared"]["decode_tokens_per_s"],
         })
+        if "shared+reuse+primed" in by:
+            primed = by["shared+reuse+primed"]
+            out[-1].update({
+                "primed_reserved_peak_mib": primed["reserved_peak_mib"],
+                "primed_over_max": primed["reserved_peak_mib"] / max(pool, eager_peak),
+                "primed_saved_pct": 100 * (without - primed["reserved_peak_mib"]) / without,
+                "primed_tokens_per_s_over_no_reuse": primed["decode_tokens_per_s"]
+                / by["shared"]["decode_tokens_per_s"],
+                "primed_memory_target_met": primed["reserved_peak_mib"] <= 1.05 * max(pool, eager_peak),
+            })
     return out
 
 

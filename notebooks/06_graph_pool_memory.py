@@ -27,7 +27,7 @@
 
 # %% tags=["parameters"]
 model: str = "all"  # model rows to chart: all, tiny-mixtral, tiny-qwen-moe, tiny-olmoe or synthetic
-arms: list[str] = ["eager", "private", "shared", "shared+reuse"]  # arms to chart, in order
+arms: list[str] = ["eager", "private", "shared", "shared+reuse", "shared+reuse+primed"]  # arms to chart, in order
 results_dir: str = ""  # directory with graph-pool-*.json (default data/results, the committed results)
 live: bool = False  # also run a small GraphRunner on this machine's GPU (needs CUDA; skipped without)
 live_model: str = "tiny-mixtral"  # model for the live run (GPU-sized: synthetic via benchmarks/graph_pool.py)
@@ -64,7 +64,8 @@ arm_rows = rows[rows["arm"].isin(arms) & rows["model"].isin(models)].copy()
 summary = rows[(rows["arm"] == "summary") & rows["model"].isin(models)].dropna(axis=1, how="all")
 cols = ["model", "graph_pool_mib", "eager_reserved_peak_mib", "max_mib", "sum_mib", "no_reuse_reserved_peak_mib",
         "reuse_reserved_peak_mib", "reuse_over_max", "saved_mib", "saved_pct", "tokens_per_s_reuse_over_no_reuse",
-        "memory_target_met", "speed_target_met"]
+        "memory_target_met", "speed_target_met", "primed_reserved_peak_mib", "primed_over_max", "primed_saved_pct",
+        "primed_tokens_per_s_over_no_reuse", "primed_memory_target_met"]
 summary = summary[[c for c in cols if c in summary]]
 save_table(summary, "06_graph_pool_targets", caption="graph pool reuse: memory and speed targets per model")
 results.save("06_graph_pool_targets", summary)
@@ -102,12 +103,12 @@ def plot_model(name: str):
     if len(s):
         ax1.axhline(float(s["max_mib"].iloc[0]), ls="--", lw=0.8, color="grey", label="max(pool, eager)")
         ax1.axhline(float(s["sum_mib"].iloc[0]), ls=":", lw=0.8, color="grey", label="pool + eager")
-    ax1.set_xticks(list(x), r.index, rotation=15)
+    ax1.set_xticks(list(x), r.index, rotation=20, ha="right", fontsize=6)
     ax1.set_ylabel("MiB over the arm's start")
     ax1.set_title(f"{name}: memory")
     ax1.legend(frameon=False, fontsize=6, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ax2.bar(x, r["decode_tokens_per_s"] / 1e3, color="#029E73")
-    ax2.set_xticks(list(x), r.index, rotation=15)
+    ax2.set_xticks(list(x), r.index, rotation=20, ha="right", fontsize=6)
     ax2.set_ylabel("decode tokens/s (thousands)")
     ax2.set_title(f"{name}: decode throughput")
     savefig(fig, f"06_graph_pool_memory_{name}")
@@ -130,7 +131,8 @@ arms_table
 # ## 4 · Adaptive routing inside the graphs
 # Decode through moelab routing (Triton routing kernel) and skipping experts (padded pair layout,
 # fixed worst-case capacity T x k_max) captured in the graphs: tokens/s of graphs vs eager, and of
-# `EntropyAdaptiveK` vs the native `TopK` through the same path. `mean_k` / `expert_reduction` are
+# `EntropyAdaptiveK` vs the native `TopK` through the same path, and the unpatched transformers model
+# (its own grouped_mm experts) for reference. `mean_k` / `expert_reduction` are
 # counted against the native k on the same decode inputs.
 
 # %%

@@ -392,3 +392,20 @@ def test_graph_pool_handle_tuple_cannot_route_allocations():
     with pytest.raises(ValueError, match="graph_pool_handle"):
         with prefer_graph_pool(handle):
             pass
+
+
+@gpu
+@pytest.mark.gpu
+def test_primed_capture_puts_graphs_into_eager_sized_segments():
+    step, make = _mlp_step(D=512, H=4096)
+    (prompt,) = make(64)
+    with pytest.raises(ValueError, match="prime needs pool='shared'"):
+        GraphRunner(step, make, [16, 32], pool="private").capture(prime=(prompt,))
+    runner = GraphRunner(step, make, [16, 32]).capture(prime=(prompt,))
+    before = runner.pool_bytes()[runner.pool.id]["reserved"]
+    proof = runner.scratch_fraction_in_pool(prompt)
+    assert proof["fraction_in_pool"] == 1.0, proof
+    assert proof["fraction_in_captured_segments"] == 1.0, proof
+    assert runner.pool_bytes()[runner.pool.id]["reserved"] == before  # the eager forward did not grow the pool
+    (x,) = make(20)
+    assert torch.equal(runner(x), runner(x))

@@ -194,8 +194,12 @@ class GraphRunner:
         self._baseline_allocated: int | None = None  # allocated bytes of the shared pool right after capture
 
     # capture
-    def capture(self, release_cache: bool = True) -> "GraphRunner":
-        """Warm up and capture every bucket, largest first. release_cache: empty_cache() after (warm-up blocks)."""
+    def capture(self, release_cache: bool = True, prime: tuple | None = None) -> "GraphRunner":
+        """Warm up and capture every bucket, largest first. release_cache: empty_cache() after (warm-up blocks).
+
+        prime: inputs of one eager forward run inside the shared pool before the captures, so that the graphs
+        are captured into segments already sized for the eager forward (less pool growth later).
+        """
         if not torch.cuda.is_available():
             raise RuntimeError("GraphRunner.capture needs CUDA")
         if self.graphs:
@@ -207,6 +211,12 @@ class GraphRunner:
             register_capture_stream(self.pool, self.stream)
         cur = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(cur)
+        if prime is not None:
+            if self.pool is None:
+                raise ValueError("prime needs pool='shared': a private pool per bucket has nothing to share")
+            with torch.no_grad(), torch.cuda.stream(self.stream):
+                _as_tuple(self.step_fn(*prime))  # lazy state (cuBLAS workspace) outside the pool first
+            self._eager_in(self.pool, self.stream, tuple(prime))
         with torch.no_grad():
             for b in capture_order(self.buckets):
                 inputs = tuple(self.make_inputs(b))
