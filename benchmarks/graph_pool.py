@@ -283,8 +283,8 @@ def main(argv=None):
     ap.add_argument("--max-batch", type=int, default=256, help="largest decode bucket (buckets: powers of 2 up to it)")
     ap.add_argument("--prefill-batch", type=int, default=2)
     ap.add_argument("--prefill-len", type=int, default=128, help="prompt chunk = prefill_batch x prefill_len tokens")
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--decode-steps", type=int, default=40, help="decode steps per round")
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--decode-steps", type=int, default=50, help="decode steps per round")
     ap.add_argument("--arms", default=",".join(ARMS))
     ap.add_argument("--adaptive", action="store_true", help="also adaptive routing in graphs (moelab.hf)")
     ap.add_argument("--out-dir", default=None, help="results directory (default data/results)")
@@ -314,7 +314,13 @@ def main(argv=None):
         sync()
         weights_mib = sum(p.numel() * p.element_size() for p in model.parameters()) / MiB
         for arm in tqdm(arms, desc=name, leave=False):
-            row = run_arm(arm, step, vocab, buckets, args, stream, weights_pool.id)
+            try:
+                row = run_arm(arm, step, vocab, buckets, args, stream, weights_pool.id)
+            except (RuntimeError, ValueError) as e:  # OutOfMemoryError and ScratchLiveError are RuntimeErrors
+                log.warning("%s %s failed: %s", name, arm, e)
+                errors.append(f"{name} {arm} failed: {type(e).__name__}: {e}")
+                clean()
+                continue
             rows.append({"model": name, "weights": how, "weights_mib": weights_mib, **row})
             log.info("%s %s: reserved peak %.1f MiB, %.0f tok/s", name, arm, row["reserved_peak_mib"],
                      row["decode_tokens_per_s"])

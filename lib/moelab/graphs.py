@@ -216,6 +216,7 @@ class GraphRunner:
                 raise ValueError("prime needs pool='shared': a private pool per bucket has nothing to share")
             with torch.no_grad(), torch.cuda.stream(self.stream):
                 _as_tuple(self.step_fn(*prime))  # lazy state (cuBLAS workspace) outside the pool first
+            self._baseline_allocated = 0  # a fresh pool: anything still allocated after the forward leaked
             self._eager_in(self.pool, self.stream, tuple(prime))
         with torch.no_grad():
             for b in capture_order(self.buckets):
