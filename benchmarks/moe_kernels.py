@@ -311,9 +311,30 @@ def bench_layer(tokens, quick):
     return rows
 
 
+def tune_routing(bw_gbs):
+    """GPU time in a graph of the native top-k kernel per launch shape (tile, warps), E = 64 and 128."""
+    from moelab.kernels import routing as kr
+
+    rows = []
+    keep = dict(kr.LAUNCH)
+    for E, k in ((64, 8), (128, 8), (8, 2)):
+        for T in (4096, 65536):
+            inputs = [torch.randn(T, E, device="cuda").to(torch.bfloat16) for _ in range(8)]
+            for tile in (1024, 2048, 4096):
+                for warps in (4, 8):
+                    kr.LAUNCH.update(tile=tile, warps=warps)
+                    us = graph_us(lambda x, k=k: route_triton(x, TopK(k), False), inputs, 16)
+                    bound = (T * E * 2 + T * k * 8 + T * 8) / (bw_gbs * 1e9) * 1e6
+                    rows.append({"E": E, "T": T, "tile": tile, "warps": warps, "graph_us": us, "hbm_bound_us": bound})
+                    print(f"tune E={E:4d} T={T:6d} tile={tile:5d} warps={warps} {us:8.2f} us (bound {bound:.2f})",
+                          flush=True)
+    kr.LAUNCH.update(keep)
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--parts", default="routing,layer", help="comma list of: routing, layer")
+    ap.add_argument("--parts", default="routing,layer", help="comma list of: tune, routing, layer")
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="comma list of T")
     ap.add_argument("--quick", action="store_true", help="fewer shapes (a first check)")
     args = ap.parse_args()
@@ -326,6 +347,10 @@ def main():
     bw = copy_bandwidth_gbs()
     print(f"copy bandwidth {bw:.0f} GB/s, L2 {l2 / 2**20:.0f} MiB", flush=True)
     common = {"copy_bandwidth_gbs": bw, "l2_bytes": l2}
+    if "tune" in parts:
+        path = write_results("routing-tune", tune_routing(bw), extra=common,
+                             notes="native top-k Triton routing, GPU time per call in a CUDA graph, per launch shape")
+        print("wrote", path)
     if "routing" in parts:
         rows = bench_routing(tokens, bw, l2, args.quick)
         path = write_results(

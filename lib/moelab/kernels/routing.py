@@ -29,6 +29,8 @@ MAX_EXPERTS = 256  # one tile row holds all of a token's logits
 MAX_K_VALUES = 8  # EntropyAdaptiveK levels passed as scalars (no device tensor built per call)
 
 _TOPK, _ADAPTIVE, _TOPP, _RATIO = 0, 1, 2, 3
+# launch shape: logits per program and warps (set by benchmarks/moe_kernels.py --tune on the H200)
+LAUNCH = {"tile": 2048, "warps": 4}
 
 
 @dataclass
@@ -77,9 +79,9 @@ def _route_kernel(
     logits_ptr, ids_ptr, w_ptr, k_ptr, ent_ptr,
     hist_ptr, entsum_ptr, tok_ptr,
     T, E, stride_t,
-    fa, fb,  # TopP: p / RatioSkip: beta (fp32); unused otherwise
+    fpar,  # TopP: p / RatioSkip: beta (fp32); unused otherwise
     th0, th1, th2, th3, th4, th5, th6,  # EntropyAdaptiveK thresholds (fp32)
-    kv0, kv1, kv2, kv3, kv4, kv5, kv6, kv7,  # EntropyAdaptiveK k values
+    kv_packed,  # EntropyAdaptiveK k values: byte i holds k_values[i] - 1 (fewer arguments, faster launch)
     KMIN,
     POLICY: tl.constexpr, NTH: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, RENORM: tl.constexpr, STATS: tl.constexpr,
@@ -122,14 +124,23 @@ def _route_kernel(
         w_tile = tl.where(slots == j, v[:, None], w_tile)
         if POLICY == 2:
             csum = csum + v
-            cnt += ((csum - v) < fa).to(tl.int32)  # mass of the better-ranked experts < p
+            cnt += ((csum - v) < fpar).to(tl.int32)  # mass of the better-ranked experts < p
         if POLICY == 3:
-            cnt += (v >= fb * top).to(tl.int32)
+            cnt += (v >= fpar * top).to(tl.int32)
 
     if POLICY == 0:
         k = tl.full((BLOCK_T,), K, tl.int32)
     elif POLICY == 1:
-        k = tl.full((BLOCK_T,), kv0, tl.int32)
+        kvp = kv_packed.to(tl.int64)
+        kv0 = ((kvp & 0xFF) + 1).to(tl.int32)
+        kv1 = (((kvp >> 8) & 0xFF) + 1).to(tl.int32)
+        kv2 = (((kvp >> 16) & 0xFF) + 1).to(tl.int32)
+        kv3 = (((kvp >> 24) & 0xFF) + 1).to(tl.int32)
+        kv4 = (((kvp >> 32) & 0xFF) + 1).to(tl.int32)
+        kv5 = (((kvp >> 40) & 0xFF) + 1).to(tl.int32)
+        kv6 = (((kvp >> 48) & 0xFF) + 1).to(tl.int32)
+        kv7 = (((kvp >> 56) & 0xFF) + 1).to(tl.int32)
+        k = tl.full((BLOCK_T,), 0, tl.int32) + kv0
         if NTH > 0:
             k = tl.where(ent >= th0, kv1, k)
         if NTH > 1:
@@ -168,12 +179,18 @@ def _route_kernel(
         tl.atomic_add(tok_ptr, tl.sum(row_ok.to(tl.int64), axis=0))
 
 
+def _pack(k_values: list[int]) -> int:
+    """Eight k values (1..256) as bytes of one signed int64."""
+    v = sum((k - 1) << (8 * i) for i, k in enumerate(k_values))
+    return v - (1 << 64) if v >= 1 << 63 else v
+
+
 def _policy_args(policy: Policy):
-    """(POLICY code, fa, fb, thresholds[7], k values[8], NTH, KMIN) for the kernel's scalar arguments."""
+    """(POLICY code, fpar, thresholds[7], packed k values, NTH, KMIN): the kernel's scalar arguments."""
     th = [0.0] * (MAX_K_VALUES - 1)
     kv = [policy.k_max] * MAX_K_VALUES
     if isinstance(policy, TopK):
-        return _TOPK, 0.0, 0.0, th, kv, 0, policy.k
+        return _TOPK, 0.0, th, _pack(kv), 0, policy.k
     if isinstance(policy, EntropyAdaptiveK):
         n = len(policy.k_values)
         if n > MAX_K_VALUES:
@@ -183,18 +200,18 @@ def _policy_args(policy: Policy):
             )
         th[: n - 1] = policy.thresholds
         kv[:n] = policy.k_values
-        return _ADAPTIVE, 0.0, 0.0, th, kv, n - 1, policy.k_min
+        return _ADAPTIVE, 0.0, th, _pack(kv), n - 1, policy.k_min
     if isinstance(policy, TopP):
-        return _TOPP, float(policy.p), 0.0, th, kv, 0, policy.k_min
+        return _TOPP, float(policy.p), th, _pack(kv), 0, policy.k_min
     if isinstance(policy, RatioSkip):
-        return _RATIO, 0.0, float(policy.beta), th, kv, 0, policy.k_min
+        return _RATIO, float(policy.beta), th, _pack(kv), 0, policy.k_min
     raise ValueError(f"policy={policy!r}: must be TopK, EntropyAdaptiveK, TopP or RatioSkip")
 
 
 def block_tokens(T: int, E: int) -> tuple[int, int]:
-    """(BLOCK_T, BLOCK_E): about 2048 logits per program, fewer tokens when T is small."""
+    """(BLOCK_T, BLOCK_E): about LAUNCH['tile'] logits per program, fewer tokens when T is small."""
     block_e = triton.next_power_of_2(max(E, 2))
-    block_t = max(1, min(128, 2048 // block_e))
+    block_t = max(1, min(256, LAUNCH["tile"] // block_e))
     return min(block_t, triton.next_power_of_2(max(T, 1))), block_e
 
 
@@ -212,7 +229,7 @@ def route_triton(
         raise ValueError(f"k_max={K}: must be in [1, E={E}]")
     if stats is not None and stats.k_hist.shape[0] != K + 1:
         raise ValueError(f"stats.k_hist has {stats.k_hist.shape[0]} bins: need k_max + 1 = {K + 1}")
-    code, fa, fb, th, kv, nth, kmin = _policy_args(policy)
+    code, fpar, th, kv, nth, kmin = _policy_args(policy)
     dev = logits.device
     ids = torch.empty(T, K, dtype=torch.int32, device=dev)
     w = torch.empty(T, K, dtype=torch.float32, device=dev)
@@ -228,10 +245,10 @@ def route_triton(
         logits, ids, w, k, ent,
         st.k_hist if st else k, st.entropy_sum if st else ent, st.tokens if st else k,
         T, E, logits.stride(0),
-        fa, fb, *th, *kv, kmin,
+        fpar, *th, kv, kmin,
         POLICY=code, NTH=nth, K=K, BLOCK_K=triton.next_power_of_2(K),
         BLOCK_T=block_t, BLOCK_E=block_e, RENORM=bool(renormalize), STATS=st is not None,
         BLOCK_K1=triton.next_power_of_2(K + 1),
-        num_warps=4,
+        num_warps=LAUNCH["warps"],
     )
     return RoutingPlan(ids, w, k, ent, E)
