@@ -217,7 +217,8 @@ def describe_error(notebook: str, error: dict) -> str:
         return f"{notebook}: {error.get('ename', 'error')}: {error.get('evalue', '')}"
     return (
         f"{notebook}: cell {error['cell_index']} (In [{error.get('exec_count')}]) failed: "
-        f"{error['ename']}: {error['evalue']}\n    cell source: {error.get('source_excerpt', '')}"
+        f"{error['ename']}: {error['evalue']}\n    cell source: "
+        + str(error.get("source_excerpt", "")).replace("\n", "\n                 ")
     )
 
 
@@ -239,10 +240,14 @@ def execute(notebook: Path, output: Path, parameters: dict, cwd: Path | None = N
             cwd=str(cwd or Path(notebook).parent), progress_bar=False, log_output=False,
         )
     except PapermillExecutionError as e:
+        line = _failing_line(e.traceback, e.exec_count)
+        lines = e.source.splitlines()
         raise NotebookRunError(Path(notebook).name, {
-            "cell_index": e.cell_index,
+            "cell_index": _source_index(Path(output), e.cell_index),
             "exec_count": e.exec_count,
-            "source_excerpt": _excerpt(e.source),
+            "line": line,
+            "source_excerpt": (f"line {line}: {lines[line - 1].strip()}" if line and line <= len(lines)
+                               else _excerpt(e.source)),
             "ename": e.ename,
             "evalue": e.evalue,
         }) from e
@@ -251,8 +256,52 @@ def execute(notebook: Path, output: Path, parameters: dict, cwd: Path | None = N
                                                      "evalue": str(e)[:2000]}) from e
 
 
+def _die_with_parent() -> None:
+    """Linux: let the kernel SIGKILL this worker when the sweep process dies (its kernel then exits too,
+    ipykernel polls its parent), so a killed sweep leaves no orphan runs behind."""
+    parent = os.environ.get("MOELAB_SWEEP_PARENT")
+    if not parent or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError) as e:
+        log.warning("prctl(PR_SET_PDEATHSIG) unavailable (%s): a killed sweep may leave this run going", e)
+        return
+    if os.getppid() != int(parent):  # the sweep died before prctl took effect
+        os._exit(1)
+
+
+def _failing_line(traceback: list[str], exec_count) -> int | None:
+    """The line of the failing cell in IPython's traceback ('Cell In[3], line 14'), if it names one."""
+    import re
+
+    text = re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(traceback or []))
+    hits = re.findall(rf"Cell In\[{exec_count}\], line (\d+)", text)
+    return int(hits[-1]) if hits else None
+
+
+def _source_index(executed: Path, index: int) -> int:
+    """The failing cell's index in the source notebook (papermill adds injected-parameters and error cells)."""
+    import nbformat
+
+    try:
+        cells = nbformat.read(str(executed), as_version=4).cells
+    except (OSError, ValueError):
+        return index
+    added = ("injected-parameters", "papermill-error-cell-tag")
+    source = [c for c in cells if not set(c.get("metadata", {}).get("tags", [])) & set(added)]
+    for i, c in enumerate(source):
+        if c.get("metadata", {}).get("papermill", {}).get("status") == "failed":
+            return i
+    return index
+
+
 def _worker(tmp: Path) -> int:
     """Child process: execute the run described by tmp/params.json, then finish it (atomic rename)."""
+    _die_with_parent()
     spec = json.loads((tmp / PARAMS).read_text())
     os.environ["MOELAB_RUN_DIR"] = str(tmp)
     if spec["figures"] == "run":
@@ -321,6 +370,7 @@ def _launch(notebook: Path, params: dict, final: Path, figures: str, gpu: str | 
     env = dict(os.environ)
     if gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = gpu
+    env["MOELAB_SWEEP_PARENT"] = str(os.getpid())
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "lib"), env.get("PYTHONPATH")]))
     cmd = [sys.executable, "-m", "moelab.sweep", "--worker", str(tmp)]
     proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.PIPE,

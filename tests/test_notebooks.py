@@ -1,0 +1,189 @@
+"""Notebooks: conventions (jupytext pairs in sync, no committed outputs, a documented parameters cell),
+every notebook executes headless under papermill with CPU-small parameters, a killed sweep resumes
+without redoing finished runs, and a failing cell is reported by its index and source."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import nbformat
+import pytest
+import yaml
+from toy_notebooks import log_lines, write_toy_notebook
+
+from moelab import sweep
+
+REPO = Path(__file__).resolve().parents[1]
+NB_DIR = REPO / "notebooks"
+NOTEBOOKS = sorted(NB_DIR.glob("[0-9][0-9]_*.ipynb"))
+SCRIPTS = sorted(NB_DIR.glob("[0-9][0-9]_*.py"))
+CI_OVERRIDES = yaml.safe_load((NB_DIR / "grids" / "ci.yaml").read_text()) or {}
+PARAM_LINE = re.compile(r"^(?P<name>[A-Za-z_]\w*): (?P<type>[\w\[\], ]+) = (?P<value>.+?)  # (?P<help>\S.*)$")
+
+
+def _sources(nb) -> list[tuple[str, str]]:
+    return [(c.cell_type, c.source.strip()) for c in nb.cells]
+
+
+def test_there_is_a_quickstart_notebook():
+    assert NB_DIR / "01_routing_quickstart.ipynb" in NOTEBOOKS
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.stem)
+def test_jupytext_pair_in_sync(script):
+    import jupytext
+
+    ipynb = script.with_suffix(".ipynb")
+    assert ipynb.exists(), f"{script.name} has no paired notebook: run `jupytext --to ipynb {script}`"
+    a, b = jupytext.read(script), nbformat.read(str(ipynb), as_version=4)
+    assert _sources(a) == _sources(b), f"{ipynb.name} is out of sync with {script.name}: `jupytext --sync {script}`"
+
+
+@pytest.mark.parametrize("nb", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_is_paired_and_output_free(nb):
+    assert nb.with_suffix(".py").exists(), f"{nb.name}: author it as {nb.stem}.py (jupytext percent format)"
+    doc = nbformat.read(str(nb), as_version=4)
+    dirty = [i for i, c in enumerate(doc.cells) if c.cell_type == "code" and (c.outputs or c.execution_count)]
+    assert not dirty, f"{nb.name}: cells {dirty} carry outputs; strip them (`nbstripout {nb}`)"
+
+
+def test_committed_notebooks_are_output_free_and_the_filter_is_configured():
+    attrs = (REPO / ".gitattributes").read_text()
+    assert re.search(r"^\*\.ipynb .*filter=nbstripout", attrs, re.M)
+    try:
+        listed = subprocess.run(["git", "-C", str(REPO), "ls-files", "*.ipynb"], capture_output=True, text=True,
+                                check=True).stdout.split()
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout")
+    for rel in listed:
+        blob = subprocess.run(["git", "-C", str(REPO), "show", f"HEAD:{rel}"], capture_output=True, text=True)
+        if blob.returncode:  # added but not committed yet
+            continue
+        doc = nbformat.reads(blob.stdout, as_version=4)
+        assert not any(c.get("outputs") or c.get("execution_count") for c in doc.cells if c.cell_type == "code"), \
+            f"committed {rel} carries outputs"
+
+
+@pytest.mark.parametrize("nb", NOTEBOOKS, ids=lambda p: p.stem)
+def test_parameters_cell_is_documented(nb):
+    doc = nbformat.read(str(nb), as_version=4)
+    tagged = [c for c in doc.cells if "parameters" in c.metadata.get("tags", [])]
+    assert len(tagged) == 1, f"{nb.name}: {len(tagged)} cells tagged parameters, need exactly one"
+    lines = [ln for ln in tagged[0].source.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+    bad = [ln for ln in lines if not PARAM_LINE.match(ln)]
+    assert not bad, f"{nb.name}: parameter lines must read `name: type = value  # help`: {bad}"
+    assert all(ln.count("=") == 1 for ln in lines), f"{nb.name}: papermill cannot parse a '=' in help text"
+    inspected = sweep.notebook_parameters(nb)
+    assert sorted(inspected) == sorted(PARAM_LINE.match(ln)["name"] for ln in lines)
+    assert all(v["help"] and v["type"] != "None" for v in inspected.values())
+    unknown = set(CI_OVERRIDES.get(nb.stem) or {}) - set(inspected)
+    assert not unknown, f"notebooks/grids/ci.yaml sets {sorted(unknown)}, not parameters of {nb.name}"
+
+
+def test_quickstart_help_lists_every_parameter():
+    out = subprocess.run([sys.executable, "-m", "papermill", "--help-notebook",
+                          str(NB_DIR / "01_routing_quickstart.ipynb")], capture_output=True, text=True, check=True)
+    for name in ("tokens: int", "native_k: int", "adaptive_quantiles: list[float]", "interactive: bool"):
+        assert name in out.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("nb", NOTEBOOKS, ids=lambda p: p.stem)
+def test_notebook_executes_headless(nb, tmp_path, monkeypatch):
+    """Each notebook runs under papermill with its CI parameters and writes its figures and results."""
+    monkeypatch.setenv("MOELAB_FIGURES", str(tmp_path / "figures"))
+    monkeypatch.setenv("MOELAB_RUN_DIR", str(tmp_path / "run"))
+    params = dict(CI_OVERRIDES.get(nb.stem) or {})
+    t0 = time.time()
+    sweep.execute(nb, tmp_path / "out.ipynb", params)
+    elapsed = time.time() - t0
+    figures = sorted(p.name for p in (tmp_path / "figures").glob("*.png"))
+    assert figures, f"{nb.name} saved no figure through moelab.plots.savefig"
+    assert all(p.name.startswith(nb.stem[:2]) for p in (tmp_path / "figures").glob("*.png")), figures
+    executed = nbformat.read(str(tmp_path / "out.ipynb"), as_version=4)
+    assert all(c.metadata.get("papermill", {}).get("status") == "completed" for c in executed.cells
+               if c.cell_type == "code")
+    print(f"{nb.name}: {elapsed:.0f} s, figures {figures}")
+    if nb.stem == "01_routing_quickstart":
+        _check_quickstart_results(tmp_path, params)
+
+
+def _check_quickstart_results(tmp_path: Path, params: dict) -> None:
+    """The quickstart's named results hold what its figure shows, counted against the native k."""
+    from moelab.results import load_saved
+
+    saved = load_saved(tmp_path / "run")
+    stats = saved["policy_stats_random"].set_index("policy")
+    native = stats.loc[stats.index.str.contains("native")].iloc[0]
+    assert native.mean_k == 2.0 and native.expert_reduction == 0.0 and native.kept_pairs == native.native_pairs
+    # EntropyAdaptiveK (k 1 or 2) with its threshold at the median entropy: mean k 1.5, 25% saved
+    ea = stats.loc["EntropyAdaptiveK"]
+    assert abs(ea.mean_k - 1.5) < 0.01 and abs(ea.expert_reduction - 0.25) < 0.01
+    assert (stats.kept_pairs <= stats.native_pairs).all()
+    assert "expert_load" in saved and (saved["expert_load"].normalised_entropy <= 1).all()
+
+
+def test_failing_cell_is_named(tmp_path):
+    toy = write_toy_notebook(tmp_path / "toy.ipynb")
+    with pytest.raises(sweep.NotebookRunError) as info:
+        sweep.execute(toy, tmp_path / "out.ipynb", {"x": 5, "fail_at": 5})
+    msg = str(info.value)
+    assert "toy.ipynb: cell 2" in msg and "ValueError: x=5 is the configured failure" in msg
+    assert "line 13: raise ValueError" in msg  # the failing line of the cell, from the traceback
+    assert info.value.error["cell_index"] == 2 and info.value.error["line"] == 13
+
+
+def _wait_for(pred, timeout_s: float, what: str):
+    t0 = time.time()
+    while not pred():
+        if time.time() - t0 > timeout_s:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
+def test_killed_sweep_resumes_without_redoing_finished_runs(tmp_path):
+    toy = write_toy_notebook(tmp_path / "toy.ipynb")
+    log = tmp_path / "log.txt"
+    grid = tmp_path / "grid.yaml"
+    grid.write_text(yaml.safe_dump({"notebook": str(toy), "name": "killme", "parameters": {"x": [1, 2, 3]},
+                                    "fixed": {"sleep_s": 2.0, "log_path": str(log)}}))
+    root = tmp_path / "runs"
+    env = {**os.environ, "MOELAB_FIGURES": str(tmp_path / "figs")}
+    cmd = [sys.executable, "-m", "moelab.sweep", str(grid), "--root", str(root)]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    sweep_dir = root / "killme"
+    done = lambda: sorted(p.parent.name for p in sweep_dir.glob("*/done"))  # noqa: E731
+    try:
+        _wait_for(lambda: done(), 240, "the first finished run")
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    time.sleep(2.0)  # a worker that outlived the sweep would show up now
+    finished = done()
+    assert 1 <= len(finished) < 3, f"killed too late to test resuming: {finished}"
+    ended_before = [ln for ln in log_lines(log) if ln.startswith("end")]
+    assert len(ended_before) == len(finished)
+
+    # the killed sweep's worker died with it: nothing else finishes on its own
+    time.sleep(3.0)
+    assert done() == finished and [ln for ln in log_lines(log) if ln.startswith("end")] == ended_before
+
+    n_before = len(log_lines(log))
+    rc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    assert rc.returncode == 0, rc.stdout + rc.stderr
+    assert len(done()) == 3 and not list(sweep_dir.glob(".tmp-*"))
+    finished_x = {json.loads((sweep_dir / h / "params.json").read_text())["parameters"]["x"] for h in finished}
+    rerun_started = {int(ln.split()[1]) for ln in log_lines(log)[n_before:] if ln.startswith("start")}
+    assert rerun_started == {1, 2, 3} - finished_x, "the rerun redid a finished run"
+    ends = [ln for ln in log_lines(log) if ln.startswith("end")]
+    assert sorted(ends) == ["end 1", "end 2", "end 3"]
+    summary = (sweep_dir / "summary.csv").read_text()
+    assert summary.count("\n") == 4  # header + three runs

@@ -1,0 +1,135 @@
+"""moelab.sweep: grid expansion and validation, run hashes, one real sweep of a toy notebook
+(parallel-safe layout, failures recorded without stopping the others, combined tables, resume)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import yaml
+from toy_notebooks import log_lines, write_toy_notebook
+
+from moelab import sweep
+
+
+@pytest.fixture(scope="module")
+def toy(tmp_path_factory) -> Path:
+    return write_toy_notebook(tmp_path_factory.mktemp("nb") / "toy.ipynb")
+
+
+def test_grid_points_are_the_cartesian_product_plus_fixed(toy):
+    g = sweep.Grid(notebook=toy, name="g", parameters={"x": [1, 2, 3], "fail_at": [0, 9]}, fixed={"sleep_s": 0.1})
+    pts = g.points()
+    assert len(pts) == 6
+    assert {(p["x"], p["fail_at"]) for p in pts} == {(x, f) for x in (1, 2, 3) for f in (0, 9)}
+    assert all(p["sleep_s"] == 0.1 for p in pts)
+    g.check_parameters()
+
+
+def test_param_hash_is_stable_order_free_and_distinct(toy):
+    a = sweep.param_hash(toy, {"x": 1, "sleep_s": 0.0})
+    assert a == sweep.param_hash(toy, {"sleep_s": 0.0, "x": 1})
+    assert a != sweep.param_hash(toy, {"x": 2, "sleep_s": 0.0})
+    assert a != sweep.param_hash(toy.with_name("other.ipynb"), {"x": 1, "sleep_s": 0.0})
+    assert len(a) == 12 and int(a, 16) >= 0
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        ({"parameters": {"x": 3}}, "parameters.x=3"),
+        ({"parameters": {"x": []}}, "non-empty list"),
+        ({"parameters": {"x": [1]}, "fixed": {"x": 2}}, "both as swept and as fixed"),
+        ({"name": "a/b"}, "name='a/b'"),
+        ({"figures": "elsewhere"}, "figures='elsewhere'"),
+        ({"timeout_s": 0}, "timeout_s=0"),
+        ({"workers": 0}, "workers=0"),
+    ],
+)
+def test_bad_grids_raise_naming_the_value(toy, kw, match):
+    args = {"notebook": toy, "name": "g", **kw}
+    with pytest.raises(ValueError, match=match):
+        sweep.Grid(**args)
+
+
+def test_missing_notebook_and_unknown_parameter(toy, tmp_path):
+    with pytest.raises(ValueError, match="no such file"):
+        sweep.Grid(notebook=tmp_path / "nope.ipynb", name="g")
+    with pytest.raises(ValueError, match=r"\['y'\]: not in the parameters cell of toy.ipynb"):
+        sweep.Grid(notebook=toy, name="g", parameters={"y": [1]}).check_parameters()
+
+
+def test_load_grid_resolves_the_notebook_beside_the_grid(toy, tmp_path):
+    p = tmp_path / "grid.yaml"
+    p.write_text(yaml.safe_dump({"notebook": str(toy), "name": "g", "parameters": {"x": [1, 2]}}))
+    g = sweep.load_grid(p)
+    assert g.notebook == toy and len(g.points()) == 2
+    p.write_text(yaml.safe_dump({"notebook": str(toy), "parameter": {"x": [1]}}))
+    with pytest.raises(ValueError, match=r"unknown keys \['parameter'\]"):
+        sweep.load_grid(p)
+
+
+def test_shards_split_the_grid_disjointly():
+    assert sweep.parse_shard("2/4") == (2, 4)
+    for bad in ("4/4", "x/2", "1"):
+        with pytest.raises(ValueError, match="shard="):
+            sweep.parse_shard(bad)
+
+
+def test_repo_grids_are_valid():
+    for path in sorted((sweep.REPO / "notebooks" / "grids").glob("*.yaml")):
+        if path.name == "ci.yaml":
+            continue  # per-notebook overrides, not a grid (tests/test_notebooks.py reads it)
+        g = sweep.load_grid(path)
+        g.check_parameters()
+        assert g.points()
+
+
+@pytest.mark.slow
+def test_sweep_runs_records_failures_combines_and_resumes(toy, tmp_path, monkeypatch):
+    monkeypatch.setenv("MOELAB_FIGURES", str(tmp_path / "figs"))
+    log = tmp_path / "log.txt"
+    g = sweep.Grid(notebook=toy, name="toy", parameters={"x": [1, 2, 3]},
+                   fixed={"fail_at": 2, "log_path": str(log)})
+    rep = sweep.run_sweep(g, root=tmp_path / "runs", progress=False)
+    assert sorted(r.status for r in rep.runs) == ["failed", "ok", "ok"]
+
+    # the failure names its cell and the exception, and did not stop the other runs
+    (bad,) = rep.failed
+    assert bad.params["x"] == 2
+    assert bad.error["cell_index"] == 2 and bad.error["ename"] == "ValueError"
+    assert "x=2 is the configured failure" in bad.error["evalue"]
+    assert bad.error["source_excerpt"].startswith("line 13: raise ValueError")
+    failed_dir = rep.directory / bad.hash
+    assert (failed_dir / "error.json").exists() and not (failed_dir / "done").exists()
+    assert (failed_dir / "notebook.ipynb").exists()  # the executed notebook shows the traceback
+
+    # every finished run is complete in its own folder; no temporary folders remain
+    for r in rep.runs:
+        d = rep.directory / r.hash
+        assert json.loads((d / "params.json").read_text())["parameters"]["x"] == r.params["x"]
+        if r.status == "ok":
+            assert (d / "done").exists() and (d / "results" / "metrics.json").exists()
+    assert not list(rep.directory.glob(".tmp-*"))
+
+    # the combined tables carry the parameters as columns
+    summary = pd.read_parquet(rep.tables["summary.parquet"])
+    assert sorted(summary.x) == [1, 2, 3]
+    ok = summary[summary.status == "ok"].sort_values("x")
+    assert ok["metrics.y"].tolist() == [1, 9]
+    assert "cell 2" in summary.loc[summary.x == 2, "error"].item()
+    rows = pd.read_parquet(rep.tables["rows.parquet"])
+    assert sorted(rows.x.unique()) == [1, 3] and len(rows) == 4
+    assert (rows.v - rows.x).tolist() == [0.0, 0.5, 0.0, 0.5]
+    assert pd.read_csv(rep.tables["rows.csv"]).shape == rows.shape
+
+    # a rerun skips the finished runs and retries only the failed one (which now succeeds)
+    before = log_lines(log)
+    g2 = sweep.Grid(notebook=toy, name="toy", parameters={"x": [1, 2, 3]},
+                    fixed={"fail_at": 2, "log_path": str(log)})
+    g2.fixed["fail_at"] = 2  # same grid: same hashes
+    rep2 = sweep.run_sweep(g2, root=tmp_path / "runs", progress=False)
+    assert sorted(r.status for r in rep2.runs) == ["done", "done", "failed"]
+    assert log_lines(log)[len(before):] == ["start 2"]
