@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import hashlib
 import io
+import lzma
 import os
 import pickle
 from functools import lru_cache
@@ -56,12 +57,18 @@ def _hashes() -> dict[str, str]:
 
 
 def _read_checked(rel: str) -> bytes:
+    """The bytes of a listed file, from `rel` or its xz-compressed copy `rel.xz`, hash-checked."""
     path = data_dir() / rel
     if rel not in _hashes():
         raise ValueError(f"{rel}: not listed in {data_dir() / 'SHA256SUMS'}; known: {sorted(_hashes())}")
-    if not path.exists():
-        raise FileNotFoundError(f"{path}: missing; restore it from the repository (see data/NOTICE.md)")
-    raw = path.read_bytes()
+    xz = path.with_name(path.name + ".xz")
+    if path.exists():
+        raw = path.read_bytes()
+    elif xz.exists():  # the corpora are stored compressed; the hash is the original file's
+        raw = lzma.decompress(xz.read_bytes())
+        path = xz
+    else:
+        raise FileNotFoundError(f"{path}: missing (nor {xz.name}); restore it from the repository (see data/NOTICE.md)")
     digest = hashlib.sha256(raw).hexdigest()
     if digest != _hashes()[rel]:
         raise ValueError(f"{path}: sha256 {digest} does not match SHA256SUMS {_hashes()[rel]}; file altered")
