@@ -75,7 +75,7 @@ def softmax_topk(logits, k, renorm):
 # ------------------------------------------------------------------ timing
 
 
-def eager_us(fn, min_s=0.01, repeats=5):
+def eager_us(fn, min_s=0.005, repeats=3):
     """Per-call wall time of a host loop (Python launch included), synchronised at the end; median of
     `repeats` loops of n calls, n grown until a loop takes min_s."""
     for _ in range(3):
@@ -114,15 +114,15 @@ def graph_us(make_call, inputs, calls):
     with torch.cuda.graph(g):
         for i in range(calls):
             make_call(inputs[i % len(inputs)])
-    ms = do_bench(g.replay, warmup=25, rep=100, return_mode="median")
+    ms = do_bench(g.replay, warmup=10, rep=40, return_mode="median")
     del g
     return ms * 1e3 / calls
 
 
-def events_us(fn, rep_ms=100):
+def events_us(fn, rep_ms=50):
     from triton.testing import do_bench
 
-    return do_bench(fn, warmup=25, rep=rep_ms, return_mode="median") * 1e3
+    return do_bench(fn, warmup=10, rep=rep_ms, return_mode="median") * 1e3
 
 
 def copy_bandwidth_gbs():
@@ -257,6 +257,13 @@ def hf_call(block, cfg, impl, x):
     return block(x[None])[0]
 
 
+def gemm_tiles(plan, rows_per_tile):
+    """Row tiles the grouped GEMM runs: sum over experts of ceil(pairs / rows_per_tile)."""
+    ids = plan.expert_ids
+    counts = torch.bincount(ids[ids >= 0].long(), minlength=plan.num_experts)
+    return int(((counts + rows_per_tile - 1) // rows_per_tile).sum())
+
+
 def experts_used(plan):
     ids = plan.expert_ids
     return int(torch.unique(ids[ids >= 0]).numel())
@@ -287,7 +294,7 @@ def bench_layer_one(name, tokens):
         for var, (fn, pol, plan) in variants.items():
             row = {"shape": name, "D": D, "F": Fd, "E": E, "native_k": k, "shared_ffn": shared, "T": T,
                    "variant": var, "dtype": "bf16", "policy": repr(pol)}
-            row["time_us"] = events_us(fn, rep_ms=60 if T >= 65536 else 100)
+            row["time_us"] = events_us(fn, rep_ms=30 if T >= 65536 else 50)
             row["graph_us"] = None
             if var.startswith("moelab") and T <= 4096:
                 row["graph_us"] = graph_us(functools.partial(ours, pol=pol), [x], 1)
@@ -295,6 +302,7 @@ def bench_layer_one(name, tokens):
             row["native_pairs"] = T * k
             row["mean_k"] = row["kept_pairs"] / T
             row["experts_used"] = experts_used(plan)
+            row["gemm_tiles_128"] = gemm_tiles(plan, 128)
             row["rel_err_vs_hf"] = rel if var == "moelab_topk" else None
             rows.append(row)
             print(f"layer {name:8s} T={T:6d} {var:16s} {row['time_us']:10.1f} us  graph "
@@ -367,8 +375,10 @@ def main():
         path = write_results(
             "moe-layer", rows, extra=common,
             notes=("bf16 MoE layer on random weights N(0, 1/fan_in) and random inputs; same weights for all variants. "
-                   "time_us: do_bench median (CUDA events, L2 flushed between calls), eager launch. graph_us: ours "
-                   "captured in a CUDA graph (T <= 4096). moelab_*: router GEMM + Triton routing + padded layout + "
+                   "time_us: do_bench median (CUDA events, L2 flushed between calls), eager launch. gemm_tiles_128: "
+                   "sum over experts of ceil(pairs / 128), the row tiles of a grouped GEMM with 128-row tiles. "
+                   "graph_us: ours captured in a CUDA graph (T <= 4096). "
+                   "moelab_*: router GEMM + Triton routing + padded layout + "
                    "torch._grouped_mm experts (+ shared expert for qwen15). hf_*: transformers sparse MoE block with "
                    "experts implementation eager / grouped_mm. Adaptive: k levels (k/4, k/2, k) at the entropy "
                    "terciles of a 4096-token batch. rel_err_vs_hf: ||ours - hf_grouped_mm|| / ||hf||."),

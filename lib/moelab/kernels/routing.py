@@ -29,8 +29,9 @@ MAX_EXPERTS = 256  # one tile row holds all of a token's logits
 MAX_K_VALUES = 8  # EntropyAdaptiveK levels passed as scalars (no device tensor built per call)
 
 _TOPK, _ADAPTIVE, _TOPP, _RATIO = 0, 1, 2, 3
-# launch shape: logits per program and warps (set by benchmarks/moe_kernels.py --tune on the H200)
-LAUNCH = {"tile": 2048, "warps": 4}
+# launch shape: logits per program; warps 8 for E <= 16 else 4 (benchmarks/moe_kernels.py --parts tune,
+# H200, data/results/routing-tune-*.json: best or within 5% at T = 4096 and 65536 for E = 8, 64, 128)
+LAUNCH = {"tile": 1024, "warps": None}
 
 
 @dataclass
@@ -249,6 +250,6 @@ def route_triton(
         POLICY=code, NTH=nth, K=K, BLOCK_K=triton.next_power_of_2(K),
         BLOCK_T=block_t, BLOCK_E=block_e, RENORM=bool(renormalize), STATS=st is not None,
         BLOCK_K1=triton.next_power_of_2(K + 1),
-        num_warps=LAUNCH["warps"],
+        num_warps=LAUNCH["warps"] or (8 if block_e <= 16 else 4),
     )
     return RoutingPlan(ids, w, k, ent, E)
