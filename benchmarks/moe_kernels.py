@@ -196,10 +196,11 @@ def bench_routing_one(name, E, k, renorm, tokens, bw_gbs, l2_bytes):
     return rows
 
 
-def bench_routing(tokens, bw_gbs, l2_bytes, quick):
+def bench_routing(tokens, bw_gbs, l2_bytes, quick, save):
     rows = []
     for name, E, k, renorm in ROUTING_SHAPES[2:] if quick else ROUTING_SHAPES:
         rows += bench_routing_one(name, E, k, renorm, tokens, bw_gbs, l2_bytes)
+        save(rows)  # after every shape: a run cut short keeps what it measured
     return rows
 
 
@@ -311,11 +312,12 @@ def bench_layer_one(name, tokens):
     return rows
 
 
-def bench_layer(tokens, quick):
+def bench_layer(tokens, quick, save):
     rows = []
     for name in ["olmoe"] if quick else list(LAYERS):
         rows += bench_layer_one(name, tokens)
         torch.cuda.empty_cache()
+        save(rows)
     return rows
 
 
@@ -360,30 +362,28 @@ def main():
                              notes="native top-k Triton routing, GPU time per call in a CUDA graph, per launch shape")
         print("wrote", path)
     if "routing" in parts:
-        rows = bench_routing(tokens, bw, l2, args.quick)
-        path = write_results(
-            "routing-kernel", rows, extra=common,
-            notes=("bf16 router logits, random normal. eager_us: host loop per call, Python launch included. "
-                   "graph_us: GPU time per call inside one CUDA graph of >= 20 calls, inputs rotated over >= 3x L2 "
-                   "(do_bench median of replays). hbm_bound_us: (logits read + plan written) / measured copy "
-                   "bandwidth. Adaptive thresholds at the entropy terciles of a 4096-token calibration batch. "
-                   "graph_us None: the method cannot be captured (graph_note says why)."),
-        )
-        print("wrote", path)
+        notes = ("bf16 router logits, random normal. eager_us: host loop per call, Python launch included. "
+                 "graph_us: GPU time per call inside one CUDA graph of >= 20 calls, inputs rotated over >= 3x L2 "
+                 "(do_bench median of replays). hbm_bound_us: (logits read + plan written) / measured copy "
+                 "bandwidth. Adaptive thresholds at the entropy terciles of a 4096-token calibration batch. "
+                 "graph_us None: the method cannot be captured (graph_note says why).")
+        save = functools.partial(_save, "routing-kernel", notes, common)
+        print("wrote", save(bench_routing(tokens, bw, l2, args.quick, save)))
     if "layer" in parts:
-        rows = bench_layer(tokens, args.quick)
-        path = write_results(
-            "moe-layer", rows, extra=common,
-            notes=("bf16 MoE layer on random weights N(0, 1/fan_in) and random inputs; same weights for all variants. "
-                   "time_us: do_bench median (CUDA events, L2 flushed between calls), eager launch. gemm_tiles_128: "
-                   "sum over experts of ceil(pairs / 128), the row tiles of a grouped GEMM with 128-row tiles. "
-                   "graph_us: ours captured in a CUDA graph (T <= 4096). "
-                   "moelab_*: router GEMM + Triton routing + padded layout + "
-                   "torch._grouped_mm experts (+ shared expert for qwen15). hf_*: transformers sparse MoE block with "
-                   "experts implementation eager / grouped_mm. Adaptive: k levels (k/4, k/2, k) at the entropy "
-                   "terciles of a 4096-token batch. rel_err_vs_hf: ||ours - hf_grouped_mm|| / ||hf||."),
-        )
-        print("wrote", path)
+        notes = ("bf16 MoE layer on random weights N(0, 1/fan_in) and random inputs; same weights for all variants. "
+                 "time_us: do_bench median (CUDA events, L2 flushed between calls), eager launch. gemm_tiles_128: "
+                 "sum over experts of ceil(pairs / 128), the row tiles of a grouped GEMM with 128-row tiles. "
+                 "graph_us: ours captured in a CUDA graph (T <= 4096). "
+                 "moelab_*: router GEMM + Triton routing + padded layout + Triton gather/SwiGLU/combine + "
+                 "torch._grouped_mm experts (+ shared expert for qwen15). hf_*: transformers sparse MoE block with "
+                 "experts implementation eager / grouped_mm. Adaptive: k levels (k/4, k/2, k) at the entropy "
+                 "terciles of a 4096-token batch. rel_err_vs_hf: ||ours - hf_grouped_mm|| / ||hf|| (both bf16).")
+        save = functools.partial(_save, "moe-layer", notes, common)
+        print("wrote", save(bench_layer(tokens, args.quick, save)))
+
+
+def _save(topic, notes, common, rows):
+    return write_results(topic, rows, notes=notes, extra=common)
 
 
 if __name__ == "__main__":
