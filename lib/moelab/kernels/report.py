@@ -1,0 +1,72 @@
+"""The issue-5 targets checked against benchmark results (`routing-kernel`, `moe-layer` documents).
+
+Each check is a row: target, shape, T, what was measured, the limit it must meet, and whether it
+does. Nothing is measured here: the numbers come from the results files written on the GPU by
+benchmarks/moe_kernels.py, and the machine they came from travels with them.
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+
+__all__ = ["routing_targets", "layer_targets", "machine_line"]
+
+GRAPH_LIMIT_US = 5.0  # routing in a CUDA graph, T <= 4096
+HBM_FRACTION = 0.5  # routing at T = 65536, E = 64 and 128: fraction of the HBM bound
+EAGER_SPEEDUP = 8.0  # eager call against the torch version's eager call
+LAYER_SLACK = 1.1  # adaptive layer time <= slack * kept/native * native layer time (T = 4096)
+
+
+def machine_line(doc: dict) -> str:
+    """'NVIDIA H200 · torch 2.11 · triton 3.6 · transformers 5.17 · commit abc1234 · 2026-11-29'."""
+    m = doc["machine"]
+    return (f"{m['device']} · torch {m['torch']} · triton {m['triton']} · transformers {m['transformers']} · "
+            f"commit {str(doc['commit'])[:7]} · {doc['created'][:10]}")
+
+
+def _row(target, shape, T, measured, limit, met, unit):
+    return {"target": target, "shape": shape, "T": T, "measured": measured, "limit": limit, "unit": unit,
+            "met": bool(met)}
+
+
+def routing_targets(doc: dict) -> pd.DataFrame:
+    """Graph time <= 5 us (T <= 4096), >= half the HBM bound (T = 65536, E >= 64), eager >= 8x."""
+    df = pd.DataFrame(doc["rows"])
+    out = []
+    for (shape, T), g in df.groupby(["shape", "T"]):
+        by = g.set_index("method")
+        E = int(g["E"].iloc[0])
+        for method in ("triton_topk", "triton_adaptive", "triton_adaptive_stats"):
+            us = by.loc[method, "graph_us"]
+            if T <= 4096:
+                out.append(_row(f"graph time {method}", shape, T, us, GRAPH_LIMIT_US, us <= GRAPH_LIMIT_US, "us"))
+            elif E >= 64:
+                frac = by.loc[method, "hbm_bound_us"] / us
+                out.append(_row(f"fraction of HBM bound {method}", shape, T, frac, HBM_FRACTION,
+                                frac >= HBM_FRACTION, "x"))
+        pairs = (("triton_adaptive", "trtllm_adaptive"), ("triton_adaptive_stats", "trtllm_adaptive_stats"))
+        for mine, theirs in pairs:
+            speedup = by.loc[theirs, "eager_us"] / by.loc[mine, "eager_us"]
+            out.append(_row(f"eager speed-up {mine} vs {theirs}", shape, T, speedup, EAGER_SPEEDUP,
+                            speedup >= EAGER_SPEEDUP, "x"))
+    return pd.DataFrame(out)
+
+
+def layer_targets(doc: dict, tokens: int = 4096) -> pd.DataFrame:
+    """Adaptive layer time <= 1.1 x kept/native x native time; native no slower than hf grouped_mm."""
+    df = pd.DataFrame(doc["rows"])
+    out = []
+    for (shape, T), g in df.groupby(["shape", "T"]):
+        by = g.set_index("variant")
+        nat, ada, hf = by.loc["moelab_topk"], by.loc["moelab_adaptive"], by.loc["hf_grouped_mm"]
+        out.append(_row("native layer time / hf grouped_mm", shape, T, nat["time_us"] / hf["time_us"], 1.0,
+                        nat["time_us"] <= hf["time_us"], "x"))
+        if T == tokens:
+            kept = ada["kept_pairs"] / ada["native_pairs"]
+            tiles = ada["gemm_tiles_128"] / nat["gemm_tiles_128"]  # what 128-row GEMM tiles allow
+            for col in ("time_us", "graph_us"):
+                if pd.notna(ada[col]) and pd.notna(nat[col]):
+                    ratio = ada[col] / nat[col]
+                    out.append(_row(f"adaptive / native layer {col} (kept {kept:.3f}, tiles {tiles:.3f})", shape, T,
+                                    ratio, LAYER_SLACK * kept, ratio <= LAYER_SLACK * kept, "x"))
+    return pd.DataFrame(out)
