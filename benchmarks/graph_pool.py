@@ -62,13 +62,32 @@ def load_model(name: str, device):
                 model = MixtralForCausalLM(MixtralConfig(**SYNTHETIC)).eval()
         finally:
             torch.set_default_dtype(old)
-        return model, "random-init Mixtral-like " + ",".join(f"{k}={v}" for k, v in SYNTHETIC.items())
+        return model, "random-init Mixtral-like " + ",".join(f"{k}={v}" for k, v in SYNTHETIC.items()), None
     try:
-        model, _ = models.load(name, device=device)
-        return model, "trained checkpoint data/models/" + name
+        model, tokenizer = models.load(name, device=device)
+        return model, "trained checkpoint data/models/" + name, tokenizer
     except FileNotFoundError as e:
         log.warning("%s: %s; using the registry config, random-initialised", name, e)
-        return models.build(name).to(device, torch.bfloat16).eval(), "random-init (checkpoint not present)"
+        return models.build(name).to(device, torch.bfloat16).eval(), "random-init (checkpoint not present)", None
+
+
+def text_tokens(tokenizer, device) -> torch.Tensor | None:
+    """Held-out text (never trained on, not the evaluation set) as one token stream; None without a tokenizer."""
+    if tokenizer is None:
+        return None
+    from moelab.data import heldout_texts
+
+    text = "\n".join(heldout_texts().values())
+    return torch.tensor(tokenizer(text)["input_ids"], dtype=torch.long, device=device)
+
+
+def sample_ids(src, vocab, batch, length, gen) -> torch.Tensor:
+    """[batch, length] token ids: contiguous windows of the text stream, or uniform random ids without text."""
+    dev = torch.device("cuda")
+    if src is None:
+        return torch.randint(0, vocab, (batch, length), device=dev, generator=gen)
+    starts = torch.randint(0, src.numel() - length, (batch,), device=dev, generator=gen)
+    return src[starts[:, None] + torch.arange(length, device=dev)[None, :]]
 
 
 def decode_step(model):
@@ -97,15 +116,15 @@ def pools_of(snapshot) -> dict:
     return out
 
 
-def run_arm(arm, step, vocab, buckets, args, stream, weights_pid, seed=0):
+def run_arm(arm, step, vocab, buckets, args, stream, weights_pid, src=None, seed=0):
     """One arm of the workload; returns its row (memory, throughput, proof)."""
     dev = torch.device("cuda")
     rng = random.Random(seed)
     gen = torch.Generator(device=dev).manual_seed(seed)
     max_b = buckets[-1]
-    prompts = torch.randint(0, vocab, (args.prefill_batch, args.prefill_len), device=dev, generator=gen)
+    prompts = sample_ids(src, vocab, args.prefill_batch, args.prefill_len, gen)
     sizes = [rng.randint(1, max_b) for _ in range(args.rounds * args.decode_steps)]
-    decode_ids = {n: torch.randint(0, vocab, (n, 1), device=dev, generator=gen) for n in set(sizes)}
+    decode_ids = {n: sample_ids(src, vocab, n, 1, gen) for n in set(sizes)}
     clean()
     torch.cuda.reset_peak_memory_stats()
     base_res, base_alloc = torch.cuda.memory_reserved(), torch.cuda.memory_allocated()
@@ -213,7 +232,7 @@ def capturable_routing():
         hf.route = orig
 
 
-def adaptive_rows(name, model, step, vocab, buckets, args, stream):
+def adaptive_rows(name, model, step, vocab, buckets, args, stream, src=None):
     """Decode tokens/s: graphs vs eager, EntropyAdaptiveK vs native TopK, all through moelab routing."""
     from moelab.hf import moe_layers, patched, record_router
     from moelab.routing import EntropyAdaptiveK, TopK
@@ -222,7 +241,7 @@ def adaptive_rows(name, model, step, vocab, buckets, args, stream):
     layers = moe_layers(model)
     native_k = layers[0].native_k
     gen = torch.Generator(device=dev).manual_seed(1)
-    calib = torch.randint(0, vocab, (8, 64), device=dev, generator=gen)
+    calib = sample_ids(src, vocab, 8, 64, gen)
     with torch.no_grad(), record_router(model, logits=False) as rec:
         model(input_ids=calib, use_cache=False, logits_to_keep=1)
     ent = torch.cat([rec.entropy(i) for i in rec.layers])
@@ -233,7 +252,7 @@ def adaptive_rows(name, model, step, vocab, buckets, args, stream):
     rng = random.Random(2)
     # bucket-sized batches: eager sees the graphs' shapes (and its Triton kernels compile once, in warm-up)
     sizes = [rng.choice(buckets) for _ in range(args.decode_steps * args.rounds)]
-    ids = {n: torch.randint(0, vocab, (n, 1), device=dev, generator=gen) for n in buckets}
+    ids = {n: sample_ids(src, vocab, n, 1, gen) for n in buckets}
     rows = []
     for pname, pol in policies.items():
         ctx = contextlib.nullcontext() if pol is None else patched(model, pol)
@@ -283,7 +302,7 @@ def main(argv=None):
     ap.add_argument("--max-batch", type=int, default=256, help="largest decode bucket (buckets: powers of 2 up to it)")
     ap.add_argument("--prefill-batch", type=int, default=2)
     ap.add_argument("--prefill-len", type=int, default=128, help="prompt chunk = prefill_batch x prefill_len tokens")
-    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--decode-steps", type=int, default=50, help="decode steps per round")
     ap.add_argument("--arms", default=",".join(ARMS))
     ap.add_argument("--adaptive", action="store_true", help="also adaptive routing in graphs (moelab.hf)")
@@ -303,7 +322,8 @@ def main(argv=None):
         # weights in their own pool: the default pool then holds only what the arms allocate
         weights_pool = torch.cuda.MemPool()
         with torch.cuda.use_mem_pool(weights_pool):
-            model, how = load_model(name, "cuda")
+            model, how, tokenizer = load_model(name, "cuda")
+        src = text_tokens(tokenizer, "cuda")
         vocab = model.config.vocab_size
         step = decode_step(model)
         with torch.no_grad():  # cuBLAS workspaces etc. on both streams before any baseline
@@ -315,36 +335,47 @@ def main(argv=None):
         weights_mib = sum(p.numel() * p.element_size() for p in model.parameters()) / MiB
         for arm in tqdm(arms, desc=name, leave=False):
             try:
-                row = run_arm(arm, step, vocab, buckets, args, stream, weights_pool.id)
+                row = run_arm(arm, step, vocab, buckets, args, stream, weights_pool.id, src)
             except (RuntimeError, ValueError) as e:  # OutOfMemoryError and ScratchLiveError are RuntimeErrors
                 log.warning("%s %s failed: %s", name, arm, e)
                 errors.append(f"{name} {arm} failed: {type(e).__name__}: {e}")
                 clean()
                 continue
-            rows.append({"model": name, "weights": how, "weights_mib": weights_mib, **row})
+            rows.append({"model": name, "weights": how, "weights_mib": weights_mib,
+                         "tokens": "held-out text" if src is not None else "uniform random ids", **row})
             log.info("%s %s: reserved peak %.1f MiB, %.0f tok/s", name, arm, row["reserved_peak_mib"],
                      row["decode_tokens_per_s"])
         if args.adaptive:
             try:
-                rows.extend(adaptive_rows(name, model, step, vocab, buckets, args, stream))
+                rows.extend(adaptive_rows(name, model, step, vocab, buckets, args, stream, src))
             except (RuntimeError, ValueError, ImportError, AttributeError) as e:
                 log.warning("%s: adaptive routing in graphs failed: %s", name, e)
                 errors.append(f"{name}: adaptive routing in graphs failed: {type(e).__name__}: {e}")
-        del model, step
+        del model, step, src
         clean()
         del weights_pool
+        write(rows, buckets, errors, args)  # after every model: a cut-short run still leaves its results
+    path = write(rows, buckets, errors, args)
+    print(path)
+    for r in summarise(rows):
+        print(r)
+
+
+def write(rows, buckets, errors, args):
+    """The results file (topic graph-pool) with the per-model summaries appended."""
     summary = summarise(rows)
     notes = (
         "Decode step = one token per sequence without KV cache (context length 1), logits of the last "
         "position; buckets " + str(buckets) + "; prefill = eager forward of a prompt chunk. Weights live in a "
         "MemPool of their own; memory is counted over each arm's start; *_peak = the serving loop after capture "
         "(capture_reserved_peak_mib: capture incl. warm-up). Target: shared+reuse reserved peak <= 1.05 x "
-        "max(graph pool after capture, eager-only reserved peak), against shared (no reuse). " + " | ".join(errors)
+        "max(graph pool after capture, eager-only reserved peak), against shared (no reuse); shared+reuse+primed: "
+        "one prefill in the pool before capture. Embedded models: trained checkpoints, prompts and decode tokens "
+        "from held-out text; synthetic: random ids. Adaptive rows: EntropyAdaptiveK((native_k//2, native_k)) "
+        "with its threshold at the median router entropy of held-out windows, decode batch sizes drawn from the "
+        "buckets. " + " | ".join(errors)
     )
-    path = write_results("graph-pool", rows + summary, notes=notes, out_dir=args.out_dir)
-    print(path)
-    for r in summary:
-        print(r)
+    return write_results("graph-pool", rows + summary, notes=notes, out_dir=args.out_dir)
 
 
 def summarise(rows) -> list[dict]:
