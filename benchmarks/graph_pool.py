@@ -306,6 +306,7 @@ def main(argv=None):
     ap.add_argument("--decode-steps", type=int, default=50, help="decode steps per round")
     ap.add_argument("--arms", default=",".join(ARMS))
     ap.add_argument("--adaptive", action="store_true", help="also adaptive routing in graphs (moelab.hf)")
+    ap.add_argument("--adaptive-models", default="", help="models for --adaptive (default: all of --models)")
     ap.add_argument("--out-dir", default=None, help="results directory (default data/results)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -345,7 +346,7 @@ def main(argv=None):
                          "tokens": "held-out text" if src is not None else "uniform random ids", **row})
             log.info("%s %s: reserved peak %.1f MiB, %.0f tok/s", name, arm, row["reserved_peak_mib"],
                      row["decode_tokens_per_s"])
-        if args.adaptive:
+        if args.adaptive and (not args.adaptive_models or name in args.adaptive_models.split(",")):
             try:
                 rows.extend(adaptive_rows(name, model, step, vocab, buckets, args, stream, src))
             except (RuntimeError, ValueError, ImportError, AttributeError) as e:
