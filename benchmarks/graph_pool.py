@@ -91,8 +91,10 @@ def sample_ids(src, vocab, batch, length, gen) -> torch.Tensor:
 
 
 def decode_step(model):
+    # output_router_logits=False: the trained configs keep it on from training, and the auxiliary loss it adds
+    # copies a CPU tensor to the GPU, which graph capture refuses
     def step(ids_B1):
-        return model(input_ids=ids_B1, use_cache=False, logits_to_keep=1).logits[:, -1]
+        return model(input_ids=ids_B1, use_cache=False, logits_to_keep=1, output_router_logits=False).logits[:, -1]
 
     return step
 
@@ -243,7 +245,7 @@ def adaptive_rows(name, model, step, vocab, buckets, args, stream, src=None):
     gen = torch.Generator(device=dev).manual_seed(1)
     calib = sample_ids(src, vocab, 8, 64, gen)
     with torch.no_grad(), record_router(model, logits=False) as rec:
-        model(input_ids=calib, use_cache=False, logits_to_keep=1)
+        step(calib)
     ent = torch.cat([rec.entropy(i) for i in rec.layers])
     thr = float(ent.median())
     k_lo = max(1, native_k // 2)

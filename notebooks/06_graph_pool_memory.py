@@ -80,7 +80,7 @@ summary
 # %%
 proof_cols = ["model", "arm", "scratch_mib_traced", "scratch_fraction_in_pool", "scratch_fraction_in_captured_segments",
               "eager_fallbacks"]
-proof = arm_rows[arm_rows["arm"].isin(["shared", "shared+reuse"])]
+proof = arm_rows[arm_rows["arm"].str.startswith("shared")]
 proof = proof[[c for c in proof_cols if c in proof]]
 results.save("06_graph_pool_proof", proof.reset_index(drop=True))
 proof
@@ -175,7 +175,7 @@ elif live:
     vocab = net.config.vocab_size
 
     def step(ids):
-        return net(input_ids=ids, use_cache=False, logits_to_keep=1).logits[:, -1]
+        return net(input_ids=ids, use_cache=False, logits_to_keep=1, output_router_logits=False).logits[:, -1]
 
     runner = GraphRunner(step, lambda b: (torch.randint(0, vocab, (b, 1), device="cuda"),), buckets).capture()
     prompt = torch.randint(0, vocab, (2, 64), device="cuda")

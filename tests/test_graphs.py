@@ -225,7 +225,8 @@ def _hf_step():
     model = tiny_random("mixtral", hidden_size=128, intermediate_size=256, vocab_size=512).to("cuda", torch.bfloat16)
 
     def step(ids_B1):
-        return model(input_ids=ids_B1, use_cache=False, logits_to_keep=1).logits[:, -1].float()
+        out = model(input_ids=ids_B1, use_cache=False, logits_to_keep=1, output_router_logits=False)
+        return out.logits[:, -1].float()
 
     return step, (lambda b: (torch.randint(0, 512, (b, 1), device="cuda"),))
 
