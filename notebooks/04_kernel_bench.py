@@ -1,0 +1,207 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 04 · Routing kernel and MoE layer at hardware speed
+#
+# The fused Triton routing kernel (`moelab.kernels.routing`) and the no-sync expert path
+# (`moelab.kernels.layout`, `moelab.kernels.experts`) against their baselines: a faithful torch
+# re-implementation of the proposed TensorRT-LLM `AdaptiveKMoeRoutingMethod` (with and without its
+# host-syncing statistics), plain torch softmax + top-k, moelab's own torch reference, and the
+# transformers 5 sparse MoE blocks (experts implementation `eager` and `grouped_mm`).
+#
+# On a GPU with `run_benchmark=True` this notebook first runs `benchmarks/moe_kernels.py` with the
+# shapes below (it writes `data/results/routing-kernel-*.json` and `moe-layer-*.json`). On a CPU it
+# plots the committed results, and every figure names the machine they were measured on.
+
+# %% tags=["parameters"]
+run_benchmark: bool = False  # on a GPU: run benchmarks/moe_kernels.py first (about 1 min on an H200); CPU: plot only
+parts: str = "routing,layer"  # benchmark parts to run: routing, layer (and tune: launch shapes of the kernel)
+tokens: str = "1,16,64,512,4096,65536"  # token counts T of the benchmark (the set)
+quick: bool = False  # benchmark fewer shapes (routing at E 64 and 128; the OLMoE-like layer only)
+results_dir: str = ""  # read results from this folder instead of data/results (e.g. a GPU run's output)
+interactive: bool = False  # show ipywidgets explorers (never in headless runs)
+
+# %%
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import pandas as pd
+import torch
+
+from moelab import results
+from moelab.kernels.report import layer_targets, machine_line, routing_targets
+from moelab.plots import figure, save_table, savefig
+
+REPO = results.REPO
+if run_benchmark:
+    if not torch.cuda.is_available():
+        raise ValueError("run_benchmark=True needs CUDA: on a CPU leave it False to plot the committed results")
+    cmd = [sys.executable, str(REPO / "benchmarks" / "moe_kernels.py"), "--parts", parts, "--tokens", tokens]
+    cmd += ["--quick"] if quick else []
+    env = dict(os.environ, PYTHONPATH=str(REPO / "lib"), PYTHONUNBUFFERED="1")
+    subprocess.run(cmd, check=True, env=env)
+
+rdir = Path(results_dir) if results_dir else None
+routing_doc = results.load_results("routing-kernel", rdir)
+layer_doc = results.load_results("moe-layer", rdir)
+routing = results.rows_frame(routing_doc)
+layer = results.rows_frame(layer_doc)
+print("routing:", machine_line(routing_doc))
+print("layer:  ", machine_line(layer_doc))
+print("command:", routing_doc["command"])
+
+# %% [markdown]
+# ## 1 · Routing: GPU time per call inside a CUDA graph
+# One graph holds at least 20 calls, cycling over input sets larger than three times the L2, so
+# large T reads HBM. The dotted line is the HBM bound: logits read once and the plan written once,
+# at the copy bandwidth measured in the same run. Methods that cannot be captured (host syncs,
+# host-to-device copies per call) have no graph time.
+
+# %%
+METHODS = {
+    "triton_topk": ("moelab Triton, native top-k", "-", "o"),
+    "triton_adaptive": ("moelab Triton, adaptive-k", "-", "s"),
+    "triton_adaptive_stats": ("moelab Triton, adaptive-k + stats", "--", "s"),
+    "trtllm_adaptive": ("TRT-LLM proposal (torch)", "-", "^"),
+    "torch_softmax_topk": ("torch softmax + top-k", "-", "v"),
+}
+shapes = list(dict.fromkeys(routing["shape"]))
+fig, axes = figure("full", aspect=0.3 * ((len(shapes) + 1) // 2), ncols=2, nrows=(len(shapes) + 1) // 2,
+                   squeeze=False, sharex=True, layout="constrained")
+for ax, shape in zip(axes.flat, shapes):
+    d = routing[routing["shape"] == shape]
+    for m, (label, ls, mk) in METHODS.items():
+        dm = d[(d["method"] == m) & d["graph_us"].notna()].sort_values("T")
+        ax.plot(dm["T"], dm["graph_us"], ls=ls, marker=mk, ms=3, label=label)
+    hb = d[d["method"] == "triton_topk"].sort_values("T")
+    ax.plot(hb["T"], hb["hbm_bound_us"], ":", color="grey", label="HBM bound")
+    ax.axhline(5.0, color="black", lw=0.6, alpha=0.5)
+    ax.set(xscale="log", yscale="log", title=f"{shape}: E={d['E'].iloc[0]}, k={d['native_k'].iloc[0]}",
+           xlabel="tokens T", ylabel="us per call (graph)", ylim=(0.3, None))
+for ax in axes.flat[len(shapes):]:
+    ax.axis("off")
+axes.flat[0].legend(fontsize=6)
+fig.suptitle(machine_line(routing_doc), fontsize=7)
+savefig(fig, "04_routing_graph_time")
+plt.show()
+
+# %% [markdown]
+# ## 2 · Routing: eager call, Python launch included
+# A host loop of calls, synchronised at the end. The TRT-LLM proposal's statistics call `.item()`
+# per k value and for the entropy sum: each is a host sync.
+
+# %%
+eager = routing.pivot_table(index=["shape", "T"], columns="method", values="eager_us").reset_index()
+fig, ax = figure("full", aspect=0.35, layout="constrained")
+order = ["triton_adaptive", "triton_adaptive_stats", "torch_softmax_topk", "trtllm_adaptive",
+         "trtllm_adaptive_stats", "torch_reference_adaptive"]
+lab = [f"{s}\nT={t}" for s, t in zip(eager["shape"], eager["T"])]
+width = 0.8 / len(order)
+for i, m in enumerate(order):
+    ax.bar([j + i * width for j in range(len(eager))], eager[m], width, label=m)
+ax.set_xticks([j + 0.4 for j in range(len(eager))], lab, fontsize=5, rotation=90)
+ax.set(yscale="log", ylabel="us per eager call")
+ax.legend(fontsize=6, ncols=3)
+ax.set_title(machine_line(routing_doc), fontsize=7)
+savefig(fig, "04_routing_eager_time")
+plt.show()
+
+# %% [markdown]
+# ## 3 · MoE layer time
+# Same weights for every variant. moelab: router GEMM, Triton routing, padded pair layout (no host
+# sync), Triton gather / SwiGLU / combine that stop at the kept pairs, `torch._grouped_mm` for the
+# expert GEMMs. Solid: eager launch (CUDA events); dashed: ours inside a CUDA graph (T <= 4096).
+
+# %%
+VARIANTS = ["moelab_topk", "moelab_adaptive", "hf_grouped_mm", "hf_eager"]
+lshapes = list(dict.fromkeys(layer["shape"]))
+fig, axes = figure("full", aspect=0.32, ncols=len(lshapes), squeeze=False, layout="constrained")
+for ax, shape in zip(axes.flat, lshapes):
+    d = layer[layer["shape"] == shape]
+    for v in VARIANTS:
+        dv = d[d["variant"] == v].sort_values("T")
+        line = ax.plot(dv["T"], dv["time_us"] / 1e3, marker="o", ms=3, label=v)[0]
+        if dv["graph_us"].notna().any():
+            ax.plot(dv["T"], dv["graph_us"] / 1e3, "--", color=line.get_color(), lw=0.8)
+    r = d.iloc[0]
+    extra = f" +shared {r.shared_ffn}" if r.shared_ffn else ""
+    ax.set(xscale="log", yscale="log", xlabel="tokens T", ylabel="ms per layer",
+           title=f"{shape}\nD={r.D} F={r.F} E={r.E} k={r.native_k}{extra}")
+axes.flat[0].legend(fontsize=6)
+fig.suptitle(machine_line(layer_doc), fontsize=7)
+savefig(fig, "04_moe_layer_time")
+plt.show()
+
+# %% [markdown]
+# ## 4 · Do compute savings become wall-clock savings?
+# Adaptive-k layer time over native top-k layer time, against the fraction of (token, expert) pairs
+# kept (the target: at most 1.1 x that fraction at T = 4096) and the fraction of 128-row GEMM tiles
+# kept. At decode sizes the weights dominate: there only experts that no token of the batch uses
+# are saved, so the right comparison is the fraction of experts used.
+
+# %%
+nat = layer[layer["variant"] == "moelab_topk"].set_index(["shape", "T"])
+ada = layer[layer["variant"] == "moelab_adaptive"].set_index(["shape", "T"])
+saving = pd.DataFrame({
+    "kept_pairs_ratio": ada["kept_pairs"] / ada["native_pairs"],
+    "gemm_tiles_ratio": ada["gemm_tiles_128"] / nat["gemm_tiles_128"],
+    "experts_used_ratio": ada["experts_used"] / nat["experts_used"],
+    "time_ratio_eager": ada["time_us"] / nat["time_us"],
+    "time_ratio_graph": ada["graph_us"] / nat["graph_us"],
+}).reset_index()
+fig, axes = figure("full", aspect=0.32, ncols=len(lshapes), squeeze=False, sharey=True, layout="constrained")
+for ax, shape in zip(axes.flat, lshapes):
+    d = saving[saving["shape"] == shape]
+    for col, ls in (("kept_pairs_ratio", ":"), ("experts_used_ratio", "-."), ("time_ratio_eager", "-"),
+                    ("time_ratio_graph", "--")):
+        ax.plot(d["T"], d[col], ls, marker="o", ms=3, label=col)
+    ax.set(xscale="log", xlabel="tokens T", title=shape, ylim=(0, 1.3))
+axes.flat[0].set_ylabel("adaptive / native")
+axes.flat[0].legend(fontsize=6)
+fig.suptitle(machine_line(layer_doc), fontsize=7)
+savefig(fig, "04_adaptive_saving")
+plt.show()
+save_table(saving.round(3), "04_adaptive_saving", caption=machine_line(layer_doc))
+saving.round(3)
+
+# %% [markdown]
+# ## 5 · The targets, met or not
+# Checked by `moelab.kernels.report` on the results above; `met` is False where the target is missed.
+
+# %%
+targets = pd.concat([routing_targets(routing_doc), layer_targets(layer_doc)], ignore_index=True)
+summary = targets.assign(kind=targets["target"].str.replace(r" \(.*\)", "", regex=True)).groupby("kind").agg(
+    met=("met", "sum"), checks=("met", "size"), best=("measured", "min"), worst=("measured", "max"))
+save_table(targets.round(3), "04_targets", caption=machine_line(routing_doc))
+results.save("kernel_targets", targets)
+results.save("kernel_targets_summary", {k: [int(r.met), int(r.checks)] for k, r in summary.iterrows()})
+summary
+
+# %% [markdown]
+# ## 6 · Explorer (`interactive=True`)
+# Pick a routing shape and see every method's graph and eager time per T.
+
+# %%
+if interactive:
+    import ipywidgets as widgets
+    from IPython.display import display
+
+    def show(shape):
+        d = routing[routing["shape"] == shape].pivot_table(index="T", columns="method",
+                                                           values=["graph_us", "eager_us"])
+        display(d.round(2))
+
+    display(widgets.interactive(show, shape=widgets.Dropdown(options=shapes)))
