@@ -22,8 +22,9 @@
 # experts), `TopP` (smallest set reaching a probability mass) and `RatioSkip` (keep expert i while
 # p_i >= beta * p_1).
 #
-# Sections: (1) random logits with a spread of router confidence; (2) real expert-load counts of
-# OLMoE and Mixtral from AllenAI's routing data; (3) an interactive explorer (`interactive=True`).
+# Sections: (1) random logits with a spread of router confidence; (2) router logits recorded from an
+# embedded trained model on WikiText-2 test; (3) real expert-load counts of OLMoE and Mixtral from
+# AllenAI's routing data; (4) an interactive explorer (`interactive=True`).
 
 # %% tags=["parameters"]
 seed: int = 0  # random seed of the random router logits
@@ -36,10 +37,16 @@ adaptive_k_values: list[int] = [1, 2]  # EntropyAdaptiveK k values, strictly asc
 adaptive_quantiles: list[float] = [0.5]  # entropy quantiles that set its thresholds, one fewer than k values
 top_p: float = 0.7  # TopP: smallest expert set reaching this probability mass
 ratio_beta: float = 0.3  # RatioSkip: keep expert i while its probability is at least beta times the top one
+model: str = "tiny-mixtral"  # embedded model (tiny-mixtral, tiny-qwen-moe, tiny-olmoe) or a local checkpoint; empty skips
+eval_tokens: int = 1024  # WikiText-2 test tokens whose router logits are recorded (GPU-sized: 250000)
+calib_tokens: int = 1024  # held-out training-text tokens that place EntropyAdaptiveK's thresholds per layer
+seq_len: int = 256  # tokens per forward while recording (clipped to the model's context)
 counts_model: str = "olmoe"  # real routing counts to show: olmoe or mistral
 interactive: bool = False  # show ipywidgets explorers (never in headless runs)
 
 # %%
+from pathlib import Path
+
 import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
@@ -63,31 +70,36 @@ scale_T = logit_scale * torch.exp(0.75 * torch.randn(tokens, 1))
 logits_TE = torch.randn(tokens, num_experts) * scale_T
 
 
-def make_policies(entropy_T: torch.Tensor) -> dict:
-    """The policies compared here; EntropyAdaptiveK's thresholds sit at entropy quantiles of these tokens."""
-    thresholds = torch.quantile(entropy_T.float(), torch.tensor(adaptive_quantiles, dtype=torch.float32)).tolist()
+def entropy_of(logits_TE: torch.Tensor) -> torch.Tensor:
+    """Full-softmax router entropy per token (nats), as every policy computes it."""
+    return route(logits_TE, TopK(1), renormalize=True).entropy
+
+
+def make_policies(calib_entropy_T: torch.Tensor, native_k: int, k_values) -> dict:
+    """The policies compared; EntropyAdaptiveK's thresholds sit at entropy quantiles of calibration tokens."""
+    q = torch.tensor(adaptive_quantiles, dtype=torch.float32)
+    thresholds = torch.quantile(calib_entropy_T.float(), q).tolist()
     out = {f"TopK k={native_k} (native)": TopK(native_k)}
     if native_k > 1:
         out[f"TopK k={native_k - 1}"] = TopK(native_k - 1)
-    out["EntropyAdaptiveK"] = EntropyAdaptiveK(tuple(adaptive_k_values), tuple(thresholds))
+    out["EntropyAdaptiveK"] = EntropyAdaptiveK(tuple(k_values), tuple(thresholds))
     out[f"TopP p={top_p}"] = TopP(top_p, k_max=native_k)
     out[f"RatioSkip beta={ratio_beta}"] = RatioSkip(ratio_beta, k_max=native_k)
     return out
 
 
-def compare(logits_TE: torch.Tensor, policies: dict) -> pd.DataFrame:
+def compare(logits_TE: torch.Tensor, policies: dict, native_k: int, renormalize: bool) -> pd.DataFrame:
     """One row per policy: kept pairs, mean k, the k histogram and the reduction against the native k."""
     rows = []
     for label, policy in policies.items():
         plan = route(logits_TE, policy, renormalize=renormalize)
-        s = plan_stats(plan, native_k)
-        rows.append({"policy": label, "kind": type(policy).__name__, **s})
+        rows.append({"policy": label, "kind": type(policy).__name__, **plan_stats(plan, native_k)})
     return pd.DataFrame(rows)
 
 
-entropy_T = route(logits_TE, TopK(native_k), renormalize=renormalize).entropy
-policies = make_policies(entropy_T)
-stats = compare(logits_TE, policies)
+entropy_T = entropy_of(logits_TE)
+policies = make_policies(entropy_T, native_k, adaptive_k_values)  # calibrated on the same tokens: a demo
+stats = compare(logits_TE, policies, native_k, renormalize)
 print(f"router entropy (nats, max log E = {np.log(num_experts):.2f}): quantiles 10/50/90% =",
       np.round(np.quantile(entropy_T.numpy(), [0.1, 0.5, 0.9]), 3))
 stats[["policy", "tokens", "kept_pairs", "native_pairs", "mean_k", "expert_reduction"]]
@@ -98,7 +110,7 @@ def color(label: str, kind: str) -> str:
     return POLICY_COLORS["native"] if "native" in label else POLICY_COLORS.get(kind, "grey")
 
 
-def plot_stats(stats: pd.DataFrame, title: str):
+def plot_stats(stats: pd.DataFrame, title: str, native_k: int):
     """k histogram (share of tokens per k) and routed-expert compute saved against the native k."""
     fig, (ax_h, ax_r) = figure("full", aspect=0.36, ncols=2, gridspec_kw={"width_ratios": [1.3, 1]})
     k_max = max(len(h) for h in stats.k_hist) - 1
@@ -110,10 +122,13 @@ def plot_stats(stats: pd.DataFrame, title: str):
         ax_h.bar(ks + (i - (len(stats) - 1) / 2) * width, share[1:], width,
                  label=row.policy, color=color(row.policy, row.kind))
     ax_h.set(xlabel="experts kept per token (k)", ylabel="share of tokens", xticks=ks)
-    ax_h.legend(frameon=False, fontsize=6)
+    ax_h.legend(frameon=False, fontsize=6, ncol=3, loc="upper left", bbox_to_anchor=(0.0, -0.22))
     y = np.arange(len(stats))
     ax_r.barh(y, 100 * stats.expert_reduction, color=[color(r.policy, r.kind) for r in stats.itertuples()])
-    ax_r.set(yticks=y, yticklabels=[f"mean k {m:.2f}" for m in stats.mean_k],
+    labels = [f"mean k {m:.2f}" for m in stats.mean_k]
+    if "forward_reduction" in stats:  # whole-forward FLOPs saved, from the model's shapes
+        labels = [f"{lb}\nforward {0.0 - 100 * f:+.1f}%" for lb, f in zip(labels, stats.forward_reduction)]
+    ax_r.set(yticks=y, yticklabels=labels,
              xlabel=f"routed-expert FLOPs saved vs native k={native_k} (%)")
     ax_r.axvline(0, color="black", lw=0.6)
     ax_r.invert_yaxis()
@@ -123,7 +138,7 @@ def plot_stats(stats: pd.DataFrame, title: str):
 
 
 name = f"01_quickstart_random_E{num_experts}_k{native_k}"
-fig = plot_stats(stats, f"Random logits: T={tokens}, E={num_experts}, native top-{native_k}")
+fig = plot_stats(stats, f"Random logits: T={tokens}, E={num_experts}, native top-{native_k}", native_k)
 paths = savefig(fig, name)
 results.save("policy_stats_random", stats.assign(k_hist=stats.k_hist.map(str)))
 results.save("summary_random", {row.policy: row.expert_reduction for row in stats.itertuples()})
@@ -131,7 +146,71 @@ print("figure:", paths["pdf"].name, paths["png"].name)
 plt.show()
 
 # %% [markdown]
-# ## 2 · Real expert load: AllenAI's routing counts
+# ## 2 · Router logits recorded from a trained model
+# An embedded model (`moelab.models.load`) reads WikiText-2 test, the evaluation set, and
+# `moelab.hf.record_router` keeps every MoE layer's router logits of the unchanged forward. Each
+# policy then routes them layer by layer. EntropyAdaptiveK's thresholds sit at entropy quantiles of
+# *held-out training text* (never the evaluation tokens), per layer, with k values half and full
+# native k. The whole-forward saving adds attention, router and LM head FLOPs from the model's shapes
+# (`ModelShapes.forward_reduction`). These are compute counts of the plans only: what routing does to
+# perplexity needs the patched forward (notebook 02).
+
+# %%
+recorded = None
+if model:
+    from moelab import hf, models
+    from moelab.compute import ModelShapes
+    from moelab.data import heldout_texts, load_text
+
+    lm, tokenizer = models.load(model)
+    info = models.moe_info(lm)
+    m_native_k, m_renorm = info["native_k"], info["renormalize"]
+    ctx = min(seq_len, getattr(lm.config, "max_position_embeddings", seq_len) or seq_len)
+
+    def record_logits(text: str, n_tokens: int) -> dict:
+        """Router logits [T, E] per MoE layer for the first n_tokens of a text, in forwards of ctx tokens."""
+        ids = torch.tensor(tokenizer(text[: 40 * n_tokens])["input_ids"][:n_tokens])
+        if len(ids) < n_tokens:
+            raise ValueError(f"text has {len(ids)} tokens, fewer than the {n_tokens} asked for")
+        with torch.no_grad(), hf.record_router(lm, logits=True) as rec:
+            for start in range(0, n_tokens, ctx):
+                lm(ids[None, start : start + ctx])
+        return {layer: rec.router_logits(layer) for layer in rec.layers}
+
+    eval_logits = record_logits(load_text("wikitext2_test.raw"), eval_tokens)
+    calib_text = "\n".join(heldout_texts().values())
+    calib_logits = record_logits(calib_text, calib_tokens)
+    m_k_values = sorted({max(1, m_native_k // 2), m_native_k})
+    rows = []
+    for layer, logits_le in eval_logits.items():
+        pols = make_policies(entropy_of(calib_logits[layer]), m_native_k, m_k_values)
+        rows.append(compare(logits_le, pols, m_native_k, m_renorm).assign(layer=layer))
+    per_layer = pd.concat(rows, ignore_index=True)
+    shapes = ModelShapes.from_config(lm.config)
+    agg = []
+    for (label, kind), g in per_layer.groupby(["policy", "kind"], sort=False):
+        hist = np.sum([np.pad(h, (0, m_native_k + 1 - len(h))) for h in g.k_hist], axis=0)
+        mean_k_layers = g.sort_values("layer").mean_k.tolist()
+        agg.append({"policy": label, "kind": kind, "tokens": int(g.tokens.sum()), "k_hist": hist.tolist(),
+                    "kept_pairs": int(g.kept_pairs.sum()), "native_pairs": int(g.native_pairs.sum()),
+                    "mean_k": float(g.kept_pairs.sum() / g.tokens.sum()),
+                    "expert_reduction": float(1 - g.kept_pairs.sum() / g.native_pairs.sum()),
+                    "forward_reduction": shapes.forward_reduction(mean_k_layers, context=ctx // 2)})
+    recorded = pd.DataFrame(agg)
+    fig = plot_stats(recorded, f"{model}: router logits on WikiText-2 test, {eval_tokens} tokens x "
+                     f"{len(eval_logits)} layers (E={info['num_experts']}, native top-{m_native_k})", m_native_k)
+    savefig(fig, f"01_quickstart_recorded_{Path(model).name}")
+    results.save("policy_stats_recorded", recorded.assign(k_hist=recorded.k_hist.map(str), model=model))
+    results.save("policy_stats_recorded_per_layer", per_layer.assign(k_hist=per_layer.k_hist.map(str), model=model))
+    results.save("summary_recorded", {r.policy: {"expert_reduction": r.expert_reduction,
+                                                 "forward_reduction": r.forward_reduction}
+                                      for r in recorded.itertuples()})
+    plt.show()
+    display_cols = ["policy", "mean_k", "kept_pairs", "native_pairs", "expert_reduction", "forward_reduction"]
+    print(recorded[display_cols].to_string(index=False))
+
+# %% [markdown]
+# ## 3 · Real expert load: AllenAI's routing counts
 # How often each expert was chosen by OLMoE-1B-7B (64 experts, top-8) or Mixtral-8x7B (8 experts,
 # top-2) in layers 0, 7 and 15 on five text domains. Normalised entropy 1 means a perfectly balanced
 # load. These are counts, not per-token logits: they show how uneven the real load is, which is what
@@ -166,30 +245,36 @@ plt.show()
 table
 
 # %% [markdown]
-# ## 3 · Explorer
+# ## 4 · Explorer
 # Sliders for the EntropyAdaptiveK threshold, TopP's p and RatioSkip's beta; the k histogram and the
-# compute saved update from the logits above. Only with `interactive=True` (a headless run skips it).
+# compute saved update from the recorded logits (all layers), or the random ones without a model.
+# Only with `interactive=True` (a headless run skips it).
 
 # %%
 if interactive:
     import ipywidgets as widgets
     from IPython.display import display
 
-    lo, hi = float(entropy_T.min()), float(entropy_T.max())
+    if recorded is not None:
+        x_TE, x_k, x_renorm, source = torch.cat(list(eval_logits.values())), m_native_k, m_renorm, model
+        x_kv = m_k_values
+    else:
+        x_TE, x_k, x_renorm, source, x_kv = logits_TE, native_k, renormalize, "random logits", adaptive_k_values
+    x_entropy_T = entropy_of(x_TE)
+    lo, hi = float(x_entropy_T.min()), float(x_entropy_T.max())
 
     def explore(threshold: float, p: float, beta: float):
-        k_lo, k_hi = adaptive_k_values[0], adaptive_k_values[-1]
-        pol = {f"TopK k={native_k} (native)": TopK(native_k),
-               "EntropyAdaptiveK": EntropyAdaptiveK((k_lo, k_hi), (threshold,)),
-               f"TopP p={p:.2f}": TopP(p, k_max=native_k),
-               f"RatioSkip beta={beta:.2f}": RatioSkip(beta, k_max=native_k)}
-        fig = plot_stats(compare(logits_TE, pol), "explorer (random logits)")
+        pol = {f"TopK k={x_k} (native)": TopK(x_k),
+               "EntropyAdaptiveK": EntropyAdaptiveK((x_kv[0], x_kv[-1]), (threshold,)),
+               f"TopP p={p:.2f}": TopP(p, k_max=x_k),
+               f"RatioSkip beta={beta:.2f}": RatioSkip(beta, k_max=x_k)}
+        fig = plot_stats(compare(x_TE, pol, x_k, x_renorm), f"explorer ({source})", x_k)
         plt.show()
         plt.close(fig)
 
     explorer = widgets.interactive(
         explore,
-        threshold=widgets.FloatSlider(value=float(entropy_T.median()), min=lo, max=hi, step=(hi - lo) / 100,
+        threshold=widgets.FloatSlider(value=float(x_entropy_T.median()), min=lo, max=hi, step=(hi - lo) / 100,
                                       description="entropy thr", continuous_update=False),
         p=widgets.FloatSlider(value=top_p, min=0.05, max=1.0, step=0.05, description="TopP p",
                               continuous_update=False),

@@ -25,7 +25,7 @@ QUICKSTART = REPO / "notebooks" / "01_routing_quickstart.ipynb"
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
                  "--disable-sync", "--no-first-run", "--disable-quic"]
-BROWSER_PARAMS = {"interactive": True, "tokens": 2048}
+BROWSER_PARAMS = {"interactive": True, "tokens": 2048, "eval_tokens": 256, "calib_tokens": 256}
 
 pytestmark = [
     pytest.mark.browser,
