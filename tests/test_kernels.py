@@ -81,7 +81,7 @@ def assert_same_plan(logits, policy, renorm, stats=None):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_kernel_matches_reference(E, dtype):
     rng = torch.Generator().manual_seed(E * 7 + dtype.itemsize)
-    for T in (0, 1, 3, 37):
+    for T in (0, 1, 3, 37) if E <= 64 else (0, 1, 6):  # interpreted: every program costs, keep E=256 small
         scale = float(torch.rand(1, generator=rng)) * 4
         logits = (torch.randn(T, E, generator=rng) * scale).to(dtype).to(DEV)
         for pol in policies(E, rng):
