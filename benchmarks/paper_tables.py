@@ -69,6 +69,13 @@ def main(argv=None) -> None:
     for name in [m.strip() for m in args.models.split(",") if m.strip()]:
         t0 = time.perf_counter()
         model, tok = load_model(name, args.device, dtype, args.random_init)
+        if hasattr(model, "set_experts_implementation"):
+            # the baseline runs transformers' reference expert loop: any dtype, any device, any version
+            try:
+                model.set_experts_implementation("eager")
+            except ValueError as e:
+                log.warning("%s: keeping experts implementation %r (%s)", name,
+                            getattr(model.config, "_experts_implementation", None), e)
         eval_ids = torch.tensor(tok(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
         if args.max_tokens:
             eval_ids = eval_ids[: args.max_tokens]

@@ -121,3 +121,13 @@ def test_calibration_ids_from_heldout_only():
     with pytest.raises(ValueError, match="unknown"):
         calibration_ids(tok, 100, names=["wikitext2_test.raw"])
     assert np.isfinite(ids.numpy()).all()
+
+
+def test_calibration_k_values_end_at_native():
+    from moelab.calibrate import calibration_k_values
+
+    assert calibration_k_values("mixtral", 2) == (1, 2)
+    assert calibration_k_values("qwen2_moe", 4) == (1, 2, 4)
+    assert calibration_k_values("olmoe", 8) == (2, 4, 8)
+    with pytest.raises(ValueError, match="native_k=1"):
+        calibration_k_values("qwen3_moe", 1)
