@@ -133,3 +133,22 @@ def test_sweep_runs_records_failures_combines_and_resumes(toy, tmp_path, monkeyp
     rep2 = sweep.run_sweep(g2, root=tmp_path / "runs", progress=False)
     assert sorted(r.status for r in rep2.runs) == ["done", "done", "failed"]
     assert log_lines(log)[len(before):] == ["start 2"]
+
+
+@pytest.mark.slow
+def test_main_runs_every_notebook_reports_failures_and_lists_outputs(tmp_path, monkeypatch, capsys):
+    nbs = tmp_path / "notebooks"
+    write_toy_notebook(nbs / "01_first.ipynb")
+    write_toy_notebook(nbs / "02_second.ipynb")
+    write_toy_notebook(nbs / "notes.ipynb")  # not NN_*: not part of the main job
+    monkeypatch.setenv("MOELAB_FIGURES", str(tmp_path / "figures"))
+    assert [g.notebook.name for g in sweep.main_grids(nbs)] == ["01_first.ipynb", "02_second.ipynb"]
+    rc = sweep.run_main(nbs, root=tmp_path / "runs",
+                        overrides={"01_first": {"fail_at": 0}, "02_second": {"table": "02_table"}})
+    out = capsys.readouterr().out
+    assert rc == 1  # 01 failed, and 02 still ran
+    assert "01_first.ipynb: cell 2" in out and "FAILED: 01_first.ipynb" in out
+    assert "1/2 notebooks ran" in out
+    assert f"Figures and tables (2 files) are in {tmp_path / 'figures'}/" in out
+    assert "02_table.csv" in out and "02_table.tex" in out
+    assert (tmp_path / "runs" / "main" / "02_second" / "summary.csv").exists()

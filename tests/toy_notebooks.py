@@ -11,6 +11,7 @@ x: int = 0  # the swept value
 fail_at: int = -1  # raise in the work cell when x equals this
 sleep_s: float = 0.0  # seconds of work per run
 log_path: str = ""  # append 'start <x>' and 'end <x>' lines here (counts executions)
+table: str = ""  # if set, save a table of the metrics under this name through moelab.plots.save_table
 """
 
 WORK = """\
@@ -32,6 +33,9 @@ if x == fail_at:
 SAVE = """\
 results.save("metrics", {"y": x * x, "label": f"x{x}"})
 results.save("rows", pd.DataFrame({"i": [0, 1], "v": [x, x + 0.5]}))
+if table:
+    from moelab.plots import save_table
+    save_table(pd.DataFrame({"x": [x], "y": [x * x]}), table)
 mark("end")
 """
 

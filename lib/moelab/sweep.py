@@ -67,6 +67,7 @@ DONE = "done"
 ERROR = "error.json"
 PARAMS = "params.json"
 NOTEBOOK_OUT = "notebook.ipynb"
+WORKER_LOG = "worker.log"
 FIGURES_MODES = ("run", "repo")
 MAIN_TIME_BUDGET_S = 15 * 60
 
@@ -373,20 +374,22 @@ def _launch(notebook: Path, params: dict, final: Path, figures: str, gpu: str | 
     env["MOELAB_SWEEP_PARENT"] = str(os.getpid())
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "lib"), env.get("PYTHONPATH")]))
     cmd = [sys.executable, "-m", "moelab.sweep", "--worker", str(tmp)]
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)  # the worker's session: papermill and its kernel
-        proc.wait()
-        err = {"cell_index": None, "ename": "Timeout", "evalue": f"run exceeded timeout_s={timeout_s}"}
-        if tmp.exists():
-            write_json(tmp / ERROR, err)
-            _finish(tmp, final)
-        return RunState(h, params, "failed", err)
+    with open(tmp / WORKER_LOG, "wb") as logf:  # travels with the folder when it is renamed
+        proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=logf, stderr=subprocess.STDOUT)
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)  # the worker's session: papermill and its kernel
+            proc.wait()
+            err = {"cell_index": None, "ename": "Timeout", "evalue": f"run exceeded timeout_s={timeout_s}"}
+            if tmp.exists():
+                write_json(tmp / ERROR, err)
+                _finish(tmp, final)
+            return RunState(h, params, "failed", err)
     if proc.returncode not in (0, 1) or not final.exists():
-        err = {"cell_index": None, "ename": f"WorkerExit{proc.returncode}", "evalue": (out or "")[-2000:]}
+        where = tmp if tmp.exists() else final
+        tail = (where / WORKER_LOG).read_text(errors="replace")[-2000:] if (where / WORKER_LOG).exists() else ""
+        err = {"cell_index": None, "ename": f"WorkerExit{proc.returncode}", "evalue": tail}
         if tmp.exists():
             write_json(tmp / ERROR, err)
             _finish(tmp, final)
@@ -644,6 +647,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.getLogger("papermill").setLevel(logging.WARNING)
     if a.worker:
         return _worker(a.worker)
     if a.main:
