@@ -32,21 +32,23 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass
 class TrainConfig:
+    """Defaults = the run that produced the committed checkpoints (H200, ~65-85 s per model)."""
+
     model: str = "tiny-olmoe"  # registry name (its config) or a family for a micro model
     out: str = ""  # output dir (default data/models/<model>)
     tokenizer: str = ""  # tokenizer dir (default data/models/tokenizer)
     overrides: dict = dataclasses.field(default_factory=dict)  # config fields over the registry config
     seq_len: int = 512
     batch_size: int = 32
-    lr: float = 1.5e-3
+    lr: float = 2e-3
     min_lr_frac: float = 0.1
-    warmup_steps: int = 50
+    warmup_steps: int = 40
     weight_decay: float = 0.1
     grad_clip: float = 1.0
-    max_steps: int = 800
+    max_steps: int = 700  # ~3.9 epochs of the ~2.96M training tokens at 32 x 512
     time_budget_s: float = 0.0  # stop early after this much training wall time (0: no limit)
     stop_after: int = 0  # stop this invocation after this many steps, resumable (0: run to the end)
-    eval_every: int = 50
+    eval_every: int = 35
     eval_tokens: int = 65536  # held-out tokens per validation (the first eval_tokens/7 of each held-out text)
     train_tokens: int = 0  # use only the first N training tokens (0: all), e.g. for CPU tests
     seed: int = 0
@@ -298,12 +300,16 @@ def evaluate(name_or_path, eval_tokens: int | None = None, stats_tokens: int = 3
 
     model, tok = models.load(name_or_path)
     test_ids = encode(tok, load_text("wikitext2_test.raw"))
+    test_total = len(test_ids)
     if eval_tokens:
         test_ids = test_ids[:eval_tokens]
-    ppl = perplexity(model, tok, test_ids, context=context, stride=stride)
+    ppl = perplexity(model, tok, test_ids, context=context, stride=stride, batch_size=8)
+    ppl.update(test_tokens=len(test_ids), test_tokens_total=test_total)
     uni = unigram_perplexity(tok, _stream(tok, training_texts()).tolist(), test_ids)
-    held = _stream(tok, heldout_texts())
-    stats = models.router_stats(model, held, max_tokens=stats_tokens)
+    held = heldout_texts()  # the same number of tokens from every held-out slice
+    per_text = stats_tokens // len(held)
+    stats = models.router_stats(model, _stream(tok, held, per_text=per_text), max_tokens=stats_tokens)
+    stats["text"] = f"first {per_text} tokens of each of heldout_texts() {list(held)}"
     return {"wikitext2_test": ppl, "unigram": uni, "router": stats, "params": models.n_params(model),
             "moe": models.moe_info(model), "machine": machine(), "commit": commit()}
 
@@ -322,6 +328,8 @@ def _card(name: str, path: Path, ev: dict, tlog: dict) -> str:
     wt, uni = ev["wikitext2_test"], ev["unigram"]
     renorm = "renormalised" if moe["renormalize"] else "not renormalised"
     shared = ", plus a shared expert with its gate" if moe.get("shared_expert") else ""
+    part = (f": its first {wt['test_tokens']:,} of {wt['test_tokens_total']:,} tokens"
+            if wt["test_tokens"] < wt["test_tokens_total"] else "")
     return f"""# {name}
 
 A small {moe['family']} mixture-of-experts language model trained by `moelab.train`, so that moelab's
@@ -355,11 +363,12 @@ real learned routers, real perplexity changes. **Not** a useful language model: 
 ## Evaluation (`python -m moelab.train --card {name}`, {ev['machine']['device']}, commit {ev['commit'][:12]})
 | | perplexity | scored tokens |
 |---|---|---|
-| this model, WikiText-2 test (raw), context {wt['context']}, stride {wt['stride']} | **{wt['ppl']:.1f}** | \
+| this model, WikiText-2 test (raw){part}, context {wt['context']}, stride {wt['stride']} | **{wt['ppl']:.1f}** | \
 {wt['scored_tokens']:,} |
 | unigram model (add-one, fitted on the training tokens), same tokenizer | {uni['ppl']:.1f} | {uni['scored_tokens']:,} |
 
-Router statistics on {ev['router']['tokens']:,} held-out tokens (`moelab.models.router_stats`):
+Router statistics on {ev['router']['tokens']:,} held-out tokens, the same number from each of the seven
+held-out slices (`moelab.models.router_stats`):
 load entropy = normalised entropy of the expert load (top-{moe['native_k']} selections), 1 = balanced;
 per-token router entropy / log({moe['num_experts']}) at quantiles 5/25/50/75/95%.
 

@@ -1,0 +1,121 @@
+"""The embedded models: they load and generate, beat a unigram model by far, and their routers are not collapsed."""
+
+import pytest
+import torch
+
+from moelab import models
+from moelab.data import heldout_texts, load_text, training_texts
+from moelab.perplexity import perplexity
+from moelab.tokenizer import encode, unigram_perplexity
+from moelab.train import _stream
+
+EXPECTED = {  # name -> (family, experts, k, renormalise)
+    "tiny-mixtral": ("mixtral", 8, 2, True),
+    "tiny-qwen-moe": ("qwen2_moe", 60, 4, False),
+    "tiny-olmoe": ("olmoe", 64, 8, False),
+}
+TRAINED = [n for n in models.NAMES if (models.model_dir(n) / "model.safetensors").exists()]
+needs_ckpt = pytest.mark.skipif(len(TRAINED) < 3, reason="data/models checkpoints missing (python -m moelab.train)")
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(models.tokenizer_dir())
+
+
+@pytest.fixture(scope="module")
+def test_ids(tok):
+    return encode(tok, load_text("wikitext2_test.raw")[:40_000])[:4096]
+
+
+@pytest.fixture(scope="module")
+def unigram(tok, test_ids):
+    return unigram_perplexity(tok, _stream(tok, training_texts()).tolist(), test_ids)
+
+
+@pytest.fixture(scope="module")
+def heldout_ids(tok):
+    return _stream(tok, heldout_texts(), per_text=1200)  # ~8k tokens from every held-out slice
+
+
+def test_registry_configs():
+    cfgs = models.configs()
+    assert set(cfgs) == set(EXPECTED)
+    for name, (family, E, k, renorm) in EXPECTED.items():
+        assert models.moe_info(cfgs[name]) | {"shared_expert": True} == {
+            "num_experts": E, "native_k": k, "renormalize": renorm, "family": family, "shared_expert": True}
+    assert cfgs["tiny-qwen-moe"].shared_expert_intermediate_size > 0
+    assert models.moe_info(cfgs["tiny-olmoe"]).get("shared_expert") is None
+
+
+@needs_ckpt
+@pytest.mark.parametrize("name", list(EXPECTED))
+def test_checkpoint_loads_and_generates(name):
+    family, E, k, renorm = EXPECTED[name]
+    model, tok = models.load(name)
+    assert model.dtype == torch.float32 and not model.training
+    assert models.moe_info(model) == {"num_experts": E, "native_k": k, "renormalize": renorm, "family": family,
+                                      **({"shared_expert": True} if family == "qwen2_moe" else {})}
+    assert (models.model_dir(name) / "model.safetensors").stat().st_size < 40e6
+    x = tok("The history of the city", return_tensors="pt")
+    out = model.generate(**x, max_new_tokens=12, do_sample=False, pad_token_id=tok.pad_token_id)
+    new = tok.decode(out[0, x["input_ids"].shape[1]:])
+    assert out.shape[1] == x["input_ids"].shape[1] + 12 and new.strip()
+
+
+@needs_ckpt
+@pytest.mark.parametrize("name", list(EXPECTED))
+def test_perplexity_far_below_unigram(name, test_ids, unigram):
+    model, tok = models.load(name)
+    res = perplexity(model, tok, test_ids, progress=False)
+    assert len(test_ids) - res["windows"] <= res["scored_tokens"] < len(test_ids)
+    # a model that learned anything beyond token frequencies: at most a quarter of the unigram perplexity
+    assert res["ppl"] < unigram["ppl"] / 4, (res["ppl"], unigram["ppl"])
+
+
+@needs_ckpt
+@pytest.mark.parametrize("name", list(EXPECTED))
+def test_routers_not_collapsed(name, heldout_ids):
+    model, _ = models.load(name)
+    st = models.router_stats(model, heldout_ids, max_tokens=8192)
+    assert st["tokens"] >= 4096
+    assert len(st["load_entropy"]) == model.config.num_hidden_layers
+    assert min(st["load_entropy"]) >= 0.8, st["load_entropy"]
+    for q05, _q25, q50, _q75, q95 in st["token_entropy_q"]:
+        assert q05 < q50 < q95
+        assert q95 - q05 >= 0.1, st["token_entropy_q"]  # per-token entropy spreads over a real range
+        assert q05 < 0.95  # some tokens are routed with confidence, not all near-uniform
+
+
+def test_load_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no such directory"):
+        models.load(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        models.load(tmp_path / "empty")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    dense = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2))
+    dense.save_pretrained(tmp_path / "dense")
+    with pytest.raises(ValueError, match=r"dense: model_type='llama': not an MoE model"):
+        models.load(tmp_path / "dense")
+    with pytest.raises(ValueError, match="not an embedded model"):
+        models.model_dir("tiny-gpt")
+
+
+@pytest.mark.parametrize("family", sorted(models.FAMILIES))
+def test_tiny_random(family):
+    m = models.tiny_random(family, seed=1)
+    info = models.moe_info(m)
+    assert info["family"] == family and 0 < info["native_k"] <= info["num_experts"]
+    out = m(input_ids=torch.randint(0, 256, (2, 8)), output_router_logits=True)
+    assert out.logits.shape == (2, 8, 256)
+    assert out.router_logits[0].shape == (16, info["num_experts"])
+    same = models.tiny_random(family, seed=1)
+    torch.testing.assert_close(m(input_ids=torch.arange(8)[None]).logits, same(input_ids=torch.arange(8)[None]).logits)
+    assert models.tiny_random("mixtral", num_local_experts=4).config.num_local_experts == 4
+    with pytest.raises(ValueError, match="family='gpt2'"):
+        models.tiny_random("gpt2")
