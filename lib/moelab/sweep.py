@@ -521,6 +521,17 @@ def _cell(v):
     return json.dumps(v, default=str)
 
 
+def _flatten(d: dict, prefix: str = "") -> dict:
+    """{'a': {'b': 1}} -> {'a.b': 1}: nested scalar results become columns."""
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
 def _write_table(df, path_stem: Path) -> dict[str, Path]:
     import io
 
@@ -563,7 +574,7 @@ def collect(sweep_dir: Path, hashes: list[str], name: str = "") -> dict[str, Pat
                 df = df.assign(**{"run": h, **cols})
                 frames.setdefault(rname, []).append(df)
             elif isinstance(obj, dict):
-                row.update({f"{rname}.{k}": _cell(v) for k, v in obj.items()})
+                row.update({f"{rname}.{k}": _cell(v) for k, v in _flatten(obj).items()})
             else:
                 row[rname] = _cell(obj)
         summary.append(row)
