@@ -158,3 +158,21 @@ def test_non_moe_model_raises():
                                      num_attention_heads=2))
     with pytest.raises(ValueError, match="no supported MoE block"):
         moe_layers(m)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on the GPU machine)")
+@pytest.mark.parametrize("family", FAMILIES)
+@torch.no_grad()
+def test_native_topk_reproduces_logits_cuda(family):
+    """On CUDA (Triton routing, padded layout), fp32: the model's own rule reproduces it.
+
+    (bf16 is left out: near-ties in bf16 router logits may rank experts differently from transformers.)
+    """
+    m = tiny(family).to("cuda", torch.float32)
+    x = ids(seed=4).cuda()
+    ref = m(input_ids=x).logits.float()
+    with patched(m, [native_policy(layer) for layer in moe_layers(m)]) as p:
+        out = m(input_ids=x).logits.float()
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    assert p.mean_k() == {layer.index: float(layer.native_k) for layer in moe_layers(m)}
