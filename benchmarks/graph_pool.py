@@ -1,8 +1,11 @@
 """CUDA-graph memory pool reuse, measured: four arms with everything else fixed, and adaptive routing in graphs.
 
 Workload per model (the same in every arm): `rounds` times one eager forward of a prompt chunk
-(prefill_batch x prefill_len tokens, last-position logits) and `decode_steps` decode steps of
-random batch sizes in [1, max bucket] (one new token per sequence, no KV cache: context length 1).
+(prefill_tokens tokens as sequences of prefill_len, capped at the model's max_position_embeddings) and
+`decode_steps` decode steps of random batch sizes in [1, max bucket] (one new token per sequence, no
+KV cache: context length 1). Both return only what a server needs: greedy next-token ids of the last
+position (--output logits: last-position logits), so output copies stay small; the graphs' static
+outputs sit in one buffer outside the pool (moelab.graphs).
 Arms:
   eager          no graphs; decode and prefill eager
   private        decode graphs, one private pool per bucket; prefill eager (ordinary allocator)
@@ -32,7 +35,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from moelab.graphs import GraphRunner, make_buckets, pool_bytes
+from moelab.graphs import GraphRunner, hf_decode_step, make_buckets, pool_bytes
 from moelab.results import write_results
 
 log = logging.getLogger("graph_pool")
@@ -90,13 +93,12 @@ def sample_ids(src, vocab, batch, length, gen) -> torch.Tensor:
     return src[starts[:, None] + torch.arange(length, device=dev)[None, :]]
 
 
-def decode_step(model):
-    # output_router_logits=False: the trained configs keep it on from training, and the auxiliary loss it adds
-    # copies a CPU tensor to the GPU, which graph capture refuses
-    def step(ids_B1):
-        return model(input_ids=ids_B1, use_cache=False, logits_to_keep=1, output_router_logits=False).logits[:, -1]
-
-    return step
+def prefill_shape(model, tokens: int, length: int) -> tuple[int, int]:
+    """(batch, length) of the prompt chunk: sequences of `length` (at most the model's context), `tokens` in all."""
+    length = min(length, getattr(model.config, "max_position_embeddings", length))
+    if tokens < length:
+        raise ValueError(f"prefill_tokens={tokens}: must be >= the sequence length {length}")
+    return tokens // length, length
 
 
 def sync():
@@ -118,13 +120,13 @@ def pools_of(snapshot) -> dict:
     return out
 
 
-def run_arm(arm, step, vocab, buckets, args, stream, weights_pid, src=None, seed=0):
-    """One arm of the workload; returns its row (memory, throughput, proof)."""
+def run_arm(arm, step, vocab, buckets, chunk, args, stream, weights_pid, src=None, seed=0):
+    """One arm of the workload (chunk = prompt (batch, length)); returns its row (memory, throughput, proof)."""
     dev = torch.device("cuda")
     rng = random.Random(seed)
     gen = torch.Generator(device=dev).manual_seed(seed)
     max_b = buckets[-1]
-    prompts = sample_ids(src, vocab, args.prefill_batch, args.prefill_len, gen)
+    prompts = sample_ids(src, vocab, chunk[0], chunk[1], gen)
     sizes = [rng.randint(1, max_b) for _ in range(args.rounds * args.decode_steps)]
     decode_ids = {n: sample_ids(src, vocab, n, 1, gen) for n in set(sizes)}
     clean()
@@ -190,7 +192,10 @@ def run_arm(arm, step, vocab, buckets, args, stream, weights_pid, src=None, seed
     row = {
         "arm": arm,
         "buckets": buckets,
-        "prefill_tokens": args.prefill_batch * args.prefill_len,
+        "prefill_batch": chunk[0],
+        "prefill_len": chunk[1],
+        "prefill_tokens": chunk[0] * chunk[1],
+        "output": args.output,
         "decode_tokens": tokens,
         "decode_tokens_per_s": tokens / t_dec,
         "prefill_ms": 1e3 * t_pre / args.rounds,
@@ -302,8 +307,12 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="tiny-mixtral,tiny-qwen-moe,tiny-olmoe,synthetic")
     ap.add_argument("--max-batch", type=int, default=256, help="largest decode bucket (buckets: powers of 2 up to it)")
-    ap.add_argument("--prefill-batch", type=int, default=2)
-    ap.add_argument("--prefill-len", type=int, default=128, help="prompt chunk = prefill_batch x prefill_len tokens")
+    ap.add_argument("--prefill-tokens", type=int, default=4096,
+                    help="prompt chunk of the eager forward, in tokens (synthetic: 4 x 1024; tiny models: 8 x 512)")
+    ap.add_argument("--prefill-len", type=int, default=1024,
+                    help="sequence length of the chunk, capped at the model's max_position_embeddings")
+    ap.add_argument("--output", choices=("ids", "logits"), default="ids",
+                    help="what decode and prefill return: greedy next-token ids or last-position logits")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--decode-steps", type=int, default=50, help="decode steps per round")
     ap.add_argument("--arms", default=",".join(ARMS))
@@ -328,17 +337,18 @@ def main(argv=None):
             model, how, tokenizer = load_model(name, "cuda")
         src = text_tokens(tokenizer, "cuda")
         vocab = model.config.vocab_size
-        step = decode_step(model)
+        step = hf_decode_step(model, args.output)
+        chunk = prefill_shape(model, args.prefill_tokens, args.prefill_len)
         with torch.no_grad():  # cuBLAS workspaces etc. on both streams before any baseline
             for s in (torch.cuda.current_stream(), stream):
                 with torch.cuda.stream(s):
-                    step(torch.zeros(args.prefill_batch, args.prefill_len, dtype=torch.long, device="cuda"))
+                    step(torch.zeros(*chunk, dtype=torch.long, device="cuda"))
                     step(torch.zeros(buckets[-1], 1, dtype=torch.long, device="cuda"))
         sync()
         weights_mib = sum(p.numel() * p.element_size() for p in model.parameters()) / MiB
         for arm in tqdm(arms, desc=name, leave=False):
             try:
-                row = run_arm(arm, step, vocab, buckets, args, stream, weights_pool.id, src)
+                row = run_arm(arm, step, vocab, buckets, chunk, args, stream, weights_pool.id, src)
             except (RuntimeError, ValueError) as e:  # OutOfMemoryError and ScratchLiveError are RuntimeErrors
                 log.warning("%s %s failed: %s", name, arm, e)
                 errors.append(f"{name} {arm} failed: {type(e).__name__}: {e}")
@@ -367,22 +377,28 @@ def main(argv=None):
 def write(rows, buckets, errors, args):
     """The results file (topic graph-pool) with the per-model summaries appended."""
     summary = summarise(rows)
+    returned = ("greedy next-token ids of the last position (argmax inside the graph)" if args.output == "ids"
+                else "last-position logits")
     notes = (
-        "Decode step = one token per sequence without KV cache (context length 1), logits of the last "
-        "position; buckets " + str(buckets) + "; prefill = eager forward of a prompt chunk. Weights live in a "
-        "MemPool of their own; memory is counted over each arm's start; *_peak = the serving loop after capture "
-        "(capture_reserved_peak_mib: capture incl. warm-up). Target: shared+reuse reserved peak <= 1.05 x "
-        "max(graph pool after capture, eager-only reserved peak), against shared (no reuse); shared+reuse+primed: "
-        "one prefill in the pool before capture. Embedded models: trained checkpoints, prompts and decode tokens "
-        "from held-out text; synthetic: random ids. Adaptive rows: EntropyAdaptiveK((native_k//2, native_k)) "
-        "with its threshold at the median router entropy of held-out windows, decode batch sizes drawn from the "
-        "buckets. " + " | ".join(errors)
+        "Decode step = one token per sequence without KV cache (context length 1); decode and prefill return "
+        f"{returned}; "
+        "the graphs' static outputs are rows of one buffer per output allocated outside the pool before capture; "
+        f"buckets {buckets}; prefill = eager forward of a prompt chunk of {args.prefill_tokens} tokens (sequences of "
+        f"{args.prefill_len}, capped at the model's max_position_embeddings; see prefill_batch/prefill_len per row). "
+        "Weights live in a MemPool of their own; memory is counted over each arm's start; *_peak = the serving loop "
+        "after capture (capture_reserved_peak_mib: capture incl. warm-up). Target ratio reuse_over_max = shared+reuse "
+        "reserved peak / max(graph pool after capture in the shared arm, eager-only reserved peak), target <= 1.05; "
+        "saved_mib/saved_pct against the shared arm without reuse. shared+reuse+primed: one prefill in the pool before "
+        "capture, so the graphs are captured into segments sized for the eager forward (primed_* columns). "
+        "Embedded models: trained checkpoints, prompts and decode tokens from held-out text; synthetic: random ids. "
+        "Adaptive rows: EntropyAdaptiveK((native_k//2, native_k)) with its threshold at the median router entropy "
+        "of held-out windows, decode batch sizes drawn from the buckets. " + " | ".join(errors)
     )
     return write_results("graph-pool", rows + summary, notes=notes, out_dir=args.out_dir)
 
 
 def summarise(rows) -> list[dict]:
-    """Per model: the targets (memory vs max/sum, tokens/s with vs without reuse)."""
+    """Per model: the targets (reuse peak vs max(pool, eager), MiB and % saved, tokens/s with vs without reuse)."""
     out = []
     for m in dict.fromkeys(r["model"] for r in rows):
         by = {r["arm"]: r for r in rows if r["model"] == m}
@@ -390,29 +406,37 @@ def summarise(rows) -> list[dict]:
             continue
         pool = by["shared"]["graph_pool_mib_after_capture"]
         eager_peak = by["eager"]["reserved_peak_mib"]
-        with_reuse = by["shared+reuse"]["reserved_peak_mib"]
+        reuse = by["shared+reuse"]
+        with_reuse = reuse["reserved_peak_mib"]
         without = by["shared"]["reserved_peak_mib"]
+        bound = max(pool, eager_peak)
         out.append({
-            "model": m, "arm": "summary",
+            "model": m, "arm": "summary", "prefill_tokens": by["eager"].get("prefill_tokens"),
+            "output": by["eager"].get("output"),
             "graph_pool_mib": pool, "eager_reserved_peak_mib": eager_peak,
-            "max_mib": max(pool, eager_peak), "sum_mib": pool + eager_peak,
+            "max_mib": bound, "sum_mib": pool + eager_peak,
             "reuse_reserved_peak_mib": with_reuse, "no_reuse_reserved_peak_mib": without,
-            "reuse_over_max": with_reuse / max(pool, eager_peak),
-            "saved_mib": without - with_reuse, "saved_pct": 100 * (without - with_reuse) / without,
-            "tokens_per_s_reuse_over_no_reuse": by["shared+reuse"]["decode_tokens_per_s"]
-            / by["shared"]["decode_tokens_per_s"],
-            "memory_target_met": with_reuse <= 1.05 * max(pool, eager_peak),
-            "speed_target_met": by["shared+reuse"]["decode_tokens_per_s"] >= 0.98 * by["shared"]["decode_tokens_per_s"],
+            "reuse_over_max": with_reuse / bound if bound else float("nan"),
+            "reuse_pool_growth_mib": reuse["graph_pool_mib_end"] - reuse["graph_pool_mib_after_capture"],
+            "reuse_default_pool_mib_end": reuse["default_pool_mib_end"],
+            "saved_mib": without - with_reuse, "saved_pct": 100 * (without - with_reuse) / without if without else 0.0,
+            "tokens_per_s_reuse_over_no_reuse": reuse["decode_tokens_per_s"] / by["shared"]["decode_tokens_per_s"],
+            "memory_target_met": with_reuse <= 1.05 * bound,
+            "speed_target_met": reuse["decode_tokens_per_s"] >= 0.98 * by["shared"]["decode_tokens_per_s"],
         })
         if "shared+reuse+primed" in by:
             primed = by["shared+reuse+primed"]
+            peak = primed["reserved_peak_mib"]
             out[-1].update({
-                "primed_reserved_peak_mib": primed["reserved_peak_mib"],
-                "primed_over_max": primed["reserved_peak_mib"] / max(pool, eager_peak),
-                "primed_saved_pct": 100 * (without - primed["reserved_peak_mib"]) / without,
+                "primed_graph_pool_mib_after_capture": primed["graph_pool_mib_after_capture"],
+                "primed_reserved_peak_mib": peak,
+                "primed_over_max": peak / bound if bound else float("nan"),
+                "primed_saved_mib": without - peak,
+                "primed_saved_pct": 100 * (without - peak) / without if without else 0.0,
                 "primed_tokens_per_s_over_no_reuse": primed["decode_tokens_per_s"]
                 / by["shared"]["decode_tokens_per_s"],
-                "primed_memory_target_met": primed["reserved_peak_mib"] <= 1.05 * max(pool, eager_peak),
+                "primed_memory_target_met": peak <= 1.05 * bound,
+                "primed_speed_target_met": primed["decode_tokens_per_s"] >= 0.98 * by["shared"]["decode_tokens_per_s"],
             })
     return out
 

@@ -14,8 +14,11 @@ from moelab.graphs import (
     capture_order,
     check_buckets,
     fraction_in_segments,
+    hf_decode_step,
     make_buckets,
+    pool_bytes,
 )
+from moelab.routing import EntropyAdaptiveK
 from moelab.scratch import (
     BestFitFreeList,
     ScratchBuffers,
@@ -203,6 +206,33 @@ def test_fraction_in_segments():
     assert fraction_in_segments([(1090, 20)], segs) == 0.0  # crosses the segment's end
 
 
+def test_hf_decode_step_returns_greedy_ids_of_the_last_position():
+    from moelab.models import tiny_random
+
+    # a trained config keeps output_router_logits on; the step turns it off (its aux loss syncs with the host)
+    model = tiny_random("mixtral", output_router_logits=True).eval()
+    ids = torch.randint(0, model.config.vocab_size, (3, 5))
+    with torch.no_grad():
+        full = model(input_ids=ids, use_cache=False, output_router_logits=False).logits[:, -1]
+        got_ids = hf_decode_step(model)(ids)
+        got_logits = hf_decode_step(model, "logits")(ids)
+    assert got_ids.shape == (3,) and got_ids.dtype == torch.long
+    assert torch.equal(got_ids, full.argmax(-1))
+    torch.testing.assert_close(got_logits, full)
+    with pytest.raises(ValueError, match="output='probs'"):
+        hf_decode_step(model, "probs")
+
+
+def test_entropy_adaptive_choose_k_is_the_table_lookup_without_a_k_tensor():
+    # choose_k builds k from Python scalars (graph-capturable: no host-to-device copy); same as k_values[idx]
+    pol = EntropyAdaptiveK((1, 2, 4, 8), (0.5, 1.0, 2.0))
+    ent = torch.cat([torch.rand(500) * 3, torch.tensor([0.5, 1.0, 2.0, 0.0, float("nan")])])
+    idx = sum((ent >= t).long() for t in pol.thresholds)
+    want = torch.tensor(pol.k_values, dtype=torch.int32)[idx]
+    got = pol.choose_k(torch.empty(ent.shape[0], 8), ent)
+    assert got.dtype == torch.int32 and torch.equal(got, want)
+
+
 # ----- CUDA
 def _mlp_step(D=256, H=1024, seed=0):
     """A small MoE-free decode-like step: two GEMMs and a softmax, rows independent."""
@@ -231,7 +261,16 @@ def _hf_step():
     return step, (lambda b: (torch.randint(0, 512, (b, 1), device="cuda"),))
 
 
-STEPS = {"mlp": _mlp_step, "hf-mixtral": _hf_step}
+def _hf_ids_step():
+    """Greedy-ids decode step of a tiny random Mixtral whose config keeps output_router_logits on (as trained)."""
+    from moelab.models import tiny_random
+
+    model = tiny_random("mixtral", hidden_size=128, intermediate_size=256, vocab_size=512,
+                        output_router_logits=True).to("cuda", torch.bfloat16)
+    return hf_decode_step(model, "ids"), (lambda b: (torch.randint(0, 512, (b, 1), device="cuda"),))
+
+
+STEPS = {"mlp": _mlp_step, "hf-mixtral": _hf_step, "hf-mixtral-ids": _hf_ids_step}
 
 
 @gpu
@@ -410,3 +449,35 @@ def test_primed_capture_puts_graphs_into_eager_sized_segments():
     assert runner.pool_bytes()[runner.pool.id]["reserved"] == before  # the eager forward did not grow the pool
     (x,) = make(20)
     assert torch.equal(runner(x), runner(x))
+
+
+@gpu
+@pytest.mark.gpu
+def test_static_outputs_live_outside_the_pool_and_leave_it_free_for_eager():
+    step, make = _mlp_step(D=512, H=4096)
+    buckets = [16, 64, 256]
+    runner = GraphRunner(step, make, buckets).capture()
+    (buf,) = runner.out_buffers
+    assert buf.shape == (256, 512) and buf.dtype == torch.float32
+    for b in buckets:  # every bucket's static output is the first b rows of the one buffer
+        assert runner.graphs[b].outputs[0].data_ptr() == buf.data_ptr()
+    ptr = buf.data_ptr()
+    assert fraction_in_segments([(ptr, buf.untyped_storage().nbytes())], _pool_segs(runner)) == 0.0
+    before = pool_bytes(runner.pool.id)
+    assert before["allocated"] == 0, before  # nothing of the graphs stays allocated inside the pool
+    (x,) = make(256)
+    proof = runner.scratch_fraction_in_pool(x)
+    assert proof["fraction_in_captured_segments"] == 1.0, proof  # the largest graph's blocks fit the same forward
+    assert pool_bytes(runner.pool.id)["reserved"] == before["reserved"]  # the eager forward did not grow the pool
+    with torch.no_grad():
+        for n in (3, 16, 200):
+            (xn,) = make(n)
+            b = bucket_for(n, buckets)
+            pad = torch.zeros((b, *xn.shape[1:]), dtype=xn.dtype, device=xn.device)
+            pad[:n] = xn
+            assert torch.equal(runner(xn), step(pad)[:n])
+
+
+def _pool_segs(runner):
+    return [(s["address"], s["total_size"], 0) for s in torch.cuda.memory_snapshot()
+            if tuple(s["segment_pool_id"]) == runner.pool.id]

@@ -7,6 +7,12 @@ returns the first n rows of the static outputs. `runner.eager(*inputs)` runs ste
 graph, its scratch memory taken from the same pool (see moelab.scratch) unless reuse is off.
 Replaying while eager scratch of the pool is live raises `ScratchLiveError`.
 
+Static outputs live OUTSIDE the pool: one buffer per output, [max bucket, ...], allocated before the
+captures; each graph ends by copying its result into the first b rows. Were they the graphs' own
+results, every bucket's output would stay allocated inside the pool after capture, pinning blocks
+the larger graphs freed, and an eager forward borrowing the pool could not reuse them (the pool
+grows). `hf_decode_step` ends the step with greedy next-token ids, so those buffers are tiny.
+
 Proof helpers: `pool_segments` / `pool_bytes` read the allocator snapshot (segments carry their pool
 id); `trace_allocations` records the allocator's own alloc events of a call, and
 `fraction_in_segments` says which share of those bytes fell inside given segments.
@@ -42,6 +48,7 @@ __all__ = [
     "pool_bytes",
     "trace_allocations",
     "fraction_in_segments",
+    "hf_decode_step",
     "prefer_graph_pool",
     "ScratchLiveError",
 ]
@@ -89,6 +96,22 @@ def bucket_for(n: int, buckets: Sequence[int]) -> int:
 def capture_order(buckets: Sequence[int]) -> list[int]:
     """Largest first: the smaller graphs then fit in blocks the largest one freed during its capture."""
     return sorted(check_buckets(buckets), reverse=True)
+
+
+def hf_decode_step(model, output: str = "ids") -> Callable:
+    """step(ids_BL) of a transformers causal LM: last position only, greedy ids [B] or logits [B, V].
+
+    One forward without KV cache. output_router_logits=False: the trained configs keep it on from
+    training, and the router aux loss it adds syncs with the host (bincount), which capture refuses.
+    """
+    if output not in ("ids", "logits"):
+        raise ValueError(f"output={output!r}: must be 'ids' (greedy next tokens) or 'logits' (last position)")
+
+    def step(ids_BL):
+        logits_BV = model(input_ids=ids_BL, use_cache=False, logits_to_keep=1, output_router_logits=False).logits[:, -1]
+        return logits_BV.argmax(-1) if output == "ids" else logits_BV
+
+    return step
 
 
 # ----- allocator snapshot helpers
@@ -143,7 +166,7 @@ def fraction_in_segments(allocs: Sequence[tuple[int, int]], segments: Sequence[t
 class _Graph:
     graph: "torch.cuda.CUDAGraph"
     inputs: tuple  # static input tensors, batch = bucket
-    outputs: tuple  # static output tensors
+    outputs: tuple  # static outputs: the first `bucket` rows of the runner's output buffers (outside the pool)
     pool: object  # MemPool (shared) or the graph's own pool handle (private)
 
 
@@ -163,6 +186,8 @@ class GraphRunner:
     (their content is used for warm-up; padding rows are zero at replay).
     pool: 'shared' (one MemPool for all buckets, captured largest first) or 'private' (one pool each).
     stream: the capture stream (a new one if None); eager forwards that borrow the pool run on it.
+    Outputs of every bucket are views of one preallocated buffer per output (see the module docstring);
+    a replay's result is copied out at once, so buckets can share the rows.
     """
 
     def __init__(
@@ -187,6 +212,7 @@ class GraphRunner:
         self.warmup = warmup
         self.device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
         self.graphs: dict[int, _Graph] = {}
+        self.out_buffers: tuple = ()  # one [max bucket, ...] buffer per output, ordinary allocator
         self.pool = None  # the shared MemPool
         self.stream = stream  # capture stream (new one if None); pass one to share cuBLAS workspaces across runners
         self.scratch = ScratchBuffers(self.device)
@@ -197,10 +223,12 @@ class GraphRunner:
     def capture(self, release_cache: bool = True, prime: tuple | None = None) -> "GraphRunner":
         """Warm up and capture every bucket, largest first. release_cache: empty_cache() after (warm-up blocks).
 
-        prime: inputs of one eager forward run inside the shared pool before the captures, meant to leave
-        segments sized for the eager forward for the graphs to be captured into. Measured on the H200 it
-        changes nothing: torch.cuda.graph() calls empty_cache() on entry, which releases those free segments
-        (capturing with CUDAGraph.capture_begin directly would keep them; not measured yet).
+        prime: inputs of one eager forward run inside the shared pool before the captures: it leaves free
+        segments sized for the eager forward, the graphs are captured into them, and later eager forwards
+        find the same segments free (the pool need not grow). torch.cuda.graph() calls empty_cache() on
+        entry, but the caching allocator only releases pools no one holds (use_count 0): a live MemPool
+        keeps its segments. On the first H200 run eager (84 MiB) and graph pool (86 MiB) were the same
+        size, so priming could not show there.
         """
         if not torch.cuda.is_available():
             raise RuntimeError("GraphRunner.capture needs CUDA")
@@ -226,15 +254,22 @@ class GraphRunner:
                 self._check_inputs(inputs, b)
                 with torch.cuda.stream(self.stream):  # warm-up on the capture stream, ordinary allocator
                     for _ in range(self.warmup):
-                        _as_tuple(self.step_fn(*inputs))
+                        warm = _as_tuple(self.step_fn(*inputs))
+                    self._check_outputs(warm, b)
+                    if not self.out_buffers:  # largest bucket first: its rows hold every bucket's output
+                        self.out_buffers = tuple(
+                            torch.empty((b, *o.shape[1:]), dtype=o.dtype, device=o.device) for o in warm
+                        )
+                    del warm
                 g = torch.cuda.CUDAGraph()
                 pool_arg = self.pool.id if self.pool is not None else None
+                statics = tuple(buf[:b] for buf in self.out_buffers)
                 with torch.cuda.graph(g, pool=pool_arg, stream=self.stream):
-                    outs = _as_tuple(self.step_fn(*inputs))
-                for o in outs:
-                    if o.shape[0] != b:
-                        raise ValueError(f"step_fn output of shape {tuple(o.shape)}: dim 0 must be the batch {b}")
-                self.graphs[b] = _Graph(g, inputs, outs, self.pool if self.pool is not None else g.pool())
+                    outs = _as_tuple(self.step_fn(*inputs))  # same shapes as the warm-up's (checked there)
+                    for buf, o in zip(statics, outs, strict=True):
+                        buf.copy_(o)  # into the buffer outside the pool; the result's block goes back to the pool
+                    del outs
+                self.graphs[b] = _Graph(g, inputs, statics, self.pool if self.pool is not None else g.pool())
         cur.wait_stream(self.stream)
         torch.cuda.synchronize(self.device)
         if release_cache:
@@ -242,6 +277,23 @@ class GraphRunner:
         if self.pool is not None:
             self._baseline_allocated = pool_bytes(self.pool.id)["allocated"]
         return self
+
+    def _check_outputs(self, outs: tuple, b: int) -> None:
+        if self.out_buffers and len(outs) != len(self.out_buffers):
+            raise ValueError(
+                f"step_fn returned {len(outs)} outputs for batch {b}, {len(self.out_buffers)} for the largest bucket"
+            )
+        for i, o in enumerate(outs):
+            if o.dim() == 0 or o.shape[0] != b:
+                raise ValueError(f"step_fn output of shape {tuple(o.shape)}: dim 0 must be the batch {b}")
+            if self.out_buffers:
+                buf = self.out_buffers[i]
+                if o.shape[1:] != buf.shape[1:] or o.dtype != buf.dtype:
+                    raise ValueError(
+                        f"step_fn output {i} of shape {tuple(o.shape)} {o.dtype}: every bucket must give the same "
+                        f"outputs as the largest ({len(self.out_buffers)} outputs, "
+                        f"{[(tuple(t.shape[1:]), t.dtype) for t in self.out_buffers]} per row)"
+                    )
 
     def _check_inputs(self, inputs: tuple, b: int) -> None:
         if not inputs or not all(isinstance(t, torch.Tensor) for t in inputs):

@@ -144,12 +144,12 @@ class EntropyAdaptiveK:
         return self.k_values[0]
 
     def choose_k(self, probs_TK: torch.Tensor, entropy_T: torch.Tensor) -> torch.Tensor:
-        # index = number of thresholds at or below the entropy; thresholds ascend
-        idx = torch.zeros_like(entropy_T, dtype=torch.long)
-        for t in self.thresholds:
-            idx += (entropy_T >= t).long()
-        kv = torch.tensor(self.k_values, dtype=torch.int32, device=entropy_T.device)
-        return kv[idx]
+        # k_values[number of thresholds at or below the entropy] (thresholds ascend), built from Python
+        # scalars: no host-to-device copy of a k_values tensor, so it can be captured in a CUDA graph
+        k_T = torch.full_like(entropy_T, self.k_values[0], dtype=torch.int32)
+        for t, k_lo, k_hi in zip(self.thresholds, self.k_values, self.k_values[1:]):
+            k_T += (entropy_T >= t).to(torch.int32) * (k_hi - k_lo)
+        return k_T
 
 
 @dataclass(frozen=True)
