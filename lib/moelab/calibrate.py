@@ -262,9 +262,10 @@ def pareto_mask(reduction, ppl) -> np.ndarray:
 def verdict(frame: pd.DataFrame, kinds=("EntropyAdaptiveK", "TopP", "RatioSkip"), tol: float = 0.03) -> str:
     """Plain statement of which signal had the lowest perplexity at matched compute, target by target.
 
-    Each kind's perplexity is interpolated at each target reduction along its own measured curve
-    (measured reductions differ slightly from the targets they were matched to; up to `tol` beyond a
-    curve's ends its end point stands in). Lower fixed k points are compared the same way.
+    Each kind's perplexity is interpolated along its own measured curve at the target reductions,
+    moved into the range all measured curves cover (measured reductions drift from the targets they
+    were matched to on calibration text); without such a range, a curve's end point stands in up to
+    `tol` beyond it. Lower fixed k points are compared the same way.
     """
     f = frame[frame["kind"].isin(kinds)]
     curves = {}
@@ -279,12 +280,13 @@ def verdict(frame: pd.DataFrame, kinds=("EntropyAdaptiveK", "TopP", "RatioSkip")
     wins = {k: 0 for k in curves}
     lines = []
     points = sorted(t for t in f["target_reduction"].unique() if t == t)
-    if sum(len(at(t)) >= 2 for t in points) == 0 and len(curves) >= 2:
-        # no target is covered by two measured curves: compare in the middle of their common range
+    if len(curves) >= 2:
+        # measured reductions drift from the targets (calibration text != evaluation text): compare at
+        # the targets moved into the range that every measured curve covers, where there is one
         lo = max(x.min() for x, _ in curves.values())
         hi = min(x.max() for x, _ in curves.values())
-        if lo <= hi + tol:
-            points = [(lo + hi) / 2]
+        if lo < hi:
+            points = sorted({round(float(np.clip(t, lo, hi)), 4) for t in points})
     for t in points:
         vals = at(t)
         if len(vals) < 2:
