@@ -328,6 +328,8 @@ def _card(name: str, path: Path, ev: dict, tlog: dict) -> str:
     wt, uni = ev["wikitext2_test"], ev["unigram"]
     renorm = "renormalised" if moe["renormalize"] else "not renormalised"
     shared = ", plus a shared expert with its gate" if moe.get("shared_expert") else ""
+    cmd = f"python -m moelab.train --model {name} --card" + (
+        f" --card-tokens {wt['test_tokens']}" if wt["test_tokens"] < wt["test_tokens_total"] else "")
     part = (f": its first {wt['test_tokens']:,} of {wt['test_tokens_total']:,} tokens"
             if wt["test_tokens"] < wt["test_tokens_total"] else "")
     return f"""# {name}
@@ -360,7 +362,9 @@ real learned routers, real perplexity changes. **Not** a useful language model: 
   val loss {tlog['best_val_loss']:.3f} (ppl {math.exp(tlog['best_val_loss']):.1f}); first/last validation:
   {val[0]['val_loss']:.3f} / {val[-1]['val_loss']:.3f}. Full curves in `train_log.json`.
 
-## Evaluation (`python -m moelab.train --card {name}`, {ev['machine']['device']}, commit {ev['commit'][:12]})
+## Evaluation
+`{cmd}` on {ev['machine']['device']} (torch {ev['machine']['torch']}), commit {ev['commit'][:12]}:
+
 | | perplexity | scored tokens |
 |---|---|---|
 | this model, WikiText-2 test (raw){part}, context {wt['context']}, stride {wt['stride']} | **{wt['ppl']:.1f}** | \
@@ -378,12 +382,18 @@ per-token router entropy / log({moe['num_experts']}) at quantiles 5/25/50/75/95%
 """
 
 
-def write_card(name_or_path: str, eval_tokens: int | None = None) -> Path:
-    """Evaluate a trained model (registry name or checkpoint dir with train_log.json); write README.md, eval.json."""
+def write_card(name_or_path: str, eval_tokens: int | None = None, reuse: bool = False) -> Path:
+    """Evaluate a trained model (registry name or checkpoint dir with train_log.json); write README.md, eval.json.
+
+    reuse: rebuild README.md from the existing eval.json without evaluating again.
+    """
     path = models.resolve(name_or_path)
     tlog = json.loads((path / "train_log.json").read_text())
-    ev = evaluate(path, eval_tokens=eval_tokens)
-    write_json(path / "eval.json", ev)
+    if reuse:
+        ev = json.loads((path / "eval.json").read_text())
+    else:
+        ev = evaluate(path, eval_tokens=eval_tokens)
+        write_json(path / "eval.json", ev)
     name = name_or_path if str(name_or_path) in models.NAMES else path.name
     (path / "README.md").write_text(_card(name, path, ev, tlog))
     return path / "README.md"
@@ -407,6 +417,7 @@ def main(argv=None) -> int:
     p.add_argument("--card", action="store_true",
                    help="evaluate the trained model (--out dir, else --model's) and write its README.md")
     p.add_argument("--card-tokens", type=int, default=0, help="with --card: score only this many test tokens")
+    p.add_argument("--card-reuse", action="store_true", help="with --card: rebuild README.md from eval.json")
     p.add_argument("--tokenizer-only", action="store_true", help="train the shared tokenizer and exit")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
@@ -414,7 +425,7 @@ def main(argv=None) -> int:
         print(train_tokenizer_cli())
         return 0
     if a.card:
-        print(write_card(a.out or a.model, eval_tokens=a.card_tokens or None))
+        print(write_card(a.out or a.model, eval_tokens=a.card_tokens or None, reuse=a.card_reuse))
         return 0
     cfg = TrainConfig(**{f.name: getattr(a, f.name) for f in dataclasses.fields(TrainConfig)})
     tlog = train(cfg)
