@@ -4,8 +4,9 @@ import math
 
 import pytest
 import torch
-from moelab.perplexity import perplexity, token_ids, windows
 from transformers import MixtralConfig, MixtralForCausalLM
+
+from moelab.perplexity import perplexity, token_ids, windows
 
 
 @pytest.fixture(scope="module")
