@@ -481,3 +481,27 @@ def test_static_outputs_live_outside_the_pool_and_leave_it_free_for_eager():
 def _pool_segs(runner):
     return [(s["address"], s["total_size"], 0) for s in torch.cuda.memory_snapshot()
             if tuple(s["segment_pool_id"]) == runner.pool.id]
+
+
+@gpu
+@pytest.mark.gpu
+def test_torch_routing_path_of_entropy_adaptive_k_captures_in_a_graph():
+    # choose_k once copied a host k_values tensor to the GPU, which capture refuses
+    from moelab.routing import route_torch
+
+    pol = EntropyAdaptiveK((1, 2, 4), (1.0, 2.0))
+    g = torch.Generator(device="cuda").manual_seed(0)
+    static = torch.randn(64, 8, device="cuda", generator=g)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        route_torch(static, pol, True)  # warm-up
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        plan = route_torch(static, pol, True)
+    for scale in (0.3, 3.0):  # different k per token through the same graph
+        static.copy_(torch.randn(64, 8, device="cuda", generator=g) * scale)
+        graph.replay()
+        ref = route_torch(static, pol, True)
+        assert torch.equal(plan.k, ref.k) and torch.equal(plan.expert_ids, ref.expert_ids)
