@@ -173,9 +173,15 @@ class _Graph:
 def _as_tuple(out) -> tuple:
     if isinstance(out, torch.Tensor):
         return (out,)
-    if isinstance(out, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in out):
+    if isinstance(out, (tuple, list)) and out and all(isinstance(t, torch.Tensor) for t in out):
         return tuple(out)
-    raise ValueError(f"step_fn returned {type(out).__name__}: must return a tensor or a tuple of tensors")
+    raise ValueError(f"step_fn returned {type(out).__name__}: must return a tensor or a non-empty tuple of tensors")
+
+
+def _copy_rows(statics: tuple, outs: tuple) -> None:
+    """Copy each result into its static buffer; no reference to a result outlives the call (capture)."""
+    for buf, o in zip(statics, outs, strict=True):
+        buf.copy_(o)
 
 
 class GraphRunner:
@@ -265,10 +271,8 @@ class GraphRunner:
                 pool_arg = self.pool.id if self.pool is not None else None
                 statics = tuple(buf[:b] for buf in self.out_buffers)
                 with torch.cuda.graph(g, pool=pool_arg, stream=self.stream):
-                    outs = _as_tuple(self.step_fn(*inputs))  # same shapes as the warm-up's (checked there)
-                    for buf, o in zip(statics, outs, strict=True):
-                        buf.copy_(o)  # into the buffer outside the pool; the result's block goes back to the pool
-                    del outs
+                    # same shapes as the warm-up's (checked there); the results' blocks go back to the pool
+                    _copy_rows(statics, _as_tuple(self.step_fn(*inputs)))
                 self.graphs[b] = _Graph(g, inputs, statics, self.pool if self.pool is not None else g.pool())
         cur.wait_stream(self.stream)
         torch.cuda.synchronize(self.device)
