@@ -25,16 +25,16 @@
 # %% tags=["parameters"]
 model: str = "tiny-olmoe"  # embedded model (tiny-mixtral, tiny-qwen-moe, tiny-olmoe) or a local checkpoint path
 device: str = "cpu"  # cpu or cuda
-eval_tokens: int = 512  # WikiText-2 test tokens for measured perplexity (GPU-sized: 0 = all)
+eval_tokens: int = 512  # WikiText-2 test tokens for measured perplexity (GPU-sized: 0, meaning all)
 cal_tokens: int = 1024  # held-out calibration tokens, equal shares of every corpus (GPU-sized: 32768)
 context: int = 2048  # sliding-window length, clipped to the model's max_position_embeddings
 stride: int = 512  # new tokens scored per window
 batch_size: int = 4  # windows per forward (GPU-sized: 64)
-k_values: list[int] = []  # EntropyAdaptiveK k values; [] = the model's calibration ladder ending at native k
+k_values: list[int] = []  # EntropyAdaptiveK k values; empty: the model's calibration ladder ending at native k
 grid_points: int = 21  # threshold settings in the estimated sweep (estimates are cheap)
 confirm_points: int = 2  # grid points confirmed with real patched forwards (GPU-sized: 6)
 targets: list[float] = [0.2, 0.4]  # matched-compute routed-expert reductions (GPU-sized: [0.1, 0.2, 0.3, 0.4, 0.5])
-budget: float = 0.005  # perplexity budget for calibration, relative (0.005 = +0.5%)
+budget: float = 0.005  # perplexity budget for calibration, relative (0.005 is +0.5%)
 budget_steps: int = 2  # bisection steps of the budget search (GPU-sized: 6)
 interactive: bool = False  # show ipywidgets explorers (never in headless runs)
 

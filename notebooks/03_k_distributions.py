@@ -23,10 +23,10 @@
 model: str = "tiny-olmoe"  # embedded model (tiny-mixtral, tiny-qwen-moe, tiny-olmoe) or a local checkpoint path
 device: str = "cpu"  # cpu or cuda
 tokens_per_domain: int = 512  # tokens recorded per domain (GPU-sized: 16384)
-eval_tokens: int = 512  # WikiText-2 test tokens for the measured k histograms (GPU-sized: 0 = all)
+eval_tokens: int = 512  # WikiText-2 test tokens for the measured k histograms (GPU-sized: 0, meaning all)
 context: int = 2048  # window length, clipped to the model's max_position_embeddings
 batch_size: int = 4  # windows per forward (GPU-sized: 64)
-preset: str = "auto"  # published configuration (moelab.calibrate.PUBLISHED) or auto = the family's SDK preset
+preset: str = "auto"  # published configuration (moelab.calibrate.PUBLISHED) or auto for the family's SDK preset
 calibrated_target: float = 0.25  # routed-expert reduction for the calibrated thresholds (held-out text)
 counts_model: str = "auto"  # real routing counts to compare: olmoe, mistral or auto (by family)
 interactive: bool = False  # show ipywidgets explorers (never in headless runs)

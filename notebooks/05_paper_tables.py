@@ -28,12 +28,12 @@
 # %% tags=["parameters"]
 models: list[str] = ["tiny-mixtral", "tiny-qwen-moe", "tiny-olmoe"]  # embedded names or local checkpoint paths
 device: str = "cpu"  # cpu or cuda
-eval_tokens: int = 512  # WikiText-2 test tokens evaluated here (GPU-sized: 0 = all, as in benchmarks/paper_tables.py)
+eval_tokens: int = 512  # WikiText-2 test tokens evaluated here (GPU-sized: 0, meaning all, as in benchmarks/paper_tables.py)
 cal_tokens: int = 512  # held-out calibration tokens, equal shares of every corpus (GPU-sized: 32768)
 context: int = 2048  # sliding-window length, clipped to each model's max_position_embeddings
 stride: int = 512  # new tokens scored per window
 batch_size: int = 4  # windows per forward (GPU-sized: 64)
-budget: float = 0.005  # perplexity budget for calibration, relative (0.005 = +0.5%)
+budget: float = 0.005  # perplexity budget for calibration, relative (0.005 is +0.5%)
 budget_steps: int = 2  # bisection steps of the budget search (GPU-sized: 6)
 per_layer: bool = False  # also calibrate per-layer thresholds (GPU-sized: True)
 targets: list[float] = []  # matched-compute reductions for the other policies (GPU-sized: [0.1, 0.2, 0.3, 0.4])
@@ -41,6 +41,7 @@ show_gpu_results: bool = True  # also show the committed data/results/paper-tabl
 interactive: bool = False  # show ipywidgets explorers (never in headless runs; none in this notebook)
 
 # %%
+import matplotlib.pyplot as plt
 import pandas as pd
 import torch
 
@@ -48,7 +49,7 @@ from moelab import results
 from moelab.calibrate import CLAIMS, PUBLISHED, calibration_ids, paper_rows, paper_table
 from moelab.data import EVAL_TEXT, load_text
 from moelab.models import load
-from moelab.plots import save_table
+from moelab.plots import figure, save_table, savefig
 
 pd.set_option("display.width", 200)
 pd.set_option("display.max_columns", 20)
@@ -81,6 +82,24 @@ where = f"{results.machine()['device']}, first {eval_tokens or 'all'} WikiText-2
 results.save("paper_rows", pd.DataFrame(rows).map(lambda v: str(v) if isinstance(v, (list, dict)) else v))
 save_table(table, "05_paper_table", caption=f"Paper table measured on {where} (moelab notebook 05)")
 table
+
+# %%
+fig, ax = figure()
+for j, name in enumerate(models):
+    t = table[(table["model"] == name) & table["compute %"].notna()]
+    ax.scatter(t["compute %"], t["change %"], s=12, color=f"C{j}", label=name)
+    for _, r in t.iterrows():
+        ax.annotate(r["config"].split(",")[0][:18], (r["compute %"], r["change %"]), fontsize=4,
+                    xytext=(2, 2), textcoords="offset points")
+claimed = table.drop_duplicates("model")
+ax.scatter(claimed["claimed compute %"], claimed["claimed change %"], marker="x", s=14, color="black",
+           label="claimed (paper)")
+ax.axhline(100 * budget, color="black", lw=0.6, ls=":")
+ax.set(xlabel="routed-expert compute, % of native k", ylabel="perplexity change (%)",
+       title=f"measured on {where}")
+ax.legend(frameon=False, fontsize=5)
+savefig(fig, "05_compute_vs_ppl")
+plt.show()
 
 # %% [markdown]
 # ## 2 · Beside the claims
