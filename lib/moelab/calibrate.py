@@ -442,10 +442,11 @@ def paper_rows(
                          "config": f"claimed {r:.1%} unreachable: k >= {kv[0]} gives at most {hi_r:.1%}",
                          "target_reduction": r, **claims})
     cal_red = []
+    cal_base = evaluate(model, None, cal_ids, progress=False, **kw).summary["ppl"]  # once for both searches
     for pl in (False, True) if per_layer else (False,):
         t0 = time.perf_counter()
         res = budget_search(model, sample, cal_ids, kv, budget=budget, per_layer=pl, steps=budget_steps,
-                            progress=False, **kw)
+                            baseline_ppl=cal_base, progress=False, **kw)
         traces.append(res["trace"].assign(model=name, per_layer=pl))
         s = evaluate(model, res["policy"], eval_ids, baseline_ppl=base_ppl, progress=False, **kw).summary
         add("calibrated", s, t0, config=f"{'per-layer' if pl else 'shared'} thresholds, budget {budget:+.1%}",
