@@ -131,3 +131,24 @@ def test_calibration_k_values_end_at_native():
     assert calibration_k_values("olmoe", 8) == (2, 4, 8)
     with pytest.raises(ValueError, match="native_k=1"):
         calibration_k_values("qwen3_moe", 1)
+
+
+def test_paper_rows_sections(model):
+    from moelab.calibrate import paper_rows, paper_table
+
+    ev = torch.randint(0, 256, (128,), generator=torch.Generator().manual_seed(3))
+    cal = torch.randint(0, 256, (128,), generator=torch.Generator().manual_seed(4))
+    out = paper_rows(model, "rand-mixtral", ev, cal, context=CTX, stride=CTX, budget_steps=1, targets=(0.25,),
+                     per_layer=True, fixed_ks=[1], progress=False)
+    rows = out["rows"]
+    by = {}
+    for r in rows:
+        by.setdefault(r["section"], []).append(r)
+    assert set(by) == {"baseline", "patched-native", "published", "claimed-target", "calibrated", "matched"}
+    assert by["patched-native"][0]["ppl_change"] == pytest.approx(0.0, abs=1e-5)
+    assert "unreachable" in by["claimed-target"][0]["config"]  # 52.5% > the 50% a top-2 model can save
+    assert len(by["calibrated"]) == 2 and all(r["native_k"] == 2 for r in by["calibrated"])
+    assert {r["kind"] for r in by["matched"]} == {"EntropyAdaptiveK", "TopP", "RatioSkip", "TopK"}
+    assert all(r.get("estimated") is False for r in rows if "ppl" in r)
+    table = paper_table(rows)
+    assert list(table["model"].unique()) == ["rand-mixtral"] and (table["claimed"] == "Mixtral 8x7B").all()
