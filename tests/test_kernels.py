@@ -1,23 +1,18 @@
 """Triton routing kernel and padded pair layout: identical to the torch reference, no host sync.
 
-On a CPU the kernels run under TRITON_INTERPRET=1 (set here, before the kernel modules are
-imported) on small shapes; on a GPU they run compiled, and the `gpu` tests add large random shapes,
+On a CPU the kernels run under TRITON_INTERPRET=1 (set by conftest.py, before any kernel
+module is imported) on small shapes; on a GPU they run compiled, and the `gpu` tests add large random shapes,
 CUDA-graph capture and a no-host-sync check.
 """
 
-import importlib
 import math
 import os
-import sys
 
 import pytest
 import torch
 
 if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-    for _mod in ("moelab.kernels.routing", "moelab.kernels.layout"):  # decorated before the flag was set
-        if _mod in sys.modules:
-            importlib.reload(sys.modules[_mod])
+    assert os.environ.get("TRITON_INTERPRET") == "1", "tests/conftest.py sets TRITON_INTERPRET=1 on a CPU"
 
 pytest.importorskip("triton")
 
