@@ -66,7 +66,28 @@ def main(argv=None) -> None:
                            + ("-smoke" if args.max_tokens else ""))
     text = load_text(EVAL_TEXT)
     rows, traces, verdicts, t_all = [], [], {}, time.perf_counter()
-    for name in [m.strip() for m in args.models.split(",") if m.strip()]:
+    names = [m.strip() for m in args.models.split(",") if m.strip()]
+    notes = (
+        f"WikiText-2 test ({'first ' + str(args.max_tokens) + ' tokens' if args.max_tokens else 'all tokens'}), "
+        f"sliding window context {args.context} (clipped to each model's max_position_embeddings) stride "
+        f"{args.stride}, {args.dtype}. Every perplexity comes from forwards whose MoE blocks were patched by "
+        "moelab.hf (routing changed, skipped pairs not computed), except section=baseline (the unchanged model). "
+        "mean_k counts kept pairs over every forwarded position; expert_reduction against the native k; "
+        "forward_reduction from moelab.compute.ModelShapes. Thresholds are calibrated on held-out slices of the "
+        f"training corpora ({args.cal_tokens} tokens, equal shares), never on the evaluation text; "
+        "est_expert_reduction is the estimate from recorded router outputs on that calibration text. "
+        f"Budget {args.budget:+.2%} relative perplexity, {args.budget_steps} bisection steps. "
+        + ("RANDOM-INIT MODELS: plumbing check, not a result. " if args.random_init else "")
+        + "Claimed numbers (pr_*, paper_*) are copied from the claims under test, not measured."
+    )
+
+    def save(done: list[str]):
+        # rewritten after every model, so a run cut short keeps the models it finished
+        extra = {"traces": traces, "verdicts": verdicts, "wall_s": time.perf_counter() - t_all,
+                 "models_done": done, "complete": len(done) == len(names)}
+        return write_results(topic, rows, notes=notes, extra=extra)
+
+    for name in names:
         t0 = time.perf_counter()
         model, tok = load_model(name, args.device, dtype, args.random_init)
         if hasattr(model, "set_experts_implementation"):
@@ -90,6 +111,7 @@ def main(argv=None) -> None:
         traces += out["traces"].to_dict("records")
         verdicts[name] = out["verdict"]
         log.info("%s done in %.1fs: %s", name, time.perf_counter() - t0, out["verdict"])
+        path = save(list(verdicts))
         del model
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -99,21 +121,6 @@ def main(argv=None) -> None:
         print(table.iloc[:, :9].to_string(index=False))
     for name, v in verdicts.items():
         print(f"\n{name}: {v}")
-    notes = (
-        f"WikiText-2 test ({'first ' + str(args.max_tokens) + ' tokens' if args.max_tokens else 'all tokens'}), "
-        f"sliding window context {args.context} (clipped to each model's max_position_embeddings) stride "
-        f"{args.stride}, {args.dtype}. Every perplexity comes from forwards whose MoE blocks were patched by "
-        "moelab.hf (routing changed, skipped pairs not computed), except section=baseline (the unchanged model). "
-        "mean_k counts kept pairs over every forwarded position; expert_reduction against the native k; "
-        "forward_reduction from moelab.compute.ModelShapes. Thresholds are calibrated on held-out slices of the "
-        f"training corpora ({args.cal_tokens} tokens, equal shares), never on the evaluation text; "
-        "est_expert_reduction is the estimate from recorded router outputs on that calibration text. "
-        f"Budget {args.budget:+.2%} relative perplexity, {args.budget_steps} bisection steps. "
-        + ("RANDOM-INIT MODELS: plumbing check, not a result. " if args.random_init else "")
-        + "Claimed numbers (pr_*, paper_*) are copied from the claims under test, not measured."
-    )
-    path = write_results(topic, rows, notes=notes,
-                         extra={"traces": traces, "verdicts": verdicts, "wall_s": time.perf_counter() - t_all})
     print(f"\nwrote {path} ({time.perf_counter() - t_all:.0f}s)")
 
 
