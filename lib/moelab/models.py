@@ -183,11 +183,13 @@ def resolve(name_or_path: str | Path) -> Path:
     return path
 
 
-def load(name_or_path: str | Path, device=None, dtype=None):
+def load(name_or_path: str | Path, device=None, dtype=None, device_map=None):
     """(model, tokenizer) from a registry name or a local checkpoint dir; eval mode.
 
-    device: default CPU. dtype: default float32 on CPU, bfloat16 on CUDA. Raises FileNotFoundError for a
-    missing checkpoint and ValueError for a model that is not a supported MoE model.
+    device: default CPU. dtype: default float32 on CPU, bfloat16 on CUDA. device_map: passed to
+    `from_pretrained` (accelerate) for models that need several GPUs, e.g. "auto" or {module: gpu};
+    then `device` is ignored. Raises FileNotFoundError for a missing checkpoint and ValueError for a
+    model that is not a supported MoE model.
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -199,10 +201,13 @@ def load(name_or_path: str | Path, device=None, dtype=None):
         raise ValueError(f"{path}: {e}") from None
     if info["family"] not in FAMILIES:
         log.warning("%s: family %r is not one moelab has an adapter for (%s)", path, info["family"], sorted(FAMILIES))
-    device = torch.device(device or "cpu")
+    device = torch.device(device or ("cuda" if device_map is not None else "cpu"))
     if dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
+    if device_map is not None:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=device_map).eval()
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     tok_path = path if (path / "tokenizer.json").exists() or (path / "tokenizer_config.json").exists() else None
     if tok_path is None:
         raise FileNotFoundError(f"{path}: no tokenizer files (tokenizer.json, tokenizer_config.json) beside the model")
