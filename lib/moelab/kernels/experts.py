@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moelab.kernels import on_device_of
 from moelab.routing import RoutingPlan
 
 __all__ = ["gather_rows", "swiglu_rows", "combine_rows"]
@@ -82,9 +83,10 @@ def gather_rows(x_TD: torch.Tensor, token_idx: torch.Tensor, offsets: torch.Tens
     out = torch.empty(N, D, dtype=x_TD.dtype, device=x_TD.device)
     if N and D:
         block_d = min(256, triton.next_power_of_2(D))
-        _gather_kernel[(triton.cdiv(N, _BLOCK_R), triton.cdiv(D, block_d))](
-            x_TD.contiguous(), token_idx, offsets, out, D, offsets.shape[0], BLOCK_R=_BLOCK_R, BLOCK_D=block_d
-        )
+        with on_device_of(x_TD):
+            _gather_kernel[(triton.cdiv(N, _BLOCK_R), triton.cdiv(D, block_d))](
+                x_TD.contiguous(), token_idx, offsets, out, D, offsets.shape[0], BLOCK_R=_BLOCK_R, BLOCK_D=block_d
+            )
     return out
 
 
@@ -97,9 +99,10 @@ def swiglu_rows(h_PH: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     out = torch.empty(N, Fd, dtype=h_PH.dtype, device=h_PH.device)
     if N and Fd:
         block_f = min(256, triton.next_power_of_2(Fd))
-        _swiglu_kernel[(triton.cdiv(N, _BLOCK_R), triton.cdiv(Fd, block_f))](
-            h_PH.contiguous(), offsets, out, Fd, offsets.shape[0], BLOCK_R=_BLOCK_R, BLOCK_F=block_f
-        )
+        with on_device_of(h_PH):
+            _swiglu_kernel[(triton.cdiv(N, _BLOCK_R), triton.cdiv(Fd, block_f))](
+                h_PH.contiguous(), offsets, out, Fd, offsets.shape[0], BLOCK_R=_BLOCK_R, BLOCK_F=block_f
+            )
     return out
 
 
@@ -111,7 +114,8 @@ def combine_rows(y_PD: torch.Tensor, slot_row: torch.Tensor, plan: RoutingPlan, 
     if T and D:
         block_d = min(128, triton.next_power_of_2(D))
         block_t = 16
-        _combine_kernel[(triton.cdiv(T, block_t), triton.cdiv(D, block_d))](
-            y_PD, slot_row, plan.weights.contiguous(), out, T, D, K=K, BLOCK_T=block_t, BLOCK_D=block_d
-        )
+        with on_device_of(y_PD):
+            _combine_kernel[(triton.cdiv(T, block_t), triton.cdiv(D, block_d))](
+                y_PD, slot_row, plan.weights.contiguous(), out, T, D, K=K, BLOCK_T=block_t, BLOCK_D=block_d
+            )
     return out

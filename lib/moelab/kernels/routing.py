@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moelab.kernels import on_device_of
 from moelab.routing import EntropyAdaptiveK, Policy, RatioSkip, RoutingPlan, TopK, TopP
 
 __all__ = ["route_triton", "RoutingStats", "MAX_K_VALUES", "MAX_EXPERTS"]
@@ -242,14 +243,15 @@ def route_triton(
         logits = logits.contiguous()
     block_t, block_e = block_tokens(T, E)
     st = stats if stats is not None else None
-    _route_kernel[(triton.cdiv(T, block_t),)](
-        logits, ids, w, k, ent,
-        st.k_hist if st else k, st.entropy_sum if st else ent, st.tokens if st else k,
-        T, E, logits.stride(0),
-        fpar, *th, kv, kmin,
-        POLICY=code, NTH=nth, K=K, BLOCK_K=triton.next_power_of_2(K),
-        BLOCK_T=block_t, BLOCK_E=block_e, RENORM=bool(renormalize), STATS=st is not None,
-        BLOCK_K1=triton.next_power_of_2(K + 1),
-        num_warps=LAUNCH["warps"] or (8 if block_e <= 16 else 4),
-    )
+    with on_device_of(logits):
+        _route_kernel[(triton.cdiv(T, block_t),)](
+            logits, ids, w, k, ent,
+            st.k_hist if st else k, st.entropy_sum if st else ent, st.tokens if st else k,
+            T, E, logits.stride(0),
+            fpar, *th, kv, kmin,
+            POLICY=code, NTH=nth, K=K, BLOCK_K=triton.next_power_of_2(K),
+            BLOCK_T=block_t, BLOCK_E=block_e, RENORM=bool(renormalize), STATS=st is not None,
+            BLOCK_K1=triton.next_power_of_2(K + 1),
+            num_warps=LAUNCH["warps"] or (8 if block_e <= 16 else 4),
+        )
     return RoutingPlan(ids, w, k, ent, E)
