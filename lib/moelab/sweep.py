@@ -571,7 +571,7 @@ def collect(sweep_dir: Path, hashes: list[str], name: str = "") -> dict[str, Pat
                 df = obj if isinstance(obj, pd.DataFrame) else pd.DataFrame(obj)
                 df = df.assign(**{c: df[c].map(_cell) for c in df.columns if df[c].dtype == object})
                 cols = {(f"param.{k}" if k in df.columns else k): v for k, v in params.items()}
-                df = df.assign(**{"run": h, **cols})
+                df = df.assign(**{"run": h, **cols})[["run", *cols, *df.columns]]
                 frames.setdefault(rname, []).append(df)
             elif isinstance(obj, dict):
                 row.update({f"{rname}.{k}": _cell(v) for k, v in _flatten(obj).items()})
@@ -582,9 +582,7 @@ def collect(sweep_dir: Path, hashes: list[str], name: str = "") -> dict[str, Pat
     if summary:
         out.update({f"summary.{k}": v for k, v in _write_table(pd.DataFrame(summary), sweep_dir / "summary").items()})
     for rname, dfs in frames.items():
-        df = pd.concat(dfs, ignore_index=True)
-        front = [c for c in df.columns if c == "run" or c in summary[0] or c.startswith("param.")]
-        df = df[front + [c for c in df.columns if c not in front]]
+        df = pd.concat(dfs, ignore_index=True)  # columns: run, parameters, then the frame's own
         out.update({f"{rname}.{k}": v for k, v in _write_table(df, sweep_dir / rname).items()})
     return out
 
