@@ -1,10 +1,19 @@
 """moelab: a research workbench for MoE inference.
 
 Entropy-guided adaptive-k routing (routing, compute, experts, hf, evaluate, calibrate) and CUDA-graph
-memory pool reuse (graphs). Modules are imported on use; `import moelab` stays cheap.
+memory pool reuse (graphs, scratch). Submodules load on first use, so `import moelab.results` or
+`moelab.sweep` does not pull in torch.
 """
 
-from moelab.routing import EntropyAdaptiveK, RatioSkip, RoutingPlan, TopK, TopP, route
+import importlib
 
 __version__ = "0.1.0"
-__all__ = ["RoutingPlan", "TopK", "EntropyAdaptiveK", "TopP", "RatioSkip", "route"]
+_ROUTING = ("RoutingPlan", "TopK", "EntropyAdaptiveK", "TopP", "RatioSkip", "route")
+_EXPORTS = {name: "moelab.routing" for name in _ROUTING}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'moelab' has no attribute {name!r}")
