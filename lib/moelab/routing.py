@@ -75,6 +75,15 @@ def _check_int(name: str, value, lo: int = 1) -> None:
         raise ValueError(f"{name}={value}: must be >= {lo}")
 
 
+def _check_bounds(policy) -> None:
+    """k_min and k_max of a clamped policy (TopP, RatioSkip)."""
+    _check_int("k_max", policy.k_max)
+    _check_int("k_min", policy.k_min)
+    if policy.k_min > policy.k_max:
+        raise ValueError(f"k_min={policy.k_min} > k_max={policy.k_max}: need k_min <= k_max")
+    _check_renorm(policy.renormalize)
+
+
 def _check_renorm(renormalize) -> None:
     if renormalize is not None and not isinstance(renormalize, bool):
         raise ValueError(f"renormalize={renormalize!r}: must be True, False or None (model's convention)")
@@ -164,11 +173,7 @@ class TopP:
     def __post_init__(self):
         if not (isinstance(self.p, (int, float)) and 0.0 < float(self.p) <= 1.0):
             raise ValueError(f"p={self.p!r}: must be in (0, 1]")
-        _check_int("k_max", self.k_max)
-        _check_int("k_min", self.k_min)
-        if self.k_min > self.k_max:
-            raise ValueError(f"k_min={self.k_min} > k_max={self.k_max}: need k_min <= k_max")
-        _check_renorm(self.renormalize)
+        _check_bounds(self)
 
     def choose_k(self, probs_TK: torch.Tensor, entropy_T: torch.Tensor) -> torch.Tensor:
         before = torch.cumsum(probs_TK, dim=-1) - probs_TK  # mass of the better-ranked experts
@@ -188,11 +193,7 @@ class RatioSkip:
     def __post_init__(self):
         if not (isinstance(self.beta, (int, float)) and 0.0 <= float(self.beta) <= 1.0):
             raise ValueError(f"beta={self.beta!r}: must be in [0, 1]")
-        _check_int("k_max", self.k_max)
-        _check_int("k_min", self.k_min)
-        if self.k_min > self.k_max:
-            raise ValueError(f"k_min={self.k_min} > k_max={self.k_max}: need k_min <= k_max")
-        _check_renorm(self.renormalize)
+        _check_bounds(self)
 
     def choose_k(self, probs_TK: torch.Tensor, entropy_T: torch.Tensor) -> torch.Tensor:
         keep = probs_TK >= self.beta * probs_TK[:, :1]
