@@ -42,6 +42,7 @@ interactive: bool = False  # show ipywidgets explorers (never in headless runs; 
 
 # %%
 import matplotlib.pyplot as plt
+import numpy as np
 import pandas as pd
 import torch
 
@@ -49,7 +50,7 @@ from moelab import results
 from moelab.calibrate import CLAIMS, PUBLISHED, calibration_ids, paper_rows, paper_table
 from moelab.data import EVAL_TEXT, load_text
 from moelab.models import load
-from moelab.plots import figure, save_table, savefig
+from moelab.plots import POLICY_COLORS, figure, save_table, savefig
 
 pd.set_option("display.width", 200)
 pd.set_option("display.max_columns", 20)
@@ -145,6 +146,28 @@ if gpu is not None:
     for name, v in gpu.get("verdicts", {}).items():
         print(f"\n{name}: {v}")
     display_table = gpu_table
+    # matched compute on the full test set: one panel per model, one line per policy
+    g = pd.DataFrame(gpu["rows"])
+    g = g[g.section.isin(["matched", "calibrated"]) & (g.expert_reduction <= 0.45)]  # the range policies share
+    fig, axes = figure("full", aspect=0.34, ncols=len(g.model.unique()), sharey=False)
+    for ax, (name, part) in zip(np.atleast_1d(axes), g.groupby("model", sort=False)):
+        for pol, pts in part[part.section == "matched"].groupby("policy"):
+            pts = pts.sort_values("expert_reduction")
+            ax.plot(100 * pts.expert_reduction, 100 * pts.ppl_change, "o-", ms=3,
+                    label="lower fixed k" if pol == "TopK" else pol,
+                    color=POLICY_COLORS.get(pol))
+        cal = part[part.section == "calibrated"]
+        ax.plot(100 * cal.expert_reduction, 100 * cal.ppl_change, "*", ms=7, color=POLICY_COLORS["EntropyAdaptiveK"],
+                label="adaptive, +0.5% budget")
+        ax.axhline(100 * budget, ls=":", lw=0.8, color="k")
+        ax.set_title(name)
+    np.atleast_1d(axes)[len(np.atleast_1d(axes)) // 2].set_xlabel("routed-expert FLOPs saved vs native k (%)")
+    np.atleast_1d(axes)[0].set_ylabel("perplexity change (%)")
+    handles = {lab: h for ax in np.atleast_1d(axes) for h, lab in zip(*ax.get_legend_handles_labels())}
+    fig.legend(handles.values(), handles.keys(), loc="upper center", bbox_to_anchor=(0.5, -0.02), ncol=len(handles),
+               frameon=False)
+    fig.suptitle(f"matched compute, full WikiText-2 test, {m['device']} (commit {gpu['commit'][:7]})", fontsize=8, y=1.04)
+    savefig(fig, "05_matched_compute_gpu")
 else:
     display_table = table
 display_table
