@@ -225,20 +225,6 @@ def run_arm(arm, step, vocab, buckets, chunk, args, stream, weights_pid, src=Non
     return row
 
 
-@contextlib.contextmanager
-def capturable_routing():
-    """moelab.hf.patched validates logits with a host sync (route(check=True)); graphs need check=False."""
-    import moelab.hf as hf
-    from moelab.routing import route
-
-    orig = hf.route
-    hf.route = lambda *a, **kw: route(*a, **{**kw, "check": False})
-    try:
-        yield
-    finally:
-        hf.route = orig
-
-
 def adaptive_rows(name, model, step, vocab, buckets, args, stream, src=None):
     """Decode tokens/s: graphs vs eager, EntropyAdaptiveK vs native TopK, all through moelab routing."""
     from moelab.hf import moe_layers, patched, record_router
@@ -262,8 +248,9 @@ def adaptive_rows(name, model, step, vocab, buckets, args, stream, src=None):
     ids = {n: sample_ids(src, vocab, n, 1, gen) for n in buckets}
     rows = []
     for pname, pol in policies.items():
-        ctx = contextlib.nullcontext() if pol is None else patched(model, pol)
-        with ctx as patch, capturable_routing():
+        # check=False: no host sync in the routing, so the patched step can be captured
+        ctx = contextlib.nullcontext() if pol is None else patched(model, pol, check=False)
+        with ctx as patch:
             for mode in ("eager", "graphs"):
                 runner = None
                 if mode == "graphs":

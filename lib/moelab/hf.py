@@ -174,13 +174,13 @@ def _resolve_policies(layers: list[MoELayer], policy_or_policies) -> dict[int, P
     return out
 
 
-def _gate_forward(patch: Patch, layer: MoELayer, policy: Policy):
+def _gate_forward(patch: Patch, layer: MoELayer, policy: Policy, check: bool):
     gate = layer.block.gate
 
     def forward(hidden_states):
         h_TD = hidden_states.reshape(-1, gate.weight.shape[1])
         logits_TE = F.linear(h_TD, gate.weight)
-        plan = route(logits_TE, policy, renormalize=layer.renormalize, num_experts=layer.num_experts)
+        plan = route(logits_TE, policy, renormalize=layer.renormalize, num_experts=layer.num_experts, check=check)
         if layer.index in patch._pending:
             raise RuntimeError(f"{layer.name}: a routing plan was made but its experts never ran")
         patch._pending[layer.index] = plan
@@ -209,12 +209,13 @@ _MARK = "_moelab_patched"
 
 
 @contextlib.contextmanager
-def patched(model, policy_or_policies, record: bool | str = False):
+def patched(model, policy_or_policies, record: bool | str = False, check: bool = True):
     """Route every MoE block (or the layers named in a dict) with moelab policies; yields a `Patch`.
 
     policy_or_policies: one policy for all MoE layers, a list with one per MoE layer, or a dict
       {moe_layer_ordinal: policy} (layers left out keep the model's own routing).
     record: False; True (per-layer k and entropy of every routed token); 'logits' (also router logits).
+    check: validate that router logits are finite (one host sync per layer); False inside CUDA-graph capture.
     The model is restored exactly on exit, also when the body raises.
     """
     if record not in (False, True, "logits"):
@@ -229,7 +230,7 @@ def patched(model, policy_or_policies, record: bool | str = False):
             layer = layers[i]
             if getattr(layer.block, _MARK, False):
                 raise ValueError(f"{layer.name}: already patched; nested patched() contexts are not allowed")
-            for mod, fwd in ((layer.block.gate, _gate_forward(patch, layer, pol)),
+            for mod, fwd in ((layer.block.gate, _gate_forward(patch, layer, pol, check)),
                              (layer.block.experts, _experts_forward(patch, layer))):
                 saved.append((mod, mod.__dict__.get("forward")))
                 mod.forward = fwd
