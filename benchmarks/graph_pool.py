@@ -10,9 +10,11 @@ Arms:
   eager          no graphs; decode and prefill eager
   private        decode graphs, one private pool per bucket; prefill eager (ordinary allocator)
   shared         decode graphs in one shared MemPool, captured largest first; prefill eager (ordinary)
-  shared+reuse   as shared, and the prefill's memory comes from the graph pool (moelab.graphs)
-  shared+reuse+primed  as shared+reuse, and one prefill runs in the pool before capture, so that the
-                 graphs are captured into segments already sized for the eager forward
+  shared+reuse   as shared, and the prefill's memory comes from the graph pool (moelab.graphs); the
+                 runner is primed (its default when given an eager example): one prefill runs in the pool
+                 before capture, so the graphs are captured into segments already sized for the eager forward
+  shared+reuse-unprimed  as shared+reuse without priming: the graphs' segments come first and the
+                 prefill adds segments of its own sizes to the pool
 Recorded per arm: allocator reserved/allocated peaks over the arm's start, driver-level used memory
 (torch.cuda.mem_get_info), bytes per pool, decode tokens/s, and (shared arms) the share of the
 prefill's allocated bytes that fell inside the graph pool.
@@ -40,7 +42,7 @@ from moelab.results import write_results
 
 log = logging.getLogger("graph_pool")
 MiB = float(1 << 20)
-ARMS = ("eager", "private", "shared", "shared+reuse", "shared+reuse+primed")
+ARMS = ("eager", "private", "shared", "shared+reuse", "shared+reuse-unprimed")
 
 # a Mixtral-like config, random-initialised, sized so that activations and pools are hundreds of MiB
 # (Mixtral-8x7B's layer shapes, 4 layers instead of 32)
@@ -120,22 +122,28 @@ def pools_of(snapshot) -> dict:
     return out
 
 
-def run_arm(arm, step, vocab, buckets, chunk, args, stream, weights_pid, src=None, seed=0):
-    """One arm of the workload (chunk = prompt (batch, length)); returns its row (memory, throughput, proof)."""
+def run_arm(arm, step, vocab, buckets, chunk, args, stream, own_pools, src=None, seed=0):
+    """One arm of the workload (chunk = prompt (batch, length)); returns its row (memory, throughput, proof).
+
+    own_pools: (weights pool, inputs pool); the workload's token ids go to the inputs pool, so the default
+    pool holds nothing at an arm's start and every arm's peak is its own forward's memory."""
     dev = torch.device("cuda")
     rng = random.Random(seed)
     gen = torch.Generator(device=dev).manual_seed(seed)
     max_b = buckets[-1]
-    prompts = sample_ids(src, vocab, chunk[0], chunk[1], gen)
     sizes = [rng.randint(1, max_b) for _ in range(args.rounds * args.decode_steps)]
-    decode_ids = {n: sample_ids(src, vocab, n, 1, gen) for n in set(sizes)}
+    with torch.cuda.use_mem_pool(own_pools[1]):
+        prompts = sample_ids(src, vocab, chunk[0], chunk[1], gen)
+        decode_ids = {n: sample_ids(src, vocab, n, 1, gen) for n in set(sizes)}
+        pad_ids = {b: torch.zeros(b, 1, dtype=torch.long, device=dev) for b in buckets}
+    skip = {(0, 0)} | {p.id for p in own_pools}
     clean()
     torch.cuda.reset_peak_memory_stats()
     base_res, base_alloc = torch.cuda.memory_reserved(), torch.cuda.memory_allocated()
     base_default = pools_of(torch.cuda.memory_snapshot()).get((0, 0), 0)
 
     def graph_pools(snapshot) -> dict:
-        return {p: v for p, v in pools_of(snapshot).items() if p not in ((0, 0), weights_pid)}
+        return {p: v for p, v in pools_of(snapshot).items() if p not in skip}
 
     free0 = torch.cuda.mem_get_info()[0]
     min_free = free0
@@ -143,9 +151,10 @@ def run_arm(arm, step, vocab, buckets, chunk, args, stream, weights_pid, src=Non
     t_capture = 0.0
     if arm != "eager":
         t0 = time.perf_counter()
-        runner = GraphRunner(step, lambda b: (decode_ids.get(b, torch.zeros(b, 1, dtype=torch.long, device=dev)),),
-                             buckets, pool="private" if arm == "private" else "shared", stream=stream)
-        runner.capture(prime=(prompts,) if arm == "shared+reuse+primed" else None)
+        runner = GraphRunner(step, lambda b: (decode_ids.get(b, pad_ids[b]),), buckets,
+                             pool="private" if arm == "private" else "shared", stream=stream,
+                             eager_example=(prompts,) if arm == "shared+reuse" else None)
+        runner.capture()
         t_capture = time.perf_counter() - t0
     graph_pool_capture = sum(graph_pools(torch.cuda.memory_snapshot()).values())
     capture_peak = torch.cuda.max_memory_reserved() - base_res
@@ -322,7 +331,9 @@ def main(argv=None):
         weights_pool = torch.cuda.MemPool()
         with torch.cuda.use_mem_pool(weights_pool):
             model, how, tokenizer = load_model(name, "cuda")
-        src = text_tokens(tokenizer, "cuda")
+        inputs_pool = torch.cuda.MemPool()  # token ids of the workload, out of the default pool as well
+        with torch.cuda.use_mem_pool(inputs_pool):
+            src = text_tokens(tokenizer, "cuda")
         vocab = model.config.vocab_size
         step = hf_decode_step(model, args.output)
         chunk = prefill_shape(model, args.prefill_tokens, args.prefill_len)
@@ -335,7 +346,7 @@ def main(argv=None):
         weights_mib = sum(p.numel() * p.element_size() for p in model.parameters()) / MiB
         for arm in tqdm(arms, desc=name, leave=False):
             try:
-                row = run_arm(arm, step, vocab, buckets, chunk, args, stream, weights_pool.id, src)
+                row = run_arm(arm, step, vocab, buckets, chunk, args, stream, (weights_pool, inputs_pool), src)
             except (RuntimeError, ValueError) as e:  # OutOfMemoryError and ScratchLiveError are RuntimeErrors
                 log.warning("%s %s failed: %s", name, arm, e)
                 errors.append(f"{name} {arm} failed: {type(e).__name__}: {e}")
@@ -353,7 +364,7 @@ def main(argv=None):
                 errors.append(f"{name}: adaptive routing in graphs failed: {type(e).__name__}: {e}")
         del model, step, src
         clean()
-        del weights_pool
+        del weights_pool, inputs_pool
         write(rows, buckets, errors, args)  # after every model: a cut-short run still leaves its results
     path = write(rows, buckets, errors, args)
     print(path)
@@ -375,8 +386,10 @@ def write(rows, buckets, errors, args):
         "Weights live in a MemPool of their own; memory is counted over each arm's start; *_peak = the serving loop "
         "after capture (capture_reserved_peak_mib: capture incl. warm-up). Target ratio reuse_over_max = shared+reuse "
         "reserved peak / max(graph pool after capture in the shared arm, eager-only reserved peak), target <= 1.05; "
-        "saved_mib/saved_pct against the shared arm without reuse. shared+reuse+primed: one prefill in the pool before "
-        "capture, so the graphs are captured into segments sized for the eager forward (primed_* columns). "
+        "saved_mib/saved_pct against the shared arm without reuse. shared+reuse is primed (GraphRunner's default when "
+        "given an eager example): one prefill in the pool before capture, so the graphs are captured into segments "
+        "sized for the eager forward; shared+reuse-unprimed: without that (unprimed_* columns). Token ids of the "
+        "workload live in a MemPool of their own, so no arm finds cached default-pool memory at its start. "
         "Embedded models: trained checkpoints, prompts and decode tokens from held-out text; synthetic: random ids. "
         "Adaptive rows: EntropyAdaptiveK((native_k//2, native_k)) with its threshold at the median router entropy "
         "of held-out windows, decode batch sizes drawn from the buckets. " + " | ".join(errors)
@@ -411,19 +424,16 @@ def summarise(rows) -> list[dict]:
             "memory_target_met": with_reuse <= 1.05 * bound,
             "speed_target_met": reuse["decode_tokens_per_s"] >= 0.98 * by["shared"]["decode_tokens_per_s"],
         })
-        if "shared+reuse+primed" in by:
-            primed = by["shared+reuse+primed"]
-            peak = primed["reserved_peak_mib"]
+        if "shared+reuse-unprimed" in by:
+            plain = by["shared+reuse-unprimed"]
+            peak = plain["reserved_peak_mib"]
             out[-1].update({
-                "primed_graph_pool_mib_after_capture": primed["graph_pool_mib_after_capture"],
-                "primed_reserved_peak_mib": peak,
-                "primed_over_max": peak / bound if bound else float("nan"),
-                "primed_saved_mib": without - peak,
-                "primed_saved_pct": 100 * (without - peak) / without if without else 0.0,
-                "primed_tokens_per_s_over_no_reuse": primed["decode_tokens_per_s"]
-                / by["shared"]["decode_tokens_per_s"],
-                "primed_memory_target_met": peak <= 1.05 * bound,
-                "primed_speed_target_met": primed["decode_tokens_per_s"] >= 0.98 * by["shared"]["decode_tokens_per_s"],
+                "unprimed_graph_pool_mib_after_capture": plain["graph_pool_mib_after_capture"],
+                "unprimed_reserved_peak_mib": peak,
+                "unprimed_over_max": peak / bound if bound else float("nan"),
+                "unprimed_saved_mib": without - peak,
+                "unprimed_saved_pct": 100 * (without - peak) / without if without else 0.0,
+                "unprimed_memory_target_met": peak <= 1.05 * bound,
             })
     return out
 

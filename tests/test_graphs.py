@@ -197,6 +197,12 @@ def test_runner_validates_arguments():
         GraphRunner(lambda x: x, lambda b: (torch.zeros(b),), [1, 2], pool="global", device="cpu")
     with pytest.raises(ValueError, match="warmup=0"):
         GraphRunner(lambda x: x, lambda b: (torch.zeros(b),), [1, 2], warmup=0, device="cpu")
+    with pytest.raises(ValueError, match="eager_example primes the shared pool"):
+        GraphRunner(lambda x: x, lambda b: (torch.zeros(b),), [1, 2], pool="private", device="cpu",
+                    eager_example=(torch.zeros(4),))
+    with pytest.raises(ValueError, match="dim 0"):
+        GraphRunner(lambda x, y: x, lambda b: (torch.zeros(b),), [1, 2], device="cpu",
+                    eager_example=(torch.zeros(4), torch.zeros(3)))
 
 
 def test_fraction_in_segments():
@@ -436,19 +442,37 @@ def test_graph_pool_handle_tuple_cannot_route_allocations():
 
 @gpu
 @pytest.mark.gpu
-def test_primed_capture_puts_graphs_into_eager_sized_segments():
+@pytest.mark.parametrize("how", ["eager_example", "prime"])
+def test_primed_capture_puts_graphs_into_eager_sized_segments(how):
     step, make = _mlp_step(D=512, H=4096)
     (prompt,) = make(64)
     with pytest.raises(ValueError, match="prime needs pool='shared'"):
         GraphRunner(step, make, [16, 32], pool="private").capture(prime=(prompt,))
-    runner = GraphRunner(step, make, [16, 32]).capture(prime=(prompt,))
+    if how == "eager_example":  # the default: a runner given an eager example primes with it
+        runner = GraphRunner(step, make, [16, 32], eager_example=(prompt,)).capture()
+    else:
+        runner = GraphRunner(step, make, [16, 32]).capture(prime=(prompt,))
     before = runner.pool_bytes()[runner.pool.id]["reserved"]
     proof = runner.scratch_fraction_in_pool(prompt)
     assert proof["fraction_in_pool"] == 1.0, proof
     assert proof["fraction_in_captured_segments"] == 1.0, proof
     assert runner.pool_bytes()[runner.pool.id]["reserved"] == before  # the eager forward did not grow the pool
+    assert runner.eager_growth_bytes == 0
     (x,) = make(20)
     assert torch.equal(runner(x), runner(x))
+
+
+@gpu
+@pytest.mark.gpu
+def test_unprimed_pool_growth_is_counted():
+    """Without priming, an eager forward larger than the graphs adds segments: the runner counts them."""
+    step, make = _mlp_step(D=512, H=4096)
+    (prompt,) = make(1024)
+    runner = GraphRunner(step, make, [16, 32]).capture()
+    before = runner.pool_bytes()[runner.pool.id]["reserved"]
+    runner.eager(prompt)
+    grown = runner.pool_bytes()[runner.pool.id]["reserved"] - before
+    assert grown > 0 and runner.eager_growth_bytes >= grown  # (its output copy may add a default-pool segment)
 
 
 @gpu

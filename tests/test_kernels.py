@@ -17,6 +17,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 import moelab.experts as ex  # noqa: E402
+import moelab.kernels.routing as kr  # noqa: E402
 from moelab.kernels.layout import pair_layout_padded  # noqa: E402
 from moelab.kernels.routing import MAX_EXPERTS, RoutingStats, route_triton  # noqa: E402
 from moelab.routing import EntropyAdaptiveK, RatioSkip, TopK, TopP, route, route_torch, set_backend  # noqa: E402
@@ -72,9 +73,16 @@ def assert_same_plan(logits, policy, renorm, stats=None):
     return ref, got
 
 
+@pytest.fixture(params=["rounds", "bitonic", "split"])
+def select(request, monkeypatch):
+    """Every top-k selection of the routing kernel: rounds of an int64 key max, bitonic tl.topk, fp32 max + index."""
+    monkeypatch.setitem(kr.LAUNCH, "select", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("E", [2, 8, 60, 64, 128, 256])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_kernel_matches_reference(E, dtype):
+def test_kernel_matches_reference(E, dtype, select):
     rng = torch.Generator().manual_seed(E * 7 + dtype.itemsize)
     for T in (0, 1, 3, 37) if E <= 64 else (0, 1, 6):  # interpreted: every program costs, keep E=256 small
         scale = float(torch.rand(1, generator=rng)) * 4
@@ -84,7 +92,7 @@ def test_kernel_matches_reference(E, dtype):
                 assert_same_plan(logits, pol, renorm)
 
 
-def test_ties_break_by_lower_index():
+def test_ties_break_by_lower_index(select):
     rng = torch.Generator().manual_seed(1)
     # few distinct values: many exact ties, in every dtype, plus an all-equal row
     logits = torch.randint(-2, 3, (40, 16), generator=rng).float()
@@ -192,9 +200,48 @@ def test_padded_layout_runs_the_same_experts(gemm, dtype):
 # ---------------------------------------------------------------- GPU: in full
 
 
+def test_plan_buffers_are_disjoint_and_aligned():
+    for T, K in ((0, 1), (1, 1), (3, 5), (37, 8), (16, 4)):
+        ids, w, k, ent = kr._plan_buffers(T, K, "cpu")
+        assert ids.shape == (T, K) and w.shape == (T, K) and k.shape == (T,) and ent.shape == (T,)
+        assert (ids.dtype, w.dtype, k.dtype, ent.dtype) == (torch.int32, torch.float32, torch.int32, torch.float32)
+        spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * 4) for t in (ids, w, k, ent))
+        assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:]))
+        base = ids.data_ptr()
+        assert all((t.data_ptr() - base) % 16 == 0 for t in (w, k, ent))
+
+
+def test_launch_config_overrides(monkeypatch):
+    assert kr.launch_config(4096, 64) == {"select": "rounds", "warps": 4, "tile": 1024}
+    assert kr.launch_config(4096, 8)["warps"] == 8
+    monkeypatch.setitem(kr.LAUNCH, "select", "split")
+    assert kr.launch_config(16, 64)["select"] == "split"
+    with pytest.raises(ValueError, match="select='fast'"):
+        kr._select(4, "fast")
+
+
 @gpu
 @pytest.mark.gpu
-def test_gpu_random_shapes_in_full():
+def test_gpu_direct_launch_is_used_and_specialises(monkeypatch):
+    """The cached launch path runs after the first call and gives the same plan; a misaligned or
+    differently-shaped input gets its own compiled kernel (the cache key holds Triton's specialisation)."""
+    pol = EntropyAdaptiveK((2, 4, 8), (3.0, 3.6))
+    x = (torch.randn(1000, 64) * 2).cuda()
+    first = route_triton(x, pol, False)
+    n0 = kr._launch.direct_calls
+    again = route_triton(x, pol, False)
+    assert not kr._launch.disabled and kr._launch.direct_calls == n0 + 1
+    assert torch.equal(first.expert_ids, again.expert_ids) and torch.equal(first.weights, again.weights)
+    big = torch.randn(1001 * 64 + 1).cuda()
+    for view in (big[1:].view(1001, 64), big[:16 * 64].view(16, 64), big[:64].view(1, 64)):
+        for _ in range(2):  # compile, then the direct path
+            assert_same_plan(view, pol, False)
+            assert_same_plan(view, TopP(0.5, k_max=8), True)
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_random_shapes_in_full(select):
     rng = torch.Generator().manual_seed(11)
     for trial in range(10):  # each trial compiles its own kernels: keep the count modest
         E = int(torch.randint(2, MAX_EXPERTS + 1, (1,), generator=rng))

@@ -192,6 +192,9 @@ class GraphRunner:
     (their content is used for warm-up; padding rows are zero at replay).
     pool: 'shared' (one MemPool for all buckets, captured largest first) or 'private' (one pool each).
     stream: the capture stream (a new one if None); eager forwards that borrow the pool run on it.
+    eager_example: inputs of a typical (the largest) eager forward, e.g. a prefill chunk. Given one,
+    capture() primes the shared pool with it by default (see `capture`): the pool then holds
+    max(graphs, eager) instead of graphs + eager-sized segments added later.
     Outputs of every bucket are views of one preallocated buffer per output (see the module docstring);
     a replay's result is copied out at once, so buckets can share the rows.
     """
@@ -206,6 +209,7 @@ class GraphRunner:
         warmup: int = 2,
         device=None,
         stream=None,
+        eager_example: tuple | None = None,
     ):
         if pool not in ("shared", "private"):
             raise ValueError(f"pool={pool!r}: must be 'shared' or 'private'")
@@ -221,15 +225,24 @@ class GraphRunner:
         self.out_buffers: tuple = ()  # one [max bucket, ...] buffer per output, ordinary allocator
         self.pool = None  # the shared MemPool
         self.stream = stream  # capture stream (new one if None); pass one to share cuBLAS workspaces across runners
+        if eager_example is not None:
+            if pool != "shared":
+                raise ValueError("eager_example primes the shared pool: it needs pool='shared'")
+            self._check_inputs(tuple(eager_example), eager_example[0].shape[0] if len(eager_example) else 0)
+        self.eager_example = tuple(eager_example) if eager_example is not None else None
         self.scratch = ScratchBuffers(self.device)
+        self.eager_growth_bytes = 0  # reserved memory added during eager forwards that borrowed the pool
+        self._growth_hinted = False
         self.eager_fallbacks = 0  # eager forwards that hit OOM in the pool and re-ran on the ordinary allocator
         self._baseline_allocated: int | None = None  # allocated bytes of the shared pool right after capture
 
     # capture
-    def capture(self, release_cache: bool = True, prime: tuple | None = None) -> "GraphRunner":
+    def capture(self, release_cache: bool = True, prime: tuple | None | bool = True) -> "GraphRunner":
         """Warm up and capture every bucket, largest first. release_cache: empty_cache() after (warm-up blocks).
 
-        prime: inputs of one eager forward run inside the shared pool before the captures: it leaves free
+        prime: True (default) primes with `eager_example` when the runner has one; False never primes;
+        a tuple primes with those inputs. Priming runs one eager forward inside the shared pool before
+        the captures: it leaves free
         segments sized for the eager forward, the graphs are captured into them, and later eager forwards
         find the same segments free (the pool need not grow). torch.cuda.graph() calls empty_cache() on
         entry, but the caching allocator only releases pools no one holds (use_count 0): a live MemPool
@@ -240,6 +253,10 @@ class GraphRunner:
             raise RuntimeError("GraphRunner.capture needs CUDA")
         if self.graphs:
             raise RuntimeError("already captured")
+        if prime is True:
+            prime = self.eager_example
+        elif prime is False:
+            prime = None
         if self.stream is None:
             self.stream = torch.cuda.Stream(self.device)
         if self.pool_mode == "shared":
@@ -373,6 +390,7 @@ class GraphRunner:
         stream = stream or self.stream or torch.cuda.current_stream(self.device)
         cur = torch.cuda.current_stream(self.device)
         stream.wait_stream(cur)
+        reserved = torch.cuda.memory_reserved(self.device) if pool is not None else 0
         try:
             outs = self._eager_in(pool, stream, inputs)
         except torch.cuda.OutOfMemoryError as e:
@@ -384,8 +402,24 @@ class GraphRunner:
                 "(fallback %d)", pool.id, str(e).splitlines()[0], self.eager_fallbacks,
             )
             outs = self._eager_in(None, stream, inputs)
+        if pool is not None:
+            self._note_growth(torch.cuda.memory_reserved(self.device) - reserved)
         cur.wait_stream(stream)
         return outs[0] if len(outs) == 1 else outs
+
+    def _note_growth(self, grown: int) -> None:
+        """Count reserved memory an eager forward added; say once how to avoid it (priming)."""
+        if grown <= 0:
+            return
+        self.eager_growth_bytes += grown
+        if not self._growth_hinted:
+            self._growth_hinted = True
+            log.info(
+                "eager forward in graph pool %s added %.1f MiB of segments%s", self.pool.id, grown / 2**20,
+                "" if self.eager_example is not None else
+                ": pass eager_example= (the largest eager inputs) so capture() primes the pool with eager-sized "
+                "segments and the graphs are captured into them",
+            )
 
     def _eager_in(self, pool, stream, inputs) -> tuple:
         before = torch.cuda.memory_allocated(self.device)

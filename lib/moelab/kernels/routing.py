@@ -15,24 +15,48 @@ implementations; weights agree within 1e-6. Entropy is summed in another order (
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from moelab.kernels import on_device_of
+from moelab.kernels import Launcher, on_device_of
 from moelab.routing import EntropyAdaptiveK, Policy, RatioSkip, RoutingPlan, TopK, TopP
 
-__all__ = ["route_triton", "RoutingStats", "MAX_K_VALUES", "MAX_EXPERTS"]
+__all__ = ["route_triton", "RoutingStats", "launch_config", "MAX_K_VALUES", "MAX_EXPERTS"]
 
 MAX_EXPERTS = 256  # one tile row holds all of a token's logits
 MAX_K_VALUES = 8  # EntropyAdaptiveK levels passed as scalars (no device tensor built per call)
 
 _TOPK, _ADAPTIVE, _TOPP, _RATIO = 0, 1, 2, 3
-# launch shape: logits per program; warps 8 for E <= 16 else 4 (benchmarks/moe_kernels.py --parts tune,
-# H200, data/results/routing-tune-*.json: best or within 5% at T = 4096 and 65536 for E = 8, 64, 128)
-LAUNCH = {"tile": 1024, "warps": None}
+# Launch configuration per device, BLOCK_E and token count: (T up to, {select, warps, tile}), tile =
+# logits per program. Measured by `benchmarks/moe_kernels.py --parts tune` (data/results/routing-tune-*.json);
+# devices not listed use DEFAULT. LAUNCH overrides any of the three (benchmarks and tests set it).
+DEFAULT = {"select": "rounds", "warps": None, "tile": 1024}  # warps None: 8 for E <= 16, else 4
+TUNED: dict[str, dict[int, list]] = {}
+LAUNCH = {"select": None, "warps": None, "tile": None}
+
+
+@functools.lru_cache(maxsize=16)
+def _device_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+def launch_config(T: int, E: int, device: torch.device | None = None) -> dict:
+    """{select, warps, tile} for this shape: LAUNCH overrides, else the device's tuned entry, else DEFAULT."""
+    block_e = triton.next_power_of_2(max(E, 2))
+    cfg = dict(DEFAULT)
+    if device is not None and device.type == "cuda":
+        for t_max, tuned in TUNED.get(_device_name(device.index or 0), {}).get(block_e, []):
+            if T <= t_max:
+                cfg.update(tuned)
+                break
+    cfg.update({k: v for k, v in LAUNCH.items() if v is not None})
+    if cfg["warps"] is None:
+        cfg["warps"] = 8 if block_e <= 16 else 4
+    return cfg
 
 
 @dataclass
@@ -87,7 +111,7 @@ def _route_kernel(
     KMIN,
     POLICY: tl.constexpr, NTH: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, RENORM: tl.constexpr, STATS: tl.constexpr,
-    BLOCK_K1: tl.constexpr,
+    BLOCK_K1: tl.constexpr, SELECT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -112,23 +136,58 @@ def _route_kernel(
     key = tl.where(col_ok[None, :], key, -1)
 
     slots = tl.arange(0, BLOCK_K)[None, :]
-    ids_tile = tl.full((BLOCK_T, BLOCK_K), -1, tl.int32)
-    w_tile = tl.zeros((BLOCK_T, BLOCK_K), tl.float32)
-    cnt = tl.zeros((BLOCK_T,), tl.int32)
-    csum = tl.zeros((BLOCK_T,), tl.float32)
     top = tl.max(p, axis=1)  # the first-ranked probability (RatioSkip)
-    for j in range(K):
-        kmax = tl.max(key, axis=1)
-        key = tl.where(key == kmax[:, None], -1, key)
-        i = (BLOCK_E - 1) - (kmax & 0xFFFFFFFF).to(tl.int32)
-        v = (kmax >> 32).to(tl.int32).to(tl.float32, bitcast=True)
-        ids_tile = tl.where(slots == j, i[:, None].to(tl.int32), ids_tile)
-        w_tile = tl.where(slots == j, v[:, None], w_tile)
-        if POLICY == 2:
-            csum = csum + v
-            cnt += ((csum - v) < fpar).to(tl.int32)  # mass of the better-ranked experts < p
-        if POLICY == 3:
-            cnt += (v >= fpar * top).to(tl.int32)
+    if SELECT == 1:
+        # bitonic top-k of the keys (sorted, largest first); keys are distinct, so no tie is left open
+        tk = tl.topk(key, BLOCK_K, dim=1)
+        ids_tile = tl.where(slots < K, (BLOCK_E - 1) - (tk & 0xFFFFFFFF).to(tl.int32), -1)
+        w_tile = tl.where(slots < K, (tk >> 32).to(tl.int32).to(tl.float32, bitcast=True), 0.0)
+        if POLICY == 2:  # running sum in rank order, as torch.cumsum adds them
+            csum = tl.zeros((BLOCK_T,), tl.float32)
+            cnt = tl.zeros((BLOCK_T,), tl.int32)
+            for j in range(K):
+                v = tl.sum(tl.where(slots == j, w_tile, 0.0), axis=1)
+                csum = csum + v
+                cnt += ((csum - v) < fpar).to(tl.int32)
+        else:
+            cnt = tl.sum(((w_tile >= fpar * top[:, None]) & (slots < K)).to(tl.int32), axis=1)
+    elif SELECT == 2:
+        # K rounds of fp32 max, then the lowest column holding it: two 32-bit reductions per round
+        # instead of one int64 one; taken and padding columns hold -1 (every probability is >= 0)
+        pm = tl.where(col_ok[None, :], p, -1.0)
+        ids_tile = tl.full((BLOCK_T, BLOCK_K), -1, tl.int32)
+        w_tile = tl.zeros((BLOCK_T, BLOCK_K), tl.float32)
+        cnt = tl.zeros((BLOCK_T,), tl.int32)
+        csum = tl.zeros((BLOCK_T,), tl.float32)
+        for j in range(K):
+            v = tl.max(pm, axis=1)
+            i = tl.min(tl.where(pm == v[:, None], cols[None, :], BLOCK_E), axis=1)
+            pm = tl.where(cols[None, :] == i[:, None], -1.0, pm)
+            ids_tile = tl.where(slots == j, i[:, None].to(tl.int32), ids_tile)
+            w_tile = tl.where(slots == j, v[:, None], w_tile)
+            if POLICY == 2:
+                csum = csum + v
+                cnt += ((csum - v) < fpar).to(tl.int32)
+            if POLICY == 3:
+                cnt += (v >= fpar * top).to(tl.int32)
+    else:
+        # K rounds of "largest remaining key"
+        ids_tile = tl.full((BLOCK_T, BLOCK_K), -1, tl.int32)
+        w_tile = tl.zeros((BLOCK_T, BLOCK_K), tl.float32)
+        cnt = tl.zeros((BLOCK_T,), tl.int32)
+        csum = tl.zeros((BLOCK_T,), tl.float32)
+        for j in range(K):
+            kmax = tl.max(key, axis=1)
+            key = tl.where(key == kmax[:, None], -1, key)
+            i = (BLOCK_E - 1) - (kmax & 0xFFFFFFFF).to(tl.int32)
+            v = (kmax >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+            ids_tile = tl.where(slots == j, i[:, None].to(tl.int32), ids_tile)
+            w_tile = tl.where(slots == j, v[:, None], w_tile)
+            if POLICY == 2:
+                csum = csum + v
+                cnt += ((csum - v) < fpar).to(tl.int32)  # mass of the better-ranked experts < p
+            if POLICY == 3:
+                cnt += (v >= fpar * top).to(tl.int32)
 
     if POLICY == 0:
         k = tl.full((BLOCK_T,), K, tl.int32)
@@ -176,9 +235,9 @@ def _route_kernel(
         kk = tl.where(row_ok, k, -1)
         bins = tl.arange(0, BLOCK_K1)
         n = tl.sum((kk[:, None] == bins[None, :]).to(tl.int64), axis=0)  # this block's k histogram
-        tl.atomic_add(hist_ptr + bins, n, mask=(bins <= K) & (n > 0))
-        tl.atomic_add(entsum_ptr, tl.sum(tl.where(row_ok, ent, 0.0), axis=0).to(tl.float64))
-        tl.atomic_add(tok_ptr, tl.sum(row_ok.to(tl.int64), axis=0))
+        tl.atomic_add(hist_ptr + bins, n, mask=(bins <= K) & (n > 0), sem="relaxed")
+        tl.atomic_add(entsum_ptr, tl.sum(tl.where(row_ok, ent, 0.0), axis=0).to(tl.float64), sem="relaxed")
+        tl.atomic_add(tok_ptr, tl.sum(row_ok.to(tl.int64), axis=0), sem="relaxed")
 
 
 def _pack(k_values: list[int]) -> int:
@@ -187,6 +246,7 @@ def _pack(k_values: list[int]) -> int:
     return v - (1 << 64) if v >= 1 << 63 else v
 
 
+@functools.lru_cache(maxsize=1024)
 def _policy_args(policy: Policy):
     """(POLICY code, fpar, thresholds[7], packed k values, NTH, KMIN): the kernel's scalar arguments."""
     th = [0.0] * (MAX_K_VALUES - 1)
@@ -210,10 +270,23 @@ def _policy_args(policy: Policy):
     raise ValueError(f"policy={policy!r}: must be TopK, EntropyAdaptiveK, TopP or RatioSkip")
 
 
-def block_tokens(T: int, E: int) -> tuple[int, int]:
-    """(BLOCK_T, BLOCK_E): about LAUNCH['tile'] logits per program, fewer tokens when T is small."""
+SELECTS = ("rounds", "bitonic", "split")
+
+
+def _select(K: int, sel: str) -> int:
+    """0 'rounds': K rounds of an int64 key max; 1 'bitonic': tl.topk of the keys (K >= 2: Triton's topk
+    of one is a plain max); 2 'split': K rounds of an fp32 max, then the lowest index holding it."""
+    if sel not in SELECTS:
+        raise ValueError(f"select={sel!r}: must be one of {SELECTS}")
+    if sel == "bitonic" and K >= 2 and hasattr(tl, "topk"):
+        return 1
+    return 2 if sel == "split" else 0
+
+
+def block_tokens(T: int, E: int, tile: int = 1024) -> tuple[int, int]:
+    """(BLOCK_T, BLOCK_E): about `tile` logits per program, fewer tokens when T is small."""
     block_e = triton.next_power_of_2(max(E, 2))
-    block_t = max(1, min(256, LAUNCH["tile"] // block_e))
+    block_t = max(1, min(256, tile // block_e))
     return min(block_t, triton.next_power_of_2(max(T, 1))), block_e
 
 
@@ -232,26 +305,39 @@ def route_triton(
     if stats is not None and stats.k_hist.shape[0] != K + 1:
         raise ValueError(f"stats.k_hist has {stats.k_hist.shape[0]} bins: need k_max + 1 = {K + 1}")
     code, fpar, th, kv, nth, kmin = _policy_args(policy)
-    dev = logits.device
-    ids = torch.empty(T, K, dtype=torch.int32, device=dev)
-    w = torch.empty(T, K, dtype=torch.float32, device=dev)
-    k = torch.empty(T, dtype=torch.int32, device=dev)
-    ent = torch.empty(T, dtype=torch.float32, device=dev)
+    ids, w, k, ent = _plan_buffers(T, K, logits.device)
     if T == 0:
         return RoutingPlan(ids, w, k, ent, E)
     if logits.stride(1) != 1:
         logits = logits.contiguous()
-    block_t, block_e = block_tokens(T, E)
-    st = stats if stats is not None else None
+    cfg = launch_config(T, E, logits.device)
+    block_t, block_e = block_tokens(T, E, cfg["tile"])
+    st = stats
     with on_device_of(logits):
-        _route_kernel[(triton.cdiv(T, block_t),)](
-            logits, ids, w, k, ent,
-            st.k_hist if st else k, st.entropy_sum if st else ent, st.tokens if st else k,
-            T, E, logits.stride(0),
-            fpar, *th, kv, kmin,
-            POLICY=code, NTH=nth, K=K, BLOCK_K=triton.next_power_of_2(K),
-            BLOCK_T=block_t, BLOCK_E=block_e, RENORM=bool(renormalize), STATS=st is not None,
-            BLOCK_K1=triton.next_power_of_2(K + 1),
-            num_warps=LAUNCH["warps"] or (8 if block_e <= 16 else 4),
+        _launch(
+            (triton.cdiv(T, block_t),),
+            (logits, ids, w, k, ent,
+             st.k_hist if st else k, st.entropy_sum if st else ent, st.tokens if st else k,
+             T, E, logits.stride(0), fpar, *th, kv, kmin),
+            dict(POLICY=code, NTH=nth, K=K, BLOCK_K=triton.next_power_of_2(K),
+                 BLOCK_T=block_t, BLOCK_E=block_e, RENORM=bool(renormalize), STATS=st is not None,
+                 BLOCK_K1=triton.next_power_of_2(K + 1), SELECT=_select(K, cfg["select"])),
+            cfg["warps"],
         )
     return RoutingPlan(ids, w, k, ent, E)
+
+
+_launch = Launcher(_route_kernel)
+
+
+def _plan_buffers(T: int, K: int, device):
+    """ids [T, K] int32, weights [T, K] fp32, k [T] int32, entropy [T] fp32 as views of ONE allocation
+    (one allocator call instead of four: host time), each starting on a 16-byte boundary."""
+    a = -(-T * K // 4) * 4  # elements, rounded up to 16 bytes
+    b = -(-T // 4) * 4
+    buf = torch.empty(2 * a + 2 * b, dtype=torch.int32, device=device)
+    ids = buf[: T * K].view(T, K)
+    w = buf[a: a + T * K].view(torch.float32).view(T, K)
+    k = buf[2 * a: 2 * a + T]
+    ent = buf[2 * a + b: 2 * a + b + T].view(torch.float32)
+    return ids, w, k, ent
