@@ -360,18 +360,25 @@ def tune_routing(bw_gbs):
 
 
 def tuned_table(rows) -> dict:
-    """{BLOCK_E: [(T up to, {select, warps, tile}), ...]}: the fastest configuration at each tuned T,
-    in the form of moelab.kernels.routing.TUNED (paste it there under the device's name)."""
+    """{BLOCK_E: [(T up to, {select, warps, tile}), ...]} in the form of moelab.kernels.routing.TUNED (paste
+    it there under the device's name): per BLOCK_E and tuned T, the configuration whose worst slowdown
+    against the fastest, over the E that share that BLOCK_E (60 and 64), is smallest."""
     import triton
 
     table: dict = {}
-    for E in sorted({r["E"] for r in rows}):
-        be = triton.next_power_of_2(E)
+    for be in sorted({triton.next_power_of_2(r["E"]) for r in rows}):
+        group = [r for r in rows if triton.next_power_of_2(r["E"]) == be]
+        t_all = sorted({r["T"] for r in group})
         entries = []
-        for i, T in enumerate(sorted({r["T"] for r in rows if r["E"] == E})):
-            best = min((r for r in rows if r["E"] == E and r["T"] == T), key=lambda r: r["graph_us"])
-            t_max = T if i < len(TUNE_TOKENS) - 1 else 2**62
-            entries.append((t_max, {"select": best["select"], "warps": best["warps"], "tile": best["tile"]}))
+        for i, T in enumerate(t_all):
+            at = [r for r in group if r["T"] == T]
+            best = {E: min(r["graph_us"] for r in at if r["E"] == E) for E in {r["E"] for r in at}}
+            regret: dict = {}
+            for r in at:
+                key = (r["select"], r["warps"], r["tile"])
+                regret[key] = max(regret.get(key, 0.0), r["graph_us"] / best[r["E"]])
+            sel, warps, tile = min(regret, key=regret.get)
+            entries.append((T if i < len(t_all) - 1 else 2**62, {"select": sel, "warps": warps, "tile": tile}))
         table[be] = entries
     return table
 

@@ -138,7 +138,7 @@ def test_bad_input():
         route_triton(torch.zeros(2, MAX_EXPERTS + 1, device=DEV), TopK(2), True)
     with pytest.raises(ValueError, match="at most 8 k values"):
         route_triton(torch.zeros(2, 16, device=DEV), EntropyAdaptiveK(tuple(range(1, 10)), tuple(range(8))), True)
-    with pytest.raises(ValueError, match="bins"):
+    with pytest.raises(ValueError, match=r"slots, k_max \+ 1 = 3"):
         route_triton(torch.zeros(2, 16, device=DEV), TopK(2), True, stats=RoutingStats.zeros(3, DEV))
     with pytest.raises(ValueError, match="k_max"):
         RoutingStats.zeros(0, DEV)
@@ -198,17 +198,6 @@ def test_padded_layout_runs_the_same_experts(gemm, dtype):
 
 
 # ---------------------------------------------------------------- GPU: in full
-
-
-def test_plan_buffers_are_disjoint_and_aligned():
-    for T, K in ((0, 1), (1, 1), (3, 5), (37, 8), (16, 4)):
-        ids, w, k, ent = kr._plan_buffers(T, K, "cpu")
-        assert ids.shape == (T, K) and w.shape == (T, K) and k.shape == (T,) and ent.shape == (T,)
-        assert (ids.dtype, w.dtype, k.dtype, ent.dtype) == (torch.int32, torch.float32, torch.int32, torch.float32)
-        spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * 4) for t in (ids, w, k, ent))
-        assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:]))
-        base = ids.data_ptr()
-        assert all((t.data_ptr() - base) % 16 == 0 for t in (w, k, ent))
 
 
 def test_launch_config_overrides(monkeypatch):

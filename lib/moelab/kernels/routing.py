@@ -35,7 +35,16 @@ _TOPK, _ADAPTIVE, _TOPP, _RATIO = 0, 1, 2, 3
 # logits per program. Measured by `benchmarks/moe_kernels.py --parts tune` (data/results/routing-tune-*.json);
 # devices not listed use DEFAULT. LAUNCH overrides any of the three (benchmarks and tests set it).
 DEFAULT = {"select": "rounds", "warps": None, "tile": 1024}  # warps None: 8 for E <= 16, else 4
-TUNED: dict[str, dict[int, list]] = {}
+_R4, _B4, _B8, _S4 = ({"select": s, "warps": w, "tile": 1024} for s, w in
+                      (("rounds", 4), ("bitonic", 4), ("bitonic", 8), ("split", 4)))
+TUNED: dict[str, dict[int, list]] = {
+    # data/results/routing-tune-20261129.json (H200, torch 2.11, triton 3.6); BLOCK_E 64 serves E = 60 and 64
+    "NVIDIA H200": {
+        8: [(16, _R4), (2**62, _B8)],
+        64: [(4096, _B8), (2**62, _S4)],
+        128: [(512, _B4), (2**62, _S4)],
+    },
+}
 LAUNCH = {"select": None, "warps": None, "tile": None}
 
 
@@ -46,10 +55,16 @@ def _device_name(index: int) -> str:
 
 def launch_config(T: int, E: int, device: torch.device | None = None) -> dict:
     """{select, warps, tile} for this shape: LAUNCH overrides, else the device's tuned entry, else DEFAULT."""
+    cuda = -1 if device is None or device.type != "cuda" else (device.index or 0)
+    return _launch_config(T, E, cuda, tuple(LAUNCH.values()))
+
+
+@functools.lru_cache(maxsize=4096)  # host time: the eager call's budget is a few microseconds
+def _launch_config(T: int, E: int, cuda: int, overrides: tuple) -> dict:
     block_e = triton.next_power_of_2(max(E, 2))
     cfg = dict(DEFAULT)
-    if device is not None and device.type == "cuda":
-        for t_max, tuned in TUNED.get(_device_name(device.index or 0), {}).get(block_e, []):
+    if cuda >= 0:
+        for t_max, tuned in TUNED.get(_device_name(cuda), {}).get(block_e, []):
             if T <= t_max:
                 cfg.update(tuned)
                 break
@@ -59,22 +74,29 @@ def launch_config(T: int, E: int, device: torch.device | None = None) -> dict:
     return cfg
 
 
+STATS_SLOTS = 16  # programs add their statistics into slot pid % 16: less contention on the atomics
+
+
 @dataclass
 class RoutingStats:
-    """Running routing statistics kept on the device; read them with `summary()` (one host sync)."""
+    """Running routing statistics kept on the device; read them with `summary()` (one host sync).
 
-    k_hist: torch.Tensor  # [k_max + 1] int64, tokens that kept j experts
-    entropy_sum: torch.Tensor  # [1] float64, nats
-    tokens: torch.Tensor  # [1] int64
+    Each row is one slot: kernel programs spread their atomic adds over the slots, summary() adds them up."""
+
+    k_hist: torch.Tensor  # [slots, k_max + 1] int64, tokens that kept j experts
+    entropy_sum: torch.Tensor  # [slots] float64, nats
+    tokens: torch.Tensor  # [slots] int64
 
     @classmethod
-    def zeros(cls, k_max: int, device) -> "RoutingStats":
+    def zeros(cls, k_max: int, device, slots: int = STATS_SLOTS) -> "RoutingStats":
         if isinstance(k_max, bool) or not isinstance(k_max, int) or k_max < 1:
             raise ValueError(f"k_max={k_max!r}: must be an int >= 1")
+        if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
+            raise ValueError(f"slots={slots!r}: must be an int >= 1")
         return cls(
-            torch.zeros(k_max + 1, dtype=torch.int64, device=device),
-            torch.zeros(1, dtype=torch.float64, device=device),
-            torch.zeros(1, dtype=torch.int64, device=device),
+            torch.zeros(slots, k_max + 1, dtype=torch.int64, device=device),
+            torch.zeros(slots, dtype=torch.float64, device=device),
+            torch.zeros(slots, dtype=torch.int64, device=device),
         )
 
     def reset(self) -> None:
@@ -84,19 +106,19 @@ class RoutingStats:
 
     def add_torch(self, plan: RoutingPlan) -> None:
         """The reference update in torch ops (no host sync either: scatter_add, not bincount)."""
-        self.k_hist.scatter_add_(0, plan.k.long(), torch.ones_like(plan.k, dtype=torch.int64))
-        self.entropy_sum += plan.entropy.double().sum()
-        self.tokens += plan.num_tokens
+        self.k_hist[0].scatter_add_(0, plan.k.long(), torch.ones_like(plan.k, dtype=torch.int64))
+        self.entropy_sum[0] += plan.entropy.double().sum()
+        self.tokens[0] += plan.num_tokens
 
     def summary(self) -> dict:
-        hist = self.k_hist.tolist()
-        tokens = int(self.tokens.item())
+        hist = self.k_hist.sum(0).tolist()
+        tokens = int(self.tokens.sum().item())
         kept = sum(j * n for j, n in enumerate(hist))
         return {
             "tokens": tokens,
             "k_hist": hist,
             "mean_k": kept / tokens if tokens else float("nan"),
-            "mean_entropy": float(self.entropy_sum.item()) / tokens if tokens else float("nan"),
+            "mean_entropy": float(self.entropy_sum.sum().item()) / tokens if tokens else float("nan"),
         }
 
 
@@ -108,7 +130,7 @@ def _route_kernel(
     fpar,  # TopP: p / RatioSkip: beta (fp32); unused otherwise
     th0, th1, th2, th3, th4, th5, th6,  # EntropyAdaptiveK thresholds (fp32)
     kv_packed,  # EntropyAdaptiveK k values: byte i holds k_values[i] - 1 (fewer arguments, faster launch)
-    KMIN,
+    KMIN, NSLOT,
     POLICY: tl.constexpr, NTH: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, RENORM: tl.constexpr, STATS: tl.constexpr,
     BLOCK_K1: tl.constexpr, SELECT: tl.constexpr,
@@ -235,9 +257,10 @@ def _route_kernel(
         kk = tl.where(row_ok, k, -1)
         bins = tl.arange(0, BLOCK_K1)
         n = tl.sum((kk[:, None] == bins[None, :]).to(tl.int64), axis=0)  # this block's k histogram
-        tl.atomic_add(hist_ptr + bins, n, mask=(bins <= K) & (n > 0), sem="relaxed")
-        tl.atomic_add(entsum_ptr, tl.sum(tl.where(row_ok, ent, 0.0), axis=0).to(tl.float64), sem="relaxed")
-        tl.atomic_add(tok_ptr, tl.sum(row_ok.to(tl.int64), axis=0), sem="relaxed")
+        slot = pid % NSLOT
+        tl.atomic_add(hist_ptr + slot * (K + 1) + bins, n, mask=(bins <= K) & (n > 0), sem="relaxed")
+        tl.atomic_add(entsum_ptr + slot, tl.sum(tl.where(row_ok, ent, 0.0), axis=0).to(tl.float64), sem="relaxed")
+        tl.atomic_add(tok_ptr + slot, tl.sum(row_ok.to(tl.int64), axis=0), sem="relaxed")
 
 
 def _pack(k_values: list[int]) -> int:
@@ -302,8 +325,8 @@ def route_triton(
         raise ValueError(f"E={E}: the Triton routing kernel supports at most {MAX_EXPERTS} experts")
     if not 1 <= K <= E:
         raise ValueError(f"k_max={K}: must be in [1, E={E}]")
-    if stats is not None and stats.k_hist.shape[0] != K + 1:
-        raise ValueError(f"stats.k_hist has {stats.k_hist.shape[0]} bins: need k_max + 1 = {K + 1}")
+    if stats is not None and (stats.k_hist.dim() != 2 or stats.k_hist.shape[1] != K + 1):
+        raise ValueError(f"stats.k_hist of shape {tuple(stats.k_hist.shape)}: need [slots, k_max + 1 = {K + 1}]")
     code, fpar, th, kv, nth, kmin = _policy_args(policy)
     ids, w, k, ent = _plan_buffers(T, K, logits.device)
     if T == 0:
@@ -318,7 +341,7 @@ def route_triton(
             (triton.cdiv(T, block_t),),
             (logits, ids, w, k, ent,
              st.k_hist if st else k, st.entropy_sum if st else ent, st.tokens if st else k,
-             T, E, logits.stride(0), fpar, *th, kv, kmin),
+             T, E, logits.stride(0), fpar, *th, kv, kmin, st.k_hist.shape[0] if st else 1),
             dict(POLICY=code, NTH=nth, K=K, BLOCK_K=triton.next_power_of_2(K),
                  BLOCK_T=block_t, BLOCK_E=block_e, RENORM=bool(renormalize), STATS=st is not None,
                  BLOCK_K1=triton.next_power_of_2(K + 1), SELECT=_select(K, cfg["select"])),
@@ -331,13 +354,7 @@ _launch = Launcher(_route_kernel)
 
 
 def _plan_buffers(T: int, K: int, device):
-    """ids [T, K] int32, weights [T, K] fp32, k [T] int32, entropy [T] fp32 as views of ONE allocation
-    (one allocator call instead of four: host time), each starting on a 16-byte boundary."""
-    a = -(-T * K // 4) * 4  # elements, rounded up to 16 bytes
-    b = -(-T // 4) * 4
-    buf = torch.empty(2 * a + 2 * b, dtype=torch.int32, device=device)
-    ids = buf[: T * K].view(T, K)
-    w = buf[a: a + T * K].view(torch.float32).view(T, K)
-    k = buf[2 * a: 2 * a + T]
-    ent = buf[2 * a + b: 2 * a + b + T].view(torch.float32)
-    return ids, w, k, ent
+    """ids [T, K] int32, weights [T, K] fp32, k [T] int32, entropy [T] fp32 (four allocations: on the
+    host that is cheaper than one allocation cut into four views)."""
+    return (torch.empty(T, K, dtype=torch.int32, device=device), torch.empty(T, K, dtype=torch.float32, device=device),
+            torch.empty(T, dtype=torch.int32, device=device), torch.empty(T, dtype=torch.float32, device=device))
