@@ -310,7 +310,8 @@ def bench_layer_one(name, tokens):
             row["time_us"] = events_us(fn, rep_ms=30 if T >= 65536 else 50)
             row["graph_us"] = None
             if var.startswith("moelab") and T <= 4096:
-                row["graph_us"] = graph_us(functools.partial(ours, pol=pol), [x], 1)
+                layer = routed if var.endswith("routed_only") else ours
+                row["graph_us"] = graph_us(functools.partial(layer, pol=pol), [x], 1)
             row["kept_pairs"] = int(plan.k.sum())
             row["native_pairs"] = T * k
             row["mean_k"] = row["kept_pairs"] / T
@@ -346,7 +347,7 @@ def tune_routing(bw_gbs):
         for T in TUNE_TOKENS:
             inputs = [torch.randn(T, E, device="cuda").to(torch.bfloat16) for _ in range(8)]
             for select in kr.SELECTS:
-                for tile in (1024, 2048) if T >= 4096 else (1024,):
+                for tile in (512, 1024, 2048) if T >= 4096 else (1024,):
                     for warps in (4, 8):
                         kr.LAUNCH.update(select=select, tile=tile, warps=warps)
                         us = graph_us(lambda x, k=k: route_triton(x, TopK(k), False), inputs, 16)

@@ -346,11 +346,16 @@ def route_triton(
                  BLOCK_T=block_t, BLOCK_E=block_e, RENORM=bool(renormalize), STATS=st is not None,
                  BLOCK_K1=triton.next_power_of_2(K + 1), SELECT=_select(K, cfg["select"])),
             cfg["warps"],
+            _VARYING if st is None else None,
         )
     return RoutingPlan(ids, w, k, ent, E)
 
 
 _launch = Launcher(_route_kernel)
+# arguments whose Triton specialisation can change between calls: logits (a view: any alignment), T,
+# E, the row stride and the packed k values; the plan buffers are fresh allocations (always aligned),
+# the policy's other scalars are floats or kept in the key through the constexprs (stats: check all)
+_VARYING = (0, 8, 9, 10, 19, 20)
 
 
 def _plan_buffers(T: int, K: int, device):
