@@ -373,8 +373,12 @@ class GraphRunner:
         self.stream.wait_stream(cur)
         with torch.cuda.stream(self.stream):
             g.graph.replay()
+            # copied out on the capture stream, like the static outputs and the eager results: all of the
+            # runner's own small allocations then share that stream's segments (one 2 MiB segment, not
+            # one per stream). Safe for the caller's stream: every runner call starts by waiting for it,
+            # so a block the caller frees is not reused before the caller's work on it is done.
+            outs = tuple(o[:n].clone() for o in g.outputs)
         cur.wait_stream(self.stream)
-        outs = tuple(o[:n].clone() for o in g.outputs)
         return outs[0] if len(outs) == 1 else outs
 
     # eager
