@@ -440,27 +440,11 @@ def _save(topic, notes, common, rows):
     return write_results(topic, rows, notes=notes, extra=common)
 
 
-def layer_targets(rows) -> list[dict]:
-    """At T = 4096: each adaptive variant's graph time over its native one, against 1.1 x kept/native pairs."""
-    out = []
-    at = [r for r in rows if r["T"] == 4096 and r.get("graph_us")]
-    for r in at:
-        if "adaptive" not in r["variant"]:
-            continue
-        native_var = "moelab_topk_routed_only" if r["variant"].endswith("routed_only") else "moelab_topk"
-        nat = next((n for n in at if n["shape"] == r["shape"] and n["variant"] == native_var), None)
-        if nat is None:
-            continue
-        kept = r["kept_pairs"] / r["native_pairs"]
-        ratio = r["graph_us"] / nat["graph_us"]
-        out.append({"shape": r["shape"], "variant": r["variant"], "kept_over_native": kept,
-                    "time_over_native": ratio, "bound": 1.1 * kept, "met": ratio <= 1.1 * kept,
-                    "tiles128_over_native": r["gemm_tiles_128"] / nat["gemm_tiles_128"]})
-    return out
-
-
 def _save_layer(notes, common, rows):
-    return write_results("moe-layer", rows, notes=notes, extra={**common, "layer_targets": layer_targets(rows)})
+    from moelab.kernels.report import layer_targets
+
+    targets = layer_targets({"rows": rows}).to_dict("records") if rows else []
+    return write_results("moe-layer", rows, notes=notes, extra={**common, "layer_targets": targets})
 
 
 if __name__ == "__main__":

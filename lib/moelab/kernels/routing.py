@@ -40,7 +40,7 @@ _R4, _B4, _B8, _S4 = ({"select": s, "warps": w, "tile": 1024} for s, w in
 TUNED: dict[str, dict[int, list]] = {
     # data/results/routing-tune-20261129.json (H200, torch 2.11, triton 3.6); BLOCK_E 64 serves E = 60 and 64
     "NVIDIA H200": {
-        8: [(16, _R4), (2**62, _B8)],
+        8: [(16, _R4), (512, _B8), (4096, {**_B8, "tile": 512}), (2**62, _B8)],
         64: [(4096, _B8), (2**62, _S4)],
         128: [(512, _B4), (2**62, _S4)],
     },
