@@ -1,9 +1,11 @@
 """Fused routing kernel: router logits [T, E] -> RoutingPlan in one Triton launch, no host sync.
 
 One program routes BLOCK_T tokens: fp32 softmax (as log-softmax then exp, the reference's formula),
-entropy, k_max rounds of "take the largest remaining probability, lowest index on ties" (the
-reference's stable descending sort; one int64 max per round over (probability bits, reversed
-index)), the policy's per-token k, the mask and the model's normalisation. Optional running
+entropy, the k_max largest probabilities with the lowest index first on ties (the reference's stable
+descending sort), the policy's per-token k, the mask and the model's normalisation. Three compiled
+selections find the k_max largest: k_max rounds of an int64 max over (probability bits, reversed
+index) keys, a bitonic tl.topk of those keys, or k_max rounds of an fp32 max and the lowest index
+holding it; which is fastest depends on E and T (TUNED, per device). Optional running
 statistics (k histogram, entropy sum, tokens) are added to device tensors with atomics, so the call
 can be captured in a CUDA graph. `moelab.routing.route` dispatches here on CUDA (or when the backend
 is forced to 'triton'; on a CPU that needs TRITON_INTERPRET=1).
@@ -173,36 +175,25 @@ def _route_kernel(
                 cnt += ((csum - v) < fpar).to(tl.int32)
         else:
             cnt = tl.sum(((w_tile >= fpar * top[:, None]) & (slots < K)).to(tl.int32), axis=1)
-    elif SELECT == 2:
-        # K rounds of fp32 max, then the lowest column holding it: two 32-bit reductions per round
-        # instead of one int64 one; taken and padding columns hold -1 (every probability is >= 0)
+    else:
+        # K rounds of "take the largest remaining probability, lowest index on ties", either as one
+        # int64 max of the keys (SELECT 0) or as an fp32 max and then the lowest column holding it
+        # (SELECT 2: two 32-bit reductions instead of one 64-bit one; taken/padding columns hold -1)
         pm = tl.where(col_ok[None, :], p, -1.0)
         ids_tile = tl.full((BLOCK_T, BLOCK_K), -1, tl.int32)
         w_tile = tl.zeros((BLOCK_T, BLOCK_K), tl.float32)
         cnt = tl.zeros((BLOCK_T,), tl.int32)
         csum = tl.zeros((BLOCK_T,), tl.float32)
         for j in range(K):
-            v = tl.max(pm, axis=1)
-            i = tl.min(tl.where(pm == v[:, None], cols[None, :], BLOCK_E), axis=1)
-            pm = tl.where(cols[None, :] == i[:, None], -1.0, pm)
-            ids_tile = tl.where(slots == j, i[:, None].to(tl.int32), ids_tile)
-            w_tile = tl.where(slots == j, v[:, None], w_tile)
-            if POLICY == 2:
-                csum = csum + v
-                cnt += ((csum - v) < fpar).to(tl.int32)
-            if POLICY == 3:
-                cnt += (v >= fpar * top).to(tl.int32)
-    else:
-        # K rounds of "largest remaining key"
-        ids_tile = tl.full((BLOCK_T, BLOCK_K), -1, tl.int32)
-        w_tile = tl.zeros((BLOCK_T, BLOCK_K), tl.float32)
-        cnt = tl.zeros((BLOCK_T,), tl.int32)
-        csum = tl.zeros((BLOCK_T,), tl.float32)
-        for j in range(K):
-            kmax = tl.max(key, axis=1)
-            key = tl.where(key == kmax[:, None], -1, key)
-            i = (BLOCK_E - 1) - (kmax & 0xFFFFFFFF).to(tl.int32)
-            v = (kmax >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+            if SELECT == 2:
+                v = tl.max(pm, axis=1)
+                i = tl.min(tl.where(pm == v[:, None], cols[None, :], BLOCK_E), axis=1)
+                pm = tl.where(cols[None, :] == i[:, None], -1.0, pm)
+            else:
+                kmax = tl.max(key, axis=1)
+                key = tl.where(key == kmax[:, None], -1, key)
+                i = (BLOCK_E - 1) - (kmax & 0xFFFFFFFF).to(tl.int32)
+                v = (kmax >> 32).to(tl.int32).to(tl.float32, bitcast=True)
             ids_tile = tl.where(slots == j, i[:, None].to(tl.int32), ids_tile)
             w_tile = tl.where(slots == j, v[:, None], w_tile)
             if POLICY == 2:
