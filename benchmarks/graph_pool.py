@@ -11,10 +11,12 @@ Arms:
   private        decode graphs, one private pool per bucket; prefill eager (ordinary allocator)
   shared         decode graphs in one shared MemPool, captured largest first; prefill eager (ordinary)
   shared+reuse   as shared, and the prefill's memory comes from the graph pool (moelab.graphs); the
-                 runner is primed (its default when given an eager example): one prefill runs in the pool
-                 before capture, so the graphs are captured into segments already sized for the eager forward
-  shared+reuse-unprimed  as shared+reuse without priming: the graphs' segments come first and the
-                 prefill adds segments of its own sizes to the pool
+                 runner is given the prefill as its eager example and captures with prime='auto' (its
+                 default): both layouts are tried and the one with the smaller pool is kept (prime_choice)
+  shared+reuse-primed    always primed: one prefill runs in the pool before capture, so the graphs
+                 are captured into segments already sized for the eager forward
+  shared+reuse-unprimed  never primed: the graphs' segments come first and the prefill adds
+                 segments of its own sizes to the pool
 Recorded per arm: allocator reserved/allocated peaks over the arm's start, driver-level used memory
 (torch.cuda.mem_get_info), bytes per pool, decode tokens/s, and (shared arms) the share of the
 prefill's allocated bytes that fell inside the graph pool.
@@ -42,7 +44,7 @@ from moelab.results import write_results
 
 log = logging.getLogger("graph_pool")
 MiB = float(1 << 20)
-ARMS = ("eager", "private", "shared", "shared+reuse", "shared+reuse-unprimed")
+ARMS = ("eager", "private", "shared", "shared+reuse", "shared+reuse-primed", "shared+reuse-unprimed")
 
 # a Mixtral-like config, random-initialised, sized so that activations and pools are hundreds of MiB
 # (Mixtral-8x7B's layer shapes, 4 layers instead of 32)
@@ -153,8 +155,8 @@ def run_arm(arm, step, vocab, buckets, chunk, args, stream, own_pools, src=None,
         t0 = time.perf_counter()
         runner = GraphRunner(step, lambda b: (decode_ids.get(b, pad_ids[b]),), buckets,
                              pool="private" if arm == "private" else "shared", stream=stream,
-                             eager_example=(prompts,) if arm == "shared+reuse" else None)
-        runner.capture()
+                             eager_example=(prompts,) if arm in ("shared+reuse", "shared+reuse-primed") else None)
+        runner.capture(prime=True if arm == "shared+reuse-primed" else "auto")
         t_capture = time.perf_counter() - t0
     graph_pool_capture = sum(graph_pools(torch.cuda.memory_snapshot()).values())
     capture_peak = torch.cuda.max_memory_reserved() - base_res
@@ -220,6 +222,7 @@ def run_arm(arm, step, vocab, buckets, chunk, args, stream, own_pools, src=None,
         "default_pool_mib_end": (default_end - base_default) / MiB,
         "mib_per_pool": {f"{p[0]}:{p[1]}": v / MiB for p, v in by_pool.items()},
         "eager_fallbacks": runner.eager_fallbacks if runner is not None else 0,
+        "prime_choice": runner.prime_choice if runner is not None else None,
     }
     if runner is not None and runner.pool is not None:
         proof = runner.scratch_fraction_in_pool(prompts, reuse=arm.startswith("shared+reuse"))
@@ -386,9 +389,12 @@ def write(rows, buckets, errors, args):
         "Weights live in a MemPool of their own; memory is counted over each arm's start; *_peak = the serving loop "
         "after capture (capture_reserved_peak_mib: capture incl. warm-up). Target ratio reuse_over_max = shared+reuse "
         "reserved peak / max(graph pool after capture in the shared arm, eager-only reserved peak), target <= 1.05; "
-        "saved_mib/saved_pct against the shared arm without reuse. shared+reuse is primed (GraphRunner's default when "
-        "given an eager example): one prefill in the pool before capture, so the graphs are captured into segments "
-        "sized for the eager forward; shared+reuse-unprimed: without that (unprimed_* columns). Token ids of the "
+        "saved_mib/saved_pct against the shared arm without reuse. shared+reuse: GraphRunner's default capture('auto') "
+        "with the prefill as eager example: it captures both layouts (primed: one prefill in the pool before capture, "
+        "so the graphs go into eager-sized segments; unprimed: graphs first) and keeps the one with the smaller pool "
+        "after a prefill, unprimed on a tie (prime_choice, reuse_layout; capture_s and capture_reserved_peak_mib "
+        "include the trial); shared+reuse-primed / -unprimed force one layout (primed_* / unprimed_* columns). "
+        "Token ids of the "
         "workload live in a MemPool of their own, so no arm finds cached default-pool memory at its start. "
         "Embedded models: trained checkpoints, prompts and decode tokens from held-out text; synthetic: random ids. "
         "Adaptive rows: EntropyAdaptiveK((native_k//2, native_k)) with its threshold at the median router entropy "
@@ -424,16 +430,20 @@ def summarise(rows) -> list[dict]:
             "memory_target_met": with_reuse <= 1.05 * bound,
             "speed_target_met": reuse["decode_tokens_per_s"] >= 0.98 * by["shared"]["decode_tokens_per_s"],
         })
-        if "shared+reuse-unprimed" in by:
-            plain = by["shared+reuse-unprimed"]
-            peak = plain["reserved_peak_mib"]
+        out[-1]["reuse_layout"] = ("primed" if (reuse.get("prime_choice") or {}).get("primed") else "unprimed")
+        for tag in ("primed", "unprimed"):  # the two layouts forced, for comparison with the automatic choice
+            arm = by.get(f"shared+reuse-{tag}")
+            if arm is None:
+                continue
+            peak = arm["reserved_peak_mib"]
             out[-1].update({
-                "unprimed_graph_pool_mib_after_capture": plain["graph_pool_mib_after_capture"],
-                "unprimed_reserved_peak_mib": peak,
-                "unprimed_over_max": peak / bound if bound else float("nan"),
-                "unprimed_saved_mib": without - peak,
-                "unprimed_saved_pct": 100 * (without - peak) / without if without else 0.0,
-                "unprimed_memory_target_met": peak <= 1.05 * bound,
+                f"{tag}_graph_pool_mib_after_capture": arm["graph_pool_mib_after_capture"],
+                f"{tag}_reserved_peak_mib": peak,
+                f"{tag}_over_max": peak / bound if bound else float("nan"),
+                f"{tag}_saved_mib": without - peak,
+                f"{tag}_saved_pct": 100 * (without - peak) / without if without else 0.0,
+                f"{tag}_tokens_per_s_over_no_reuse": arm["decode_tokens_per_s"] / by["shared"]["decode_tokens_per_s"],
+                f"{tag}_memory_target_met": peak <= 1.05 * bound,
             })
     return out
 

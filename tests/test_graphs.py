@@ -448,8 +448,8 @@ def test_primed_capture_puts_graphs_into_eager_sized_segments(how):
     (prompt,) = make(64)
     with pytest.raises(ValueError, match="prime needs pool='shared'"):
         GraphRunner(step, make, [16, 32], pool="private").capture(prime=(prompt,))
-    if how == "eager_example":  # the default: a runner given an eager example primes with it
-        runner = GraphRunner(step, make, [16, 32], eager_example=(prompt,)).capture()
+    if how == "eager_example":  # prime=True primes with the runner's eager example
+        runner = GraphRunner(step, make, [16, 32], eager_example=(prompt,)).capture(prime=True)
     else:
         runner = GraphRunner(step, make, [16, 32]).capture(prime=(prompt,))
     before = runner.pool_bytes()[runner.pool.id]["reserved"]
@@ -460,6 +460,27 @@ def test_primed_capture_puts_graphs_into_eager_sized_segments(how):
     assert runner.eager_growth_bytes == 0
     (x,) = make(20)
     assert torch.equal(runner(x), runner(x))
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("prompt_rows", [64, 4096])
+def test_auto_prime_keeps_the_smaller_pool(prompt_rows):
+    """capture('auto') tries both layouts and keeps the one whose pool is smaller after an eager forward."""
+    step, make = _mlp_step(D=512, H=4096)
+    (prompt,) = make(prompt_rows)
+    runner = GraphRunner(step, make, [16, 32, 64], eager_example=(prompt,)).capture()
+    choice = runner.prime_choice
+    assert choice["unprimed_pool_bytes"] > 0 and choice["primed_pool_bytes"] > 0
+    assert choice["primed"] == (choice["primed_pool_bytes"] < choice["unprimed_pool_bytes"])
+    smaller = min(choice["primed_pool_bytes"], choice["unprimed_pool_bytes"])
+    assert pool_bytes(runner.pool.id)["reserved"] <= 1.05 * smaller  # (the kept layout was captured anew)
+    before = pool_bytes(runner.pool.id)["reserved"]
+    runner.eager(prompt)  # the kept layout already holds the eager forward
+    assert pool_bytes(runner.pool.id)["reserved"] == before and runner.eager_growth_bytes == 0
+    (x,) = make(40)
+    with torch.no_grad():
+        torch.testing.assert_close(runner(x), step(x), atol=1e-2, rtol=1e-2)
 
 
 @gpu

@@ -233,30 +233,69 @@ class GraphRunner:
         self.scratch = ScratchBuffers(self.device)
         self.eager_growth_bytes = 0  # reserved memory added during eager forwards that borrowed the pool
         self._growth_hinted = False
+        self.prime_choice: dict | None = None  # capture('auto'): pool bytes of both layouts, which one was kept
         self.eager_fallbacks = 0  # eager forwards that hit OOM in the pool and re-ran on the ordinary allocator
         self._baseline_allocated: int | None = None  # allocated bytes of the shared pool right after capture
 
     # capture
-    def capture(self, release_cache: bool = True, prime: tuple | None | bool = True) -> "GraphRunner":
+    def capture(self, release_cache: bool = True, prime: tuple | bool | str = "auto") -> "GraphRunner":
         """Warm up and capture every bucket, largest first. release_cache: empty_cache() after (warm-up blocks).
 
-        prime: True (default) primes with `eager_example` when the runner has one; False never primes;
-        a tuple primes with those inputs. Priming runs one eager forward inside the shared pool before
-        the captures: it leaves free
-        segments sized for the eager forward, the graphs are captured into them, and later eager forwards
-        find the same segments free (the pool need not grow). torch.cuda.graph() calls empty_cache() on
-        entry, but the caching allocator only releases pools no one holds (use_count 0): a live MemPool
-        keeps its segments. On the first H200 run eager (84 MiB) and graph pool (86 MiB) were the same
-        size, so priming could not show there.
+        prime: whether one eager forward runs inside the shared pool before the captures. Priming
+        leaves free segments sized for the eager forward, the graphs are captured into them, and later
+        eager forwards find the same segments free (the pool need not grow). torch.cuda.graph() calls
+        empty_cache() on entry, but the caching allocator only releases pools no one holds: a live
+        MemPool keeps its segments.
+          'auto' (default): with an `eager_example`, capture both ways and keep the layout whose pool
+              is smaller after one eager forward, the unprimed one on a tie (its graphs share their
+              blocks compactly); `prime_choice` records both sizes. Without one: no priming.
+          True: prime with `eager_example`; a tuple: prime with those inputs; False: never.
         """
         if not torch.cuda.is_available():
             raise RuntimeError("GraphRunner.capture needs CUDA")
         if self.graphs:
             raise RuntimeError("already captured")
+        if isinstance(prime, str):
+            if prime != "auto":
+                raise ValueError(f"prime={prime!r}: must be 'auto', True, False or a tuple of inputs")
+            if self.eager_example is None or self.pool_mode != "shared":
+                return self._capture_once(release_cache, None)
+            return self._capture_auto(release_cache)
         if prime is True:
             prime = self.eager_example
         elif prime is False:
             prime = None
+        return self._capture_once(release_cache, tuple(prime) if prime is not None else None)
+
+    def _capture_auto(self, release_cache: bool) -> "GraphRunner":
+        """Both layouts, each followed by one eager forward of eager_example; keep the smaller pool."""
+        sizes = {}
+        for primed in (False, True):
+            self._capture_once(release_cache, self.eager_example if primed else None)
+            self.eager(*self.eager_example)
+            sizes[primed] = pool_bytes(self.pool.id)["reserved"]
+            if primed and sizes[True] < sizes[False]:
+                break
+            self._release()
+        else:  # the unprimed layout is no larger: capture it again (the trial was released)
+            self._capture_once(release_cache, None)
+            self.eager(*self.eager_example)
+        self.prime_choice = {"unprimed_pool_bytes": sizes[False], "primed_pool_bytes": sizes[True],
+                             "primed": sizes[True] < sizes[False]}
+        self.eager_growth_bytes = 0
+        self._growth_hinted = False
+        return self
+
+    def _release(self) -> None:
+        """Drop the graphs and their pool (a trial layout of capture('auto'))."""
+        torch.cuda.synchronize(self.device)
+        self.graphs.clear()
+        self.out_buffers = ()
+        self.pool = None  # the MemPool's segments go back once no graph holds it
+        self._baseline_allocated = None
+        torch.cuda.empty_cache()
+
+    def _capture_once(self, release_cache: bool, prime: tuple | None) -> "GraphRunner":
         if self.stream is None:
             self.stream = torch.cuda.Stream(self.device)
         if self.pool_mode == "shared":
