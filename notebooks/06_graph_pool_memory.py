@@ -24,13 +24,14 @@
 #
 # Numbers come from `benchmarks/graph_pool.py`, run on the GPU machine; this notebook plots the
 # committed results file and says where it came from. Four arms, everything else fixed: eager only;
-# graphs with a private pool per bucket; graphs sharing one pool; shared pool + eager reuse (primed: the
-# runner's default when it is given an eager example; a fifth arm shows reuse without priming). With
+# graphs with a private pool per bucket; graphs sharing one pool; shared pool + eager reuse (the
+# runner's default `capture(prime='auto')`: both pool layouts tried, the smaller kept; two more arms
+# force the primed and the unprimed layout). With
 # `live=True` on a CUDA machine it also runs a small runner here and shows the proof that reuse is on.
 
 # %% tags=["parameters"]
 model: str = "all"  # model rows to chart: all, tiny-mixtral, tiny-qwen-moe, tiny-olmoe or synthetic
-arms: list[str] = ["eager", "private", "shared", "shared+reuse", "shared+reuse-unprimed"]  # arms to chart, in order
+arms: list[str] = ["eager", "private", "shared", "shared+reuse", "shared+reuse-primed", "shared+reuse-unprimed"]  # in order
 results_dir: str = ""  # directory with graph-pool-*.json (default data/results, the committed results)
 live: bool = False  # also run a small GraphRunner on this machine's GPU (needs CUDA; skipped without)
 live_model: str = "tiny-mixtral"  # model for the live run (GPU-sized: synthetic via benchmarks/graph_pool.py)
@@ -63,17 +64,17 @@ arm_rows = rows[rows["arm"].isin(arms) & rows["model"].isin(models)].copy()
 # reuse the serving loop's reserved peak should be at most 1.05 x max (memory target:
 # `reuse_over_max`), and decode tokens/s within 2% of the shared pool without reuse (speed target).
 # `saved_mib` / `saved_pct`: against the shared pool without reuse; `reuse_pool_growth_mib`: how much
-# the graph pool grew to hold the eager forward. Reuse is primed: one prefill runs in the pool before
-# capture, so the graphs are captured into segments sized for the eager forward. `unprimed_*`: the
-# same without priming (graph segments first, the prefill adds segments of its own sizes).
+# the graph pool grew to hold the eager forward. `reuse_layout`: the layout `capture('auto')` kept.
+# `primed_*`: one prefill runs in the pool before capture, so the graphs are captured into segments
+# sized for the eager forward; `unprimed_*`: graph segments first, the prefill adds its own.
 
 # %%
 summary = rows[(rows["arm"] == "summary") & rows["model"].isin(models)].dropna(axis=1, how="all")
 cols = ["model", "prefill_tokens", "graph_pool_mib", "eager_reserved_peak_mib", "max_mib", "sum_mib",
         "no_reuse_reserved_peak_mib", "reuse_reserved_peak_mib", "reuse_over_max", "reuse_pool_growth_mib",
         "saved_mib", "saved_pct", "tokens_per_s_reuse_over_no_reuse", "memory_target_met", "speed_target_met",
-        "unprimed_graph_pool_mib_after_capture", "unprimed_reserved_peak_mib", "unprimed_over_max",
-        "unprimed_saved_mib", "unprimed_saved_pct", "unprimed_memory_target_met"]
+        "reuse_layout", "primed_reserved_peak_mib", "primed_over_max", "primed_tokens_per_s_over_no_reuse",
+        "unprimed_reserved_peak_mib", "unprimed_over_max", "unprimed_tokens_per_s_over_no_reuse"]
 summary = summary[[c for c in cols if c in summary]]
 save_table(summary, "06_graph_pool_targets", caption="graph pool reuse: memory and speed targets per model")
 results.save("06_graph_pool_targets", summary)
