@@ -100,6 +100,16 @@ def eager_us(fn, min_s=0.005, repeats=3):
     return sorted(times)[repeats // 2]
 
 
+def interleaved_eager_us(fns: dict, rounds=5) -> dict:
+    """eager_us of every method, measured in turn for several rounds (median per method): a slow spell
+    of the shared host falls on all methods alike instead of on whichever was being timed."""
+    times = {m: [] for m in fns}
+    for _ in range(rounds):
+        for m, fn in fns.items():
+            times[m].append(eager_us(fn, repeats=1))
+    return {m: sorted(v)[len(v) // 2] for m, v in times.items()}
+
+
 def graph_us(make_call, inputs, calls):
     """GPU time per call inside one CUDA graph of `calls` calls cycling over `inputs`."""
     from triton.testing import do_bench
@@ -180,10 +190,12 @@ def bench_routing_one(name, E, k, renorm, tokens, bw_gbs, l2_bytes):
         calls = max(20, n_in)
         stats = RoutingStats.zeros(ada.k_max, "cuda")
         trt_stats = {"k": {kv: 0 for kv in ada.k_values}, "tokens": 0, "entropy": 0.0}
-        for method, (fn, K) in routing_methods(k, renorm, ada, stats, trt_stats).items():
+        methods = routing_methods(k, renorm, ada, stats, trt_stats)
+        eager = interleaved_eager_us({m: functools.partial(fn, inputs[0]) for m, (fn, _) in methods.items()})
+        for method, (fn, K) in methods.items():
             row = {"shape": name, "E": E, "native_k": k, "k_max": K, "T": T, "method": method, "dtype": "bf16",
                    "policy": repr(ada) if "adaptive" in method else f"TopK({k})"}
-            row["eager_us"] = eager_us(functools.partial(fn, inputs[0]))
+            row["eager_us"] = eager[method]
             row["graph_note"] = NOT_CAPTURABLE.get(method, "")
             row["graph_us"] = None if row["graph_note"] else graph_us(fn, inputs, calls)
             # fewest bytes: read the logits once, write ids + weights [T, K] and k + entropy [T]
@@ -337,6 +349,22 @@ def bench_layer(tokens, quick, save):
 TUNE_TOKENS = (16, 512, 4096, 65536)
 
 
+def tune_configs(E, k, T):
+    """(select, tile, warps) worth timing at this shape: the three tile selections over tiles and warps;
+    the one-row-per-thread selection (tile = rows per program x BLOCK_E) where it can win: many tokens, or
+    small E from T = 512 (measured on the H200: slower than the others at T <= 4096 for E >= 60)."""
+    import triton
+
+    from moelab.kernels import routing as kr
+
+    out = [(sel, tile, warps) for sel in ("rounds", "bitonic", "split")
+           for tile in ((512, 1024, 2048) if T >= 4096 else (1024,)) for warps in (4, 8)]
+    be = triton.next_power_of_2(E)
+    if kr._select(k, "rowwise", be) == 3 and (T >= 65536 or (be <= 16 and T >= 512)):
+        out += [("rowwise", rows * 32 * warps * be, warps) for rows, warps in ((2, 1), (1, 2), (1, 4))]
+    return out
+
+
 def tune_routing(bw_gbs):
     """GPU time in a graph of the native top-k kernel per launch configuration (select, warps, tile)."""
     from moelab.kernels import routing as kr
@@ -346,16 +374,14 @@ def tune_routing(bw_gbs):
     for E, k in ((8, 2), (60, 4), (64, 8), (128, 8)):
         for T in TUNE_TOKENS:
             inputs = [torch.randn(T, E, device="cuda").to(torch.bfloat16) for _ in range(8)]
-            for select in kr.SELECTS:
-                for tile in (512, 1024, 2048) if T >= 4096 else (1024,):
-                    for warps in (4, 8):
-                        kr.LAUNCH.update(select=select, tile=tile, warps=warps)
-                        us = graph_us(lambda x, k=k: route_triton(x, TopK(k), False), inputs, 16)
-                        bound = (T * E * 2 + T * k * 8 + T * 8) / (bw_gbs * 1e9) * 1e6
-                        rows.append({"E": E, "T": T, "select": select, "tile": tile, "warps": warps,
-                                     "graph_us": us, "hbm_bound_us": bound})
-                        print(f"tune E={E:4d} T={T:6d} {select:8s} tile={tile:5d} warps={warps} {us:8.2f} us "
-                              f"(bound {bound:.2f})", flush=True)
+            for select, tile, warps in tune_configs(E, k, T):
+                kr.LAUNCH.update(select=select, tile=tile, warps=warps)
+                us = graph_us(lambda x, k=k: route_triton(x, TopK(k), False), inputs, 16)
+                bound = (T * E * 2 + T * k * 8 + T * 8) / (bw_gbs * 1e9) * 1e6
+                rows.append({"E": E, "T": T, "select": select, "tile": tile, "warps": warps,
+                             "graph_us": us, "hbm_bound_us": bound})
+                print(f"tune E={E:4d} T={T:6d} {select:8s} tile={tile:5d} warps={warps} {us:8.2f} us "
+                      f"(bound {bound:.2f})", flush=True)
     kr.LAUNCH.update(keep)
     return rows
 
@@ -413,7 +439,8 @@ def main():
 
         kr.TUNED[torch.cuda.get_device_name(0)] = table  # the routing part below runs with it
     if "routing" in parts:
-        notes = ("bf16 router logits, random normal. eager_us: host loop per call, Python launch included. "
+        notes = ("bf16 router logits, random normal. eager_us: host loop per call, Python launch included, all methods "
+                 "timed in turn over 5 rounds (median). "
                  "graph_us: GPU time per call inside one CUDA graph of >= 20 calls, inputs rotated over >= 3x L2 "
                  "(do_bench median of replays). hbm_bound_us: (logits read + plan written) / measured copy "
                  "bandwidth. Adaptive thresholds at the entropy terciles of a 4096-token calibration batch. "

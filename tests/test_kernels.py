@@ -73,9 +73,10 @@ def assert_same_plan(logits, policy, renorm, stats=None):
     return ref, got
 
 
-@pytest.fixture(params=["rounds", "bitonic", "split"])
+@pytest.fixture(params=list(kr.SELECTS))
 def select(request, monkeypatch):
-    """Every top-k selection of the routing kernel: rounds of an int64 key max, bitonic tl.topk, fp32 max + index."""
+    """Every top-k selection of the routing kernel: rounds of an int64 key max, bitonic tl.topk, fp32 max +
+    index, and one row per thread."""
     monkeypatch.setitem(kr.LAUNCH, "select", request.param)
     return request.param
 
@@ -207,6 +208,9 @@ def test_launch_config_overrides(monkeypatch):
     assert kr.launch_config(16, 64)["select"] == "split"
     with pytest.raises(ValueError, match="select='fast'"):
         kr._select(4, "fast")
+    # one row per thread up to k_max 8 and BLOCK_E 128 (unrolled: compile time grows with E), else rounds
+    assert kr._select(8, "rowwise", 128) == 3
+    assert kr._select(9, "rowwise", 64) == kr._select(8, "rowwise", 256) == 0
 
 
 @gpu

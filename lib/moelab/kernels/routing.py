@@ -76,7 +76,7 @@ def _launch_config(T: int, E: int, cuda: int, overrides: tuple) -> dict:
     return cfg
 
 
-STATS_SLOTS = 16  # programs add their statistics into slot pid % 16: less contention on the atomics
+STATS_SLOTS = 64  # programs add their statistics into slot pid % 64: less contention on the atomics
 
 
 @dataclass
@@ -125,83 +125,29 @@ class RoutingStats:
 
 
 @triton.jit
-def _route_kernel(
-    logits_ptr, ids_ptr, w_ptr, k_ptr, ent_ptr,
-    hist_ptr, entsum_ptr, tok_ptr,
-    T, E, stride_t,
-    fpar,  # TopP: p / RatioSkip: beta (fp32); unused otherwise
-    th0, th1, th2, th3, th4, th5, th6,  # EntropyAdaptiveK thresholds (fp32)
-    kv_packed,  # EntropyAdaptiveK k values: byte i holds k_values[i] - 1 (fewer arguments, faster launch)
-    KMIN, NSLOT,
-    POLICY: tl.constexpr, NTH: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, RENORM: tl.constexpr, STATS: tl.constexpr,
-    BLOCK_K1: tl.constexpr, SELECT: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
-    cols = tl.arange(0, BLOCK_E)
-    row_ok = rows < T
-    col_ok = cols < E
-    ok = row_ok[:, None] & col_ok[None, :]
-    x = tl.load(logits_ptr + rows[:, None].to(tl.int64) * stride_t + cols[None, :], mask=ok, other=0.0)
-    x = x.to(tl.float32)
-    x = tl.where(col_ok[None, :], x, float("-inf"))  # rows past T stay finite (no NaN anywhere)
-    # log-softmax then exp, as torch.log_softmax(...).exp() computes it
-    m = tl.max(x, axis=1)
-    xs = x - m[:, None]
-    s = tl.sum(tl.where(col_ok[None, :], tl.exp(xs), 0.0), axis=1)
-    logp = xs - tl.log(s)[:, None]
-    p = tl.exp(logp)
-    ent = -tl.sum(p * tl.where(col_ok[None, :], logp, 0.0), axis=1)  # p = 0 in padding columns
-    # rank key: probability bits (monotone for p >= 0) above the reversed column, so one int64 max
-    # picks the largest probability and, among equal ones, the lowest expert index; -1 = taken/padding
-    low = (BLOCK_E - 1 - cols).to(tl.int64)
-    key = (p.to(tl.int32, bitcast=True).to(tl.int64) << 32) | low[None, :]
-    key = tl.where(col_ok[None, :], key, -1)
-
-    slots = tl.arange(0, BLOCK_K)[None, :]
-    top = tl.max(p, axis=1)  # the first-ranked probability (RatioSkip)
-    if SELECT == 1:
-        # bitonic top-k of the keys (sorted, largest first); keys are distinct, so no tie is left open
-        tk = tl.topk(key, BLOCK_K, dim=1)
-        ids_tile = tl.where(slots < K, (BLOCK_E - 1) - (tk & 0xFFFFFFFF).to(tl.int32), -1)
-        w_tile = tl.where(slots < K, (tk >> 32).to(tl.int32).to(tl.float32, bitcast=True), 0.0)
-        if POLICY == 2:  # running sum in rank order, as torch.cumsum adds them
-            csum = tl.zeros((BLOCK_T,), tl.float32)
-            cnt = tl.zeros((BLOCK_T,), tl.int32)
-            for j in range(K):
-                v = tl.sum(tl.where(slots == j, w_tile, 0.0), axis=1)
-                csum = csum + v
-                cnt += ((csum - v) < fpar).to(tl.int32)
-        else:
-            cnt = tl.sum(((w_tile >= fpar * top[:, None]) & (slots < K)).to(tl.int32), axis=1)
-    else:
-        # K rounds of "take the largest remaining probability, lowest index on ties", either as one
-        # int64 max of the keys (SELECT 0) or as an fp32 max and then the lowest column holding it
-        # (SELECT 2: two 32-bit reductions instead of one 64-bit one; taken/padding columns hold -1)
-        pm = tl.where(col_ok[None, :], p, -1.0)
-        ids_tile = tl.full((BLOCK_T, BLOCK_K), -1, tl.int32)
-        w_tile = tl.zeros((BLOCK_T, BLOCK_K), tl.float32)
-        cnt = tl.zeros((BLOCK_T,), tl.int32)
+def _count(w_tile, top, slots, fpar, POLICY: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr):
+    """TopP / RatioSkip: how many ranked slots the rule keeps (before k_min and k_max)."""
+    cnt = tl.zeros((BLOCK_T,), tl.int32)
+    if POLICY == 2:  # running sum in rank order, as torch.cumsum adds them
         csum = tl.zeros((BLOCK_T,), tl.float32)
         for j in range(K):
-            if SELECT == 2:
-                v = tl.max(pm, axis=1)
-                i = tl.min(tl.where(pm == v[:, None], cols[None, :], BLOCK_E), axis=1)
-                pm = tl.where(cols[None, :] == i[:, None], -1.0, pm)
-            else:
-                kmax = tl.max(key, axis=1)
-                key = tl.where(key == kmax[:, None], -1, key)
-                i = (BLOCK_E - 1) - (kmax & 0xFFFFFFFF).to(tl.int32)
-                v = (kmax >> 32).to(tl.int32).to(tl.float32, bitcast=True)
-            ids_tile = tl.where(slots == j, i[:, None].to(tl.int32), ids_tile)
-            w_tile = tl.where(slots == j, v[:, None], w_tile)
-            if POLICY == 2:
-                csum = csum + v
-                cnt += ((csum - v) < fpar).to(tl.int32)  # mass of the better-ranked experts < p
-            if POLICY == 3:
-                cnt += (v >= fpar * top).to(tl.int32)
+            v = tl.sum(tl.where(slots == j, w_tile, 0.0), axis=1)
+            csum = csum + v
+            cnt += ((csum - v) < fpar).to(tl.int32)  # mass of the better-ranked experts < p
+    elif POLICY == 3:
+        cnt = tl.sum(((w_tile >= fpar * top[:, None]) & (slots < K)).to(tl.int32), axis=1)
+    return cnt
 
+
+@triton.jit
+def _finish(
+    ids_tile, w_tile, cnt, ent, rows, row_ok, slots, pid, ids_ptr, w_ptr, k_ptr, ent_ptr,
+    hist_ptr, entsum_ptr, tok_ptr, th0, th1, th2, th3, th4, th5, th6, kv_packed, KMIN, NSLOT,
+    POLICY: tl.constexpr, NTH: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr, RENORM: tl.constexpr,
+    STATS: tl.constexpr, BLOCK_K1: tl.constexpr,
+):
+    """From the ranked top-k_max (ids, weights) [BLOCK_T, BLOCK_K]: the policy's k, the mask, the
+    normalisation, the stores and the statistics (shared by both kernels)."""
     if POLICY == 0:
         k = tl.full((BLOCK_T,), K, tl.int32)
     elif POLICY == 1:
@@ -254,6 +200,232 @@ def _route_kernel(
         tl.atomic_add(tok_ptr + slot, tl.sum(row_ok.to(tl.int64), axis=0), sem="relaxed")
 
 
+@triton.jit
+def _route_kernel(
+    logits_ptr, ids_ptr, w_ptr, k_ptr, ent_ptr,
+    hist_ptr, entsum_ptr, tok_ptr,
+    T, E, stride_t,
+    fpar,  # TopP: p / RatioSkip: beta (fp32); unused otherwise
+    th0, th1, th2, th3, th4, th5, th6,  # EntropyAdaptiveK thresholds (fp32)
+    kv_packed,  # EntropyAdaptiveK k values: byte i holds k_values[i] - 1 (fewer arguments, faster launch)
+    KMIN, NSLOT,
+    POLICY: tl.constexpr, NTH: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, RENORM: tl.constexpr, STATS: tl.constexpr,
+    BLOCK_K1: tl.constexpr, SELECT: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, BLOCK_E)
+    row_ok = rows < T
+    col_ok = cols < E
+    ok = row_ok[:, None] & col_ok[None, :]
+    x = tl.load(logits_ptr + rows[:, None].to(tl.int64) * stride_t + cols[None, :], mask=ok, other=0.0)
+    x = x.to(tl.float32)
+    x = tl.where(col_ok[None, :], x, float("-inf"))  # rows past T stay finite (no NaN anywhere)
+    # log-softmax then exp, as torch.log_softmax(...).exp() computes it
+    m = tl.max(x, axis=1)
+    xs = x - m[:, None]
+    s = tl.sum(tl.where(col_ok[None, :], tl.exp(xs), 0.0), axis=1)
+    logp = xs - tl.log(s)[:, None]
+    p = tl.exp(logp)
+    ent = -tl.sum(p * tl.where(col_ok[None, :], logp, 0.0), axis=1)  # p = 0 in padding columns
+    # rank key: probability bits (monotone for p >= 0) above the reversed column, so one int64 max
+    # picks the largest probability and, among equal ones, the lowest expert index; -1 = taken/padding
+    low = (BLOCK_E - 1 - cols).to(tl.int64)
+    key = (p.to(tl.int32, bitcast=True).to(tl.int64) << 32) | low[None, :]
+    key = tl.where(col_ok[None, :], key, -1)
+
+    slots = tl.arange(0, BLOCK_K)[None, :]
+    top = tl.max(p, axis=1)  # the first-ranked probability (RatioSkip)
+    if SELECT == 1:
+        # bitonic top-k of the keys (sorted, largest first); keys are distinct, so no tie is left open
+        tk = tl.topk(key, BLOCK_K, dim=1)
+        ids_tile = tl.where(slots < K, (BLOCK_E - 1) - (tk & 0xFFFFFFFF).to(tl.int32), -1)
+        w_tile = tl.where(slots < K, (tk >> 32).to(tl.int32).to(tl.float32, bitcast=True), 0.0)
+        cnt = _count(w_tile, top, slots, fpar, POLICY, K, BLOCK_T)
+    else:
+        # K rounds of "take the largest remaining probability, lowest index on ties", either as one
+        # int64 max of the keys (SELECT 0) or as an fp32 max and then the lowest column holding it
+        # (SELECT 2: two 32-bit reductions instead of one 64-bit one; taken/padding columns hold -1)
+        pm = tl.where(col_ok[None, :], p, -1.0)
+        ids_tile = tl.full((BLOCK_T, BLOCK_K), -1, tl.int32)
+        w_tile = tl.zeros((BLOCK_T, BLOCK_K), tl.float32)
+        cnt = tl.zeros((BLOCK_T,), tl.int32)
+        csum = tl.zeros((BLOCK_T,), tl.float32)
+        for j in range(K):
+            if SELECT == 2:
+                v = tl.max(pm, axis=1)
+                i = tl.min(tl.where(pm == v[:, None], cols[None, :], BLOCK_E), axis=1)
+                pm = tl.where(cols[None, :] == i[:, None], -1.0, pm)
+            else:
+                kmax = tl.max(key, axis=1)
+                key = tl.where(key == kmax[:, None], -1, key)
+                i = (BLOCK_E - 1) - (kmax & 0xFFFFFFFF).to(tl.int32)
+                v = (kmax >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+            ids_tile = tl.where(slots == j, i[:, None].to(tl.int32), ids_tile)
+            w_tile = tl.where(slots == j, v[:, None], w_tile)
+            if POLICY == 2:
+                csum = csum + v
+                cnt += ((csum - v) < fpar).to(tl.int32)  # mass of the better-ranked experts < p
+            if POLICY == 3:
+                cnt += (v >= fpar * top).to(tl.int32)
+
+    _finish(ids_tile, w_tile, cnt, ent, rows, row_ok, slots, pid, ids_ptr, w_ptr, k_ptr, ent_ptr,
+            hist_ptr, entsum_ptr, tok_ptr, th0, th1, th2, th3, th4, th5, th6, kv_packed, KMIN, NSLOT,
+            POLICY, NTH, K, BLOCK_T, RENORM, STATS, BLOCK_K1)
+
+
+# ------------------------------------------------------------------ one row per thread
+# The kernel above spreads a token's E logits over several threads, so every selection round is a
+# cross-thread reduction. Here each thread owns whole rows: the logits come in 16-byte chunks
+# [BLOCK_T, CH] (one vector load per row), tl.split takes a chunk apart into CH per-row values, and
+# each value's int64 key is inserted into the row's k_max best keys (kept sorted in registers) by a
+# max/min pass: 2 * K - 1 in-thread operations per logit, no shuffle, no shared memory. It wins when
+# there are many tokens (on the H200 at T = 65536: E = 60 in 13 us against 44); the chunk loops are
+# unrolled, so compile time grows with E: used for K <= 8 and E <= 128.
+MAX_ROWWISE_K = 8
+MAX_ROWWISE_E = 128
+
+
+@triton.jit
+def _ins(q, v0, v1, v2, v3, v4, v5, v6, v7, K: tl.constexpr):
+    """Insert key q into the sorted keys v0 >= v1 >= ... (the first K used): each slot keeps the larger."""
+    t = tl.maximum(v0, q)
+    q = tl.minimum(v0, q)
+    v0 = t
+    if K > 1:
+        t = tl.maximum(v1, q)
+        q = tl.minimum(v1, q)
+        v1 = t
+    if K > 2:
+        t = tl.maximum(v2, q)
+        q = tl.minimum(v2, q)
+        v2 = t
+    if K > 3:
+        t = tl.maximum(v3, q)
+        q = tl.minimum(v3, q)
+        v3 = t
+    if K > 4:
+        t = tl.maximum(v4, q)
+        q = tl.minimum(v4, q)
+        v4 = t
+    if K > 5:
+        t = tl.maximum(v5, q)
+        q = tl.minimum(v5, q)
+        v5 = t
+    if K > 6:
+        t = tl.maximum(v6, q)
+        q = tl.minimum(v6, q)
+        v6 = t
+    if K > 7:
+        v7 = tl.maximum(v7, q)
+    return v0, v1, v2, v3, v4, v5, v6, v7
+
+
+@triton.jit
+def _ins_chunk(x, v0, v1, v2, v3, v4, v5, v6, v7, K: tl.constexpr, BLOCK_T: tl.constexpr, CH: tl.constexpr):
+    """Insert the CH keys of each row of x [BLOCK_T, CH] (CH in 1, 2, 4, 8; taken apart with tl.split)."""
+    if CH == 1:
+        v0, v1, v2, v3, v4, v5, v6, v7 = _ins(tl.reshape(x, [BLOCK_T]), v0, v1, v2, v3, v4, v5, v6, v7, K)
+    else:
+        a, b = tl.split(tl.reshape(x, [BLOCK_T, CH // 2, 2]))
+        v0, v1, v2, v3, v4, v5, v6, v7 = _ins_chunk(a, v0, v1, v2, v3, v4, v5, v6, v7, K, BLOCK_T, CH // 2)
+        v0, v1, v2, v3, v4, v5, v6, v7 = _ins_chunk(b, v0, v1, v2, v3, v4, v5, v6, v7, K, BLOCK_T, CH // 2)
+    return v0, v1, v2, v3, v4, v5, v6, v7
+
+
+@triton.jit
+def _load_chunk(ptrs, row_ok, col_ok, FULL: tl.constexpr):
+    """[BLOCK_T, CH] logits as fp32, zeros past T or E (a full chunk masks by row only: one vector load)."""
+    if FULL:
+        x = tl.load(ptrs, mask=row_ok[:, None], other=0.0)
+    else:
+        x = tl.load(ptrs, mask=row_ok[:, None] & col_ok, other=0.0)
+    return x.to(tl.float32)
+
+
+@triton.jit
+def _slot(tile, v, j: tl.constexpr, slots):
+    return tl.where(slots == j, v[:, None], tile)
+
+
+@triton.jit
+def _route_rows_kernel(
+    logits_ptr, ids_ptr, w_ptr, k_ptr, ent_ptr,
+    hist_ptr, entsum_ptr, tok_ptr,
+    T, E, stride_t,
+    fpar, th0, th1, th2, th3, th4, th5, th6, kv_packed, KMIN, NSLOT,
+    POLICY: tl.constexpr, NTH: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, RENORM: tl.constexpr, STATS: tl.constexpr,
+    BLOCK_K1: tl.constexpr, CH: tl.constexpr, EC: tl.constexpr, SC: tl.constexpr,
+):
+    # EC, SC: E and the row stride as constants (E and stride_t unused): whole chunks load unmasked
+    # across columns, and the known row alignment lets a chunk be one vector load
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_ok = rows < T
+    base = logits_ptr + rows[:, None].to(tl.int64) * SC
+    cc = tl.arange(0, CH)[None, :]
+    # pass 1: max and sum of exp, online over the chunks (rows past T load zeros: finite)
+    m = tl.full((BLOCK_T,), float("-inf"), tl.float32)
+    s = tl.zeros((BLOCK_T,), tl.float32)
+    for c0 in tl.static_range(0, BLOCK_E, CH):
+        ok = (c0 + cc) < EC
+        x = _load_chunk(base + c0 + cc, row_ok, ok, c0 + CH <= EC)
+        x = tl.where(ok, x, float("-inf"))
+        m_new = tl.maximum(m, tl.max(x, axis=1))
+        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new[:, None]), axis=1)
+        m = m_new
+    lse = tl.log(s)
+    # pass 2: probabilities (log-softmax then exp), entropy, and the k_max best keys; a key holds the
+    # probability's bits above the reversed column (distinct keys: the larger probability, then the
+    # lower index, wins). Keys compared as the float64 of the same bits were slower on the H200.
+    ent = tl.zeros((BLOCK_T,), tl.float32)
+    v0 = tl.full((BLOCK_T,), -1, tl.int64)
+    v1 = v0
+    v2 = v0
+    v3 = v0
+    v4 = v0
+    v5 = v0
+    v6 = v0
+    v7 = v0
+    for c0 in tl.static_range(0, BLOCK_E, CH):
+        ok = (c0 + cc) < EC
+        x = _load_chunk(base + c0 + cc, row_ok, ok, c0 + CH <= EC)
+        logp = (x - m[:, None]) - lse[:, None]
+        p = tl.exp(logp)
+        ent -= tl.sum(tl.where(ok, p * logp, 0.0), axis=1)
+        key = (p.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (BLOCK_E - 1 - (c0 + cc)).to(tl.int64)
+        key = tl.where(ok, key, -1)
+        v0, v1, v2, v3, v4, v5, v6, v7 = _ins_chunk(key, v0, v1, v2, v3, v4, v5, v6, v7, K, BLOCK_T, CH)
+
+    slots = tl.arange(0, BLOCK_K)[None, :]
+    keys = tl.full((BLOCK_T, BLOCK_K), 0, tl.int64)
+    keys = _slot(keys, v0, 0, slots)
+    if K > 1:
+        keys = _slot(keys, v1, 1, slots)
+    if K > 2:
+        keys = _slot(keys, v2, 2, slots)
+    if K > 3:
+        keys = _slot(keys, v3, 3, slots)
+    if K > 4:
+        keys = _slot(keys, v4, 4, slots)
+    if K > 5:
+        keys = _slot(keys, v5, 5, slots)
+    if K > 6:
+        keys = _slot(keys, v6, 6, slots)
+    if K > 7:
+        keys = _slot(keys, v7, 7, slots)
+    ids_tile = tl.where(slots < K, (BLOCK_E - 1) - (keys & 0xFFFFFFFF).to(tl.int32), -1)
+    w_tile = tl.where(slots < K, (keys >> 32).to(tl.int32).to(tl.float32, bitcast=True), 0.0)
+    top = (v0 >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+    cnt = _count(w_tile, top, slots, fpar, POLICY, K, BLOCK_T)
+    _finish(ids_tile, w_tile, cnt, ent, rows, row_ok, slots, pid, ids_ptr, w_ptr, k_ptr, ent_ptr,
+            hist_ptr, entsum_ptr, tok_ptr, th0, th1, th2, th3, th4, th5, th6, kv_packed, KMIN, NSLOT,
+            POLICY, NTH, K, BLOCK_T, RENORM, STATS, BLOCK_K1)
+
+
+
 def _pack(k_values: list[int]) -> int:
     """Eight k values (1..256) as bytes of one signed int64."""
     v = sum((k - 1) << (8 * i) for i, k in enumerate(k_values))
@@ -284,16 +456,20 @@ def _policy_args(policy: Policy):
     raise ValueError(f"policy={policy!r}: must be TopK, EntropyAdaptiveK, TopP or RatioSkip")
 
 
-SELECTS = ("rounds", "bitonic", "split")
+SELECTS = ("rounds", "bitonic", "split", "rowwise")
 
 
-def _select(K: int, sel: str) -> int:
+def _select(K: int, sel: str, block_e: int = 0) -> int:
     """0 'rounds': K rounds of an int64 key max; 1 'bitonic': tl.topk of the keys (K >= 2: Triton's topk
-    of one is a plain max); 2 'split': K rounds of an fp32 max, then the lowest index holding it."""
+    of one is a plain max); 2 'split': K rounds of an fp32 max, then the lowest index holding it;
+    3 'rowwise': one row per thread, keys inserted into K sorted registers (K <= 8 and BLOCK_E <= 128,
+    else 'rounds')."""
     if sel not in SELECTS:
         raise ValueError(f"select={sel!r}: must be one of {SELECTS}")
     if sel == "bitonic" and K >= 2 and hasattr(tl, "topk"):
         return 1
+    if sel == "rowwise":
+        return 3 if K <= MAX_ROWWISE_K and block_e <= MAX_ROWWISE_E else 0
     return 2 if sel == "split" else 0
 
 
@@ -327,26 +503,30 @@ def route_triton(
     cfg = launch_config(T, E, logits.device)
     block_t, block_e = block_tokens(T, E, cfg["tile"])
     st = stats
+    select = _select(K, cfg["select"], block_e)
+    args = (logits, ids, w, k, ent, st.k_hist if st else k, st.entropy_sum if st else ent, st.tokens if st else k,
+            T, E, logits.stride(0), fpar, *th, kv, kmin, st.k_hist.shape[0] if st else 1)
+    meta = dict(POLICY=code, NTH=nth, K=K, BLOCK_K=triton.next_power_of_2(K), BLOCK_T=block_t, BLOCK_E=block_e,
+                RENORM=bool(renormalize), STATS=st is not None, BLOCK_K1=triton.next_power_of_2(K + 1))
+    if select == 3:  # one 16-byte load per row and chunk
+        launch = _launch_rows
+        sc = logits.stride(0)
+        meta.update(CH=min(block_e, 16 // logits.element_size(), (sc & -sc) or 16), EC=E, SC=sc)
+    else:
+        launch = _launch
+        meta.update(SELECT=select)
     with on_device_of(logits):
-        _launch(
-            (triton.cdiv(T, block_t),),
-            (logits, ids, w, k, ent,
-             st.k_hist if st else k, st.entropy_sum if st else ent, st.tokens if st else k,
-             T, E, logits.stride(0), fpar, *th, kv, kmin, st.k_hist.shape[0] if st else 1),
-            dict(POLICY=code, NTH=nth, K=K, BLOCK_K=triton.next_power_of_2(K),
-                 BLOCK_T=block_t, BLOCK_E=block_e, RENORM=bool(renormalize), STATS=st is not None,
-                 BLOCK_K1=triton.next_power_of_2(K + 1), SELECT=_select(K, cfg["select"])),
-            cfg["warps"],
-            _VARYING if st is None else None,
-        )
+        launch((triton.cdiv(T, block_t),), args, meta, cfg["warps"], _VARYING if st is None else _VARYING_STATS)
     return RoutingPlan(ids, w, k, ent, E)
 
 
 _launch = Launcher(_route_kernel)
+_launch_rows = Launcher(_route_rows_kernel)
 # arguments whose Triton specialisation can change between calls: logits (a view: any alignment), T,
 # E, the row stride and the packed k values; the plan buffers are fresh allocations (always aligned),
 # the policy's other scalars are floats or kept in the key through the constexprs (stats: check all)
 _VARYING = (0, 8, 9, 10, 19, 20)
+_VARYING_STATS = _VARYING + (5, 6, 7, 21)  # and the statistics tensors (a caller's own) and their slot count
 
 
 def _plan_buffers(T: int, K: int, device):
