@@ -347,6 +347,7 @@ def bench_layer(tokens, quick, save):
 
 
 TUNE_TOKENS = (16, 512, 4096, 65536)
+TUNE_SHAPES = {8: 2, 60: 4, 64: 8, 128: 8}  # E: native k of the routing shapes
 
 
 def tune_configs(E, k, T):
@@ -371,14 +372,14 @@ def tune_routing(bw_gbs):
 
     rows = []
     keep = dict(kr.LAUNCH)
-    for E, k in ((8, 2), (60, 4), (64, 8), (128, 8)):
+    for E, k in TUNE_SHAPES.items():
         for T in TUNE_TOKENS:
             inputs = [torch.randn(T, E, device="cuda").to(torch.bfloat16) for _ in range(8)]
             for select, tile, warps in tune_configs(E, k, T):
                 kr.LAUNCH.update(select=select, tile=tile, warps=warps)
                 us = graph_us(lambda x, k=k: route_triton(x, TopK(k), False), inputs, 16)
                 bound = (T * E * 2 + T * k * 8 + T * 8) / (bw_gbs * 1e9) * 1e6
-                rows.append({"E": E, "T": T, "select": select, "tile": tile, "warps": warps,
+                rows.append({"E": E, "k": k, "T": T, "select": select, "tile": tile, "warps": warps,
                              "graph_us": us, "hbm_bound_us": bound})
                 print(f"tune E={E:4d} T={T:6d} {select:8s} tile={tile:5d} warps={warps} {us:8.2f} us "
                       f"(bound {bound:.2f})", flush=True)
@@ -387,14 +388,18 @@ def tune_routing(bw_gbs):
 
 
 def tuned_table(rows) -> dict:
-    """{BLOCK_E: [(T up to, {select, warps, tile}), ...]} in the form of moelab.kernels.routing.TUNED (paste
-    it there under the device's name): per BLOCK_E and tuned T, the configuration whose worst slowdown
-    against the fastest, over the E that share that BLOCK_E (60 and 64), is smallest."""
+    """{(BLOCK_E, BLOCK_K): [(T up to, {select, warps, tile}), ...]} in the form of
+    moelab.kernels.routing.TUNED (paste it there under the device's name): per key and tuned T, the
+    configuration whose worst slowdown against the fastest, over the E that share the key, is smallest.
+    The selection's cost grows with k_max, so k is part of the key (E = 60, k = 4 and E = 64, k = 8 differ)."""
     import triton
 
+    def key(r):
+        return triton.next_power_of_2(r["E"]), triton.next_power_of_2(r.get("k") or TUNE_SHAPES[r["E"]])
+
     table: dict = {}
-    for be in sorted({triton.next_power_of_2(r["E"]) for r in rows}):
-        group = [r for r in rows if triton.next_power_of_2(r["E"]) == be]
+    for kk in sorted({key(r) for r in rows}):
+        group = [r for r in rows if key(r) == kk]
         t_all = sorted({r["T"] for r in group})
         entries = []
         for i, T in enumerate(t_all):
@@ -402,11 +407,11 @@ def tuned_table(rows) -> dict:
             best = {E: min(r["graph_us"] for r in at if r["E"] == E) for E in {r["E"] for r in at}}
             regret: dict = {}
             for r in at:
-                key = (r["select"], r["warps"], r["tile"])
-                regret[key] = max(regret.get(key, 0.0), r["graph_us"] / best[r["E"]])
+                cfg = (r["select"], r["warps"], r["tile"])
+                regret[cfg] = max(regret.get(cfg, 0.0), r["graph_us"] / best[r["E"]])
             sel, warps, tile = min(regret, key=regret.get)
             entries.append((T if i < len(t_all) - 1 else 2**62, {"select": sel, "warps": warps, "tile": tile}))
-        table[be] = entries
+        table[kk] = entries
     return table
 
 
@@ -431,7 +436,7 @@ def main():
         notes = ("native top-k Triton routing, GPU time per call in a CUDA graph (inputs rotated over 8 tensors), "
                  "per launch configuration: select (top-k method), tile (logits per program), warps. tuned_table: "
                  "the fastest per BLOCK_E and T, as moelab.kernels.routing.TUNED takes it.")
-        extra = {**common, "tuned_table": {str(k): v for k, v in table.items()}}
+        extra = {**common, "tuned_table": {str(k): v for k, v in table.items()}}  # keys "(BLOCK_E, BLOCK_K)"
         path = write_results("routing-tune", rows, extra=extra, notes=notes)
         print("wrote", path)
         print("TUNED table:", table)

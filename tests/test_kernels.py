@@ -208,6 +208,10 @@ def test_launch_config_overrides(monkeypatch):
     assert kr.launch_config(16, 64)["select"] == "split"
     with pytest.raises(ValueError, match="select='fast'"):
         kr._select(4, "fast")
+    # the tuned table is keyed on (BLOCK_E, BLOCK_K); another k_max takes the nearest BLOCK_K of its BLOCK_E
+    table = {(64, 4): ["k4"], (64, 8): ["k8"], (8, 2): ["e8"]}
+    assert kr._tuned_entries(table, 64, 4) == ["k4"] and kr._tuned_entries(table, 64, 16) == ["k8"]
+    assert kr._tuned_entries(table, 64, 2) == ["k4"] and kr._tuned_entries(table, 128, 8) == []
     # one row per thread up to k_max 8 and BLOCK_E 128 (unrolled: compile time grows with E), else rounds
     assert kr._select(8, "rowwise", 128) == 3
     assert kr._select(9, "rowwise", 64) == kr._select(8, "rowwise", 256) == 0

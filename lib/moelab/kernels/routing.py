@@ -33,18 +33,22 @@ MAX_EXPERTS = 256  # one tile row holds all of a token's logits
 MAX_K_VALUES = 8  # EntropyAdaptiveK levels passed as scalars (no device tensor built per call)
 
 _TOPK, _ADAPTIVE, _TOPP, _RATIO = 0, 1, 2, 3
-# Launch configuration per device, BLOCK_E and token count: (T up to, {select, warps, tile}), tile =
-# logits per program. Measured by `benchmarks/moe_kernels.py --parts tune` (data/results/routing-tune-*.json);
-# devices not listed use DEFAULT. LAUNCH overrides any of the three (benchmarks and tests set it).
+# Launch configuration per device, (BLOCK_E, BLOCK_K) and token count: (T up to, {select, warps, tile}),
+# tile = logits per program (rowwise: rows per program x BLOCK_E). Measured by `benchmarks/moe_kernels.py
+# --parts tune` (data/results/routing-tune-*.json); a (BLOCK_E, BLOCK_K) not listed takes the entry of the
+# same BLOCK_E with the nearest BLOCK_K, devices not listed use DEFAULT. LAUNCH overrides any of the three
+# (benchmarks and tests set it).
 DEFAULT = {"select": "rounds", "warps": None, "tile": 1024}  # warps None: 8 for E <= 16, else 4
 _R4, _B4, _B8, _S4 = ({"select": s, "warps": w, "tile": 1024} for s, w in
                       (("rounds", 4), ("bitonic", 4), ("bitonic", 8), ("split", 4)))
-TUNED: dict[str, dict[int, list]] = {
-    # data/results/routing-tune-20261129.json (H200, torch 2.11, triton 3.6); BLOCK_E 64 serves E = 60 and 64
+TUNED: dict[str, dict[tuple[int, int], list]] = {
+    # data/results/routing-tune-20261130.json (H200, torch 2.11, triton 3.6)
     "NVIDIA H200": {
-        8: [(16, _R4), (512, _B8), (4096, {**_B8, "tile": 512}), (2**62, _B8)],
-        64: [(4096, _B8), (2**62, _S4)],
-        128: [(512, _B4), (2**62, _S4)],
+        (8, 2): [(16, _R4), (512, {"select": "rowwise", "warps": 4, "tile": 1024}),
+                 (2**62, {"select": "rowwise", "warps": 2, "tile": 512})],
+        (64, 4): [(4096, _B8), (2**62, {"select": "rowwise", "warps": 1, "tile": 4096})],
+        (64, 8): [(512, _B4), (2**62, _S4)],
+        (128, 8): [(512, _B4), (2**62, _S4)],
     },
 }
 LAUNCH = {"select": None, "warps": None, "tile": None}
@@ -55,18 +59,29 @@ def _device_name(index: int) -> str:
     return torch.cuda.get_device_name(index)
 
 
-def launch_config(T: int, E: int, device: torch.device | None = None) -> dict:
-    """{select, warps, tile} for this shape: LAUNCH overrides, else the device's tuned entry, else DEFAULT."""
+def launch_config(T: int, E: int, device: torch.device | None = None, K: int = 8) -> dict:
+    """{select, warps, tile} for T tokens, E experts and k_max K: LAUNCH overrides, else the device's tuned
+    entry, else DEFAULT."""
     cuda = -1 if device is None or device.type != "cuda" else (device.index or 0)
-    return _launch_config(T, E, cuda, tuple(LAUNCH.values()))
+    return _launch_config(T, E, K, cuda, tuple(LAUNCH.values()))
+
+
+def _tuned_entries(table: dict, block_e: int, block_k: int) -> list:
+    """The table's entries for (block_e, block_k), else for block_e with the nearest BLOCK_K (the larger on a tie)."""
+    same_e = [bk for be, bk in table if be == block_e]
+    if not same_e:
+        return []
+    bk = min(same_e, key=lambda b: (abs(b.bit_length() - block_k.bit_length()), -b))
+    return table[(block_e, bk)]
 
 
 @functools.lru_cache(maxsize=4096)  # host time: the eager call's budget is a few microseconds
-def _launch_config(T: int, E: int, cuda: int, overrides: tuple) -> dict:
+def _launch_config(T: int, E: int, K: int, cuda: int, overrides: tuple) -> dict:
     block_e = triton.next_power_of_2(max(E, 2))
     cfg = dict(DEFAULT)
     if cuda >= 0:
-        for t_max, tuned in TUNED.get(_device_name(cuda), {}).get(block_e, []):
+        table = TUNED.get(_device_name(cuda), {})
+        for t_max, tuned in _tuned_entries(table, block_e, triton.next_power_of_2(K)):
             if T <= t_max:
                 cfg.update(tuned)
                 break
@@ -500,7 +515,7 @@ def route_triton(
         return RoutingPlan(ids, w, k, ent, E)
     if logits.stride(1) != 1:
         logits = logits.contiguous()
-    cfg = launch_config(T, E, logits.device)
+    cfg = launch_config(T, E, logits.device, K)
     block_t, block_e = block_tokens(T, E, cfg["tile"])
     st = stats
     select = _select(K, cfg["select"], block_e)
