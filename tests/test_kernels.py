@@ -15,6 +15,7 @@ if not torch.cuda.is_available():
     assert os.environ.get("TRITON_INTERPRET") == "1", "tests/conftest.py sets TRITON_INTERPRET=1 on a CPU"
 
 pytest.importorskip("triton")
+import triton  # noqa: E402
 
 import moelab.experts as ex  # noqa: E402
 import moelab.kernels.routing as kr  # noqa: E402
@@ -254,6 +255,27 @@ def test_gpu_random_shapes_in_full(select):
             ref, got = assert_same_plan(logits, pol, bool(trial % 2))
             if T:
                 check_layout(got)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("E,K", [(8, 2), (60, 4), (64, 8), (128, 8)])
+def test_gpu_rowwise_at_the_tuned_shapes(E, K, monkeypatch):
+    """The one-row-per-thread selection compiled, at the shapes the tuned table gives it (few compiles: the
+    random-shapes test above covers it too, but compiles a kernel per E, k and policy)."""
+    monkeypatch.setitem(kr.LAUNCH, "select", "rowwise")
+    monkeypatch.setitem(kr.LAUNCH, "tile", 64 * triton.next_power_of_2(E))
+    rng = torch.Generator().manual_seed(E)
+    logits = (torch.randn(3000, E, generator=rng) * 2).to(torch.bfloat16)
+    logits[::3] = logits[::3].round()  # exact ties on every third token
+    x = logits.cuda()
+    ent = route_torch(x, TopK(K), False).entropy
+    policies = [TopP(0.6, k_max=K, k_min=1), EntropyAdaptiveK(tuple(sorted({1, K})), (float(ent.median()),)[: K > 1])]
+    stats = RoutingStats.zeros(K, "cuda")
+    for pol in policies:
+        assert_same_plan(x, pol, E == 8, stats if isinstance(pol, EntropyAdaptiveK) else None)
+        assert_same_plan(x.float(), pol, False)  # fp32 logits: 4 per 16-byte chunk
+    assert stats.summary()["tokens"] == 3000
 
 
 @gpu
