@@ -42,7 +42,8 @@ DEFAULT = {"select": "rounds", "warps": None, "tile": 1024}  # warps None: 8 for
 _R4, _B4, _B8, _S4 = ({"select": s, "warps": w, "tile": 1024} for s, w in
                       (("rounds", 4), ("bitonic", 4), ("bitonic", 8), ("split", 4)))
 TUNED: dict[str, dict[tuple[int, int], list]] = {
-    # data/results/routing-tune-20261130.json (H200, torch 2.11, triton 3.6)
+    # benchmarks/moe_kernels.py tuned_table() on the rows of data/results/routing-tune-20261130.json
+    # (H200, torch 2.11, triton 3.6; measured at 2002e3c, whose table was keyed on BLOCK_E alone)
     "NVIDIA H200": {
         (8, 2): [(16, _R4), (512, {"select": "rowwise", "warps": 4, "tile": 1024}),
                  (2**62, {"select": "rowwise", "warps": 2, "tile": 512})],
@@ -295,11 +296,13 @@ def _route_kernel(
 # cross-thread reduction. Here each thread owns whole rows: the logits come in 16-byte chunks
 # [BLOCK_T, CH] (one vector load per row), tl.split takes a chunk apart into CH per-row values, and
 # each value's int64 key is inserted into the row's k_max best keys (kept sorted in registers) by a
-# max/min pass: 2 * K - 1 in-thread operations per logit, no shuffle, no shared memory. It wins when
-# there are many tokens (on the H200 at T = 65536: E = 60 in 13 us against 44); the chunk loops are
-# unrolled, so compile time grows with E: used for K <= 8 and E <= 128.
+# max/min pass: 2 * K - 1 in-thread operations per logit, no shuffle, no shared memory. Its work grows
+# with E * K, so it wins for small E * K or many tokens (H200, T = 65536: E = 60, k = 4 in 13 us against
+# 40; E = 8 from T = 512; E = 64, k = 8 in 26 us against 20 for 'split'). The chunk loops are unrolled
+# and compile time grows with E (E = 128: a minute per kernel on the H200 host), so it is used for
+# K <= 8 and BLOCK_E <= 64.
 MAX_ROWWISE_K = 8
-MAX_ROWWISE_E = 128
+MAX_ROWWISE_E = 64
 
 
 @triton.jit
@@ -477,7 +480,7 @@ SELECTS = ("rounds", "bitonic", "split", "rowwise")
 def _select(K: int, sel: str, block_e: int = 0) -> int:
     """0 'rounds': K rounds of an int64 key max; 1 'bitonic': tl.topk of the keys (K >= 2: Triton's topk
     of one is a plain max); 2 'split': K rounds of an fp32 max, then the lowest index holding it;
-    3 'rowwise': one row per thread, keys inserted into K sorted registers (K <= 8 and BLOCK_E <= 128,
+    3 'rowwise': one row per thread, keys inserted into K sorted registers (K <= 8 and BLOCK_E <= 64,
     else 'rounds')."""
     if sel not in SELECTS:
         raise ValueError(f"select={sel!r}: must be one of {SELECTS}")
