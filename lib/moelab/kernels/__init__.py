@@ -10,6 +10,17 @@ import torch
 log = logging.getLogger(__name__)
 
 
+def pow2(n: int) -> int:
+    """The smallest power of two >= n (n >= 1): triton.next_power_of_2 as plain Python. Triton's is a
+    constexpr_function (callable inside kernels too) and its wrapper costs microseconds per host call."""
+    return 1 << (n - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for a >= 0, b > 0: triton.cdiv without its constexpr_function wrapper (see pow2)."""
+    return -(-a // b)
+
+
 def on_device_of(t: torch.Tensor):
     """Context that makes t's GPU current: Triton launches on the current device, not the tensor's,
     which matters once a model is split over several GPUs (device_map)."""

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moelab.kernels import on_device_of
+from moelab.kernels import cdiv, on_device_of, pow2
 from moelab.routing import RoutingPlan
 
 __all__ = ["gather_rows", "swiglu_rows", "combine_rows"]
@@ -82,9 +82,9 @@ def gather_rows(x_TD: torch.Tensor, token_idx: torch.Tensor, offsets: torch.Tens
     N, D = token_idx.shape[0], x_TD.shape[1]
     out = torch.empty(N, D, dtype=x_TD.dtype, device=x_TD.device)
     if N and D:
-        block_d = min(256, triton.next_power_of_2(D))
+        block_d = min(256, pow2(D))
         with on_device_of(x_TD):
-            _gather_kernel[(triton.cdiv(N, _BLOCK_R), triton.cdiv(D, block_d))](
+            _gather_kernel[(cdiv(N, _BLOCK_R), cdiv(D, block_d))](
                 x_TD.contiguous(), token_idx, offsets, out, D, offsets.shape[0], BLOCK_R=_BLOCK_R, BLOCK_D=block_d
             )
     return out
@@ -98,9 +98,9 @@ def swiglu_rows(h_PH: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     Fd = H // 2
     out = torch.empty(N, Fd, dtype=h_PH.dtype, device=h_PH.device)
     if N and Fd:
-        block_f = min(256, triton.next_power_of_2(Fd))
+        block_f = min(256, pow2(Fd))
         with on_device_of(h_PH):
-            _swiglu_kernel[(triton.cdiv(N, _BLOCK_R), triton.cdiv(Fd, block_f))](
+            _swiglu_kernel[(cdiv(N, _BLOCK_R), cdiv(Fd, block_f))](
                 h_PH.contiguous(), offsets, out, Fd, offsets.shape[0], BLOCK_R=_BLOCK_R, BLOCK_F=block_f
             )
     return out
@@ -112,10 +112,10 @@ def combine_rows(y_PD: torch.Tensor, slot_row: torch.Tensor, plan: RoutingPlan, 
     D = y_PD.shape[1]
     out = torch.empty(T, D, dtype=dtype, device=y_PD.device)
     if T and D:
-        block_d = min(128, triton.next_power_of_2(D))
+        block_d = min(128, pow2(D))
         block_t = 16
         with on_device_of(y_PD):
-            _combine_kernel[(triton.cdiv(T, block_t), triton.cdiv(D, block_d))](
+            _combine_kernel[(cdiv(T, block_t), cdiv(D, block_d))](
                 y_PD, slot_row, plan.weights.contiguous(), out, T, D, K=K, BLOCK_T=block_t, BLOCK_D=block_d
             )
     return out

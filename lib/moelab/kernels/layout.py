@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from moelab.experts import PairLayout
-from moelab.kernels import on_device_of
+from moelab.kernels import cdiv, on_device_of, pow2
 from moelab.routing import RoutingPlan
 
 __all__ = ["pair_layout_padded"]
@@ -85,9 +85,9 @@ def _scatter_kernel(
 
 
 def _blocks(T: int, E: int) -> tuple[int, int]:
-    block_e = triton.next_power_of_2(max(E, 2))
+    block_e = pow2(max(E, 2))
     block_t = max(1, min(128, 2048 // block_e))
-    return min(block_t, triton.next_power_of_2(max(T, 1))), block_e
+    return min(block_t, pow2(max(T, 1))), block_e
 
 
 def pair_layout_padded(plan: RoutingPlan) -> PairLayout:
@@ -107,7 +107,7 @@ def pair_layout_padded(plan: RoutingPlan) -> PairLayout:
         raise ValueError(f"plan.expert_ids dtype={ids.dtype}, contiguous={ids.is_contiguous()}: need contiguous int32")
     weights = plan.weights.contiguous()
     block_t, block_e = _blocks(T, E)
-    nb = triton.cdiv(T, block_t)
+    nb = cdiv(T, block_t)
     counts = torch.empty(nb, E, dtype=torch.int32, device=dev)
     with on_device_of(ids):
         _count_kernel[(nb,)](ids, counts, T, E, K=K, BLOCK_T=block_t, BLOCK_E=block_e)
@@ -115,6 +115,6 @@ def pair_layout_padded(plan: RoutingPlan) -> PairLayout:
         offsets = torch.cumsum(cum[-1], 0, dtype=torch.int32)
         _scatter_kernel[(nb,)](
             ids, weights, counts, cum, offsets, tok, exp, w, slot_row, T, E, nb, N,
-            K=K, BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_Q=triton.next_power_of_2(block_t * K),
+            K=K, BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_Q=pow2(block_t * K),
         )
     return PairLayout(tok, exp, w, offsets, padded=True, slot_row=slot_row)

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moelab.kernels import Launcher, on_device_of
+from moelab.kernels import Launcher, cdiv, on_device_of, pow2
 from moelab.routing import EntropyAdaptiveK, Policy, RatioSkip, RoutingPlan, TopK, TopP
 
 __all__ = ["route_triton", "RoutingStats", "launch_config", "MAX_K_VALUES", "MAX_EXPERTS"]
@@ -78,11 +78,11 @@ def _tuned_entries(table: dict, block_e: int, block_k: int) -> list:
 
 @functools.lru_cache(maxsize=4096)  # host time: the eager call's budget is a few microseconds
 def _launch_config(T: int, E: int, K: int, cuda: int, overrides: tuple) -> dict:
-    block_e = triton.next_power_of_2(max(E, 2))
+    block_e = pow2(max(E, 2))
     cfg = dict(DEFAULT)
     if cuda >= 0:
         table = TUNED.get(_device_name(cuda), {})
-        for t_max, tuned in _tuned_entries(table, block_e, triton.next_power_of_2(K)):
+        for t_max, tuned in _tuned_entries(table, block_e, pow2(K)):
             if T <= t_max:
                 cfg.update(tuned)
                 break
@@ -493,9 +493,9 @@ def _select(K: int, sel: str, block_e: int = 0) -> int:
 
 def block_tokens(T: int, E: int, tile: int = 1024) -> tuple[int, int]:
     """(BLOCK_T, BLOCK_E): about `tile` logits per program, fewer tokens when T is small."""
-    block_e = triton.next_power_of_2(max(E, 2))
+    block_e = pow2(max(E, 2))
     block_t = max(1, min(256, tile // block_e))
-    return min(block_t, triton.next_power_of_2(max(T, 1))), block_e
+    return min(block_t, pow2(max(T, 1))), block_e
 
 
 def route_triton(
@@ -524,8 +524,8 @@ def route_triton(
     select = _select(K, cfg["select"], block_e)
     args = (logits, ids, w, k, ent, st.k_hist if st else k, st.entropy_sum if st else ent, st.tokens if st else k,
             T, E, logits.stride(0), fpar, *th, kv, kmin, st.k_hist.shape[0] if st else 1)
-    meta = dict(POLICY=code, NTH=nth, K=K, BLOCK_K=triton.next_power_of_2(K), BLOCK_T=block_t, BLOCK_E=block_e,
-                RENORM=bool(renormalize), STATS=st is not None, BLOCK_K1=triton.next_power_of_2(K + 1))
+    meta = dict(POLICY=code, NTH=nth, K=K, BLOCK_K=pow2(K), BLOCK_T=block_t, BLOCK_E=block_e,
+                RENORM=bool(renormalize), STATS=st is not None, BLOCK_K1=pow2(K + 1))
     if select == 3:  # one 16-byte load per row and chunk
         launch = _launch_rows
         sc = logits.stride(0)
@@ -534,7 +534,7 @@ def route_triton(
         launch = _launch
         meta.update(SELECT=select)
     with on_device_of(logits):
-        launch((triton.cdiv(T, block_t),), args, meta, cfg["warps"], _VARYING if st is None else _VARYING_STATS)
+        launch((cdiv(T, block_t),), args, meta, cfg["warps"], _VARYING if st is None else _VARYING_STATS)
     return RoutingPlan(ids, w, k, ent, E)
 
 
