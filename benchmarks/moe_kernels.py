@@ -7,10 +7,10 @@ host-syncing statistics) and plain softmax + top-k. Eager time (host loop, Pytho
 and GPU time per call inside a CUDA graph (inputs rotated past the L2 so large T reads HBM).
 
 MoE layer (topic `moe-layer`), bf16, Mixtral-like / OLMoE-like / Qwen1.5-MoE-like: moelab's layer
-(router GEMM, Triton routing, padded layout, torch._grouped_mm experts) with native top-k and with
-entropy adaptive-k, against the transformers 5 sparse MoE blocks with experts implementation
-'eager' and 'grouped_mm', on the same weights. Times are medians of CUDA-event timings
-(triton.testing.do_bench); ours also inside a CUDA graph.
+(router GEMM, Triton routing, padded layout, Triton grouped expert GEMMs; `_cutlass`: torch._grouped_mm
+experts instead) with native top-k and with entropy adaptive-k, against the transformers 5 sparse MoE
+blocks with experts implementation 'eager' and 'grouped_mm', on the same weights. Times are medians
+of CUDA-event timings (triton.testing.do_bench); ours also inside a CUDA graph.
 
     PYTHONPATH=lib python benchmarks/moe_kernels.py [--quick] [--parts routing,layer] [--tokens 1,16,...]
 """
@@ -25,7 +25,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from moelab.experts import run_experts
+from moelab.experts import get_gemm, run_experts, set_gemm
 from moelab.kernels.layout import pair_layout_padded
 from moelab.kernels.routing import RoutingStats, route_triton
 from moelab.results import write_results
@@ -250,14 +250,22 @@ def hf_block(name, D, Fd, E, k, shared, dev):
     return block.eval(), cfg
 
 
-def moelab_layer(block, renorm, shared):
-    """Our layer on the block's own weights: router GEMM, Triton routing, padded layout, grouped GEMMs."""
+def moelab_layer(block, renorm, shared, gemm=None):
+    """Our layer on the block's own weights: router GEMM, Triton routing, padded layout, grouped GEMMs.
+    gemm: the expert GEMM mode (moelab.experts.set_gemm) while a call runs, restored after it; None: the
+    current one ('auto': the Triton grouped GEMMs on CUDA; 'grouped': torch._grouped_mm / CUTLASS)."""
     gu, dn, wr = block.experts.gate_up_proj, block.experts.down_proj, block.gate.weight
 
     def ours(x, pol):
-        logits = F.linear(x, wr)
-        plan = route_triton(logits, pol, renorm)
-        y = run_experts(x, plan, gu, dn, layout=pair_layout_padded(plan))
+        prev = get_gemm()
+        if gemm is not None:
+            set_gemm(gemm)
+        try:
+            logits = F.linear(x, wr)
+            plan = route_triton(logits, pol, renorm)
+            y = run_experts(x, plan, gu, dn, layout=pair_layout_padded(plan))
+        finally:
+            set_gemm(prev)
         if shared:
             y = y + torch.sigmoid(block.shared_expert_gate(x)) * block.shared_expert(x)
         return y, plan
@@ -288,6 +296,7 @@ def bench_layer_one(name, tokens):
     D, Fd, E, k, renorm, shared = LAYERS[name]
     block, cfg = hf_block(name, D, Fd, E, k, shared, "cuda")
     ours = moelab_layer(block, renorm, shared)
+    cutlass = moelab_layer(block, renorm, shared, gemm="grouped")  # the torch._grouped_mm path, same run
     g = torch.Generator(device="cuda").manual_seed(0)
     xc = torch.randn(4096, D, device="cuda", generator=g).to(torch.bfloat16)
     ent = route_torch(F.linear(xc, block.gate.weight), TopK(k), renorm).entropy
@@ -302,11 +311,16 @@ def bench_layer_one(name, tokens):
         x = torch.randn(T, D, device="cuda", generator=g).to(torch.bfloat16)
         y_nat, plan_nat = ours(x, native)
         _, plan_ada = ours(x, ada)
+        y_cut, _ = cutlass(x, native)
         y_hf = hf_call(block, cfg, "grouped_mm", x)
-        rel = float((y_nat.float() - y_hf.float()).norm() / y_hf.float().norm().clamp_min(1e-12))
+        hf_norm = y_hf.float().norm().clamp_min(1e-12)
+        rel = {"moelab_topk": float((y_nat.float() - y_hf.float()).norm() / hf_norm),
+               "moelab_topk_cutlass": float((y_cut.float() - y_hf.float()).norm() / hf_norm)}
         variants = {
             "moelab_topk": (functools.partial(ours, x, native), native, plan_nat),
             "moelab_adaptive": (functools.partial(ours, x, ada), ada, plan_ada),
+            "moelab_topk_cutlass": (functools.partial(cutlass, x, native), native, plan_nat),
+            "moelab_adaptive_cutlass": (functools.partial(cutlass, x, ada), ada, plan_ada),
             "hf_eager": (functools.partial(hf_call, block, cfg, "eager", x), native, plan_nat),
             "hf_grouped_mm": (functools.partial(hf_call, block, cfg, "grouped_mm", x), native, plan_nat),
         }
@@ -322,16 +336,17 @@ def bench_layer_one(name, tokens):
             row["time_us"] = events_us(fn, rep_ms=30 if T >= 65536 else 50)
             row["graph_us"] = None
             if var.startswith("moelab") and T <= 4096:
-                layer = routed if var.endswith("routed_only") else ours
+                layer = routed if var.endswith("routed_only") else cutlass if var.endswith("_cutlass") else ours
                 row["graph_us"] = graph_us(functools.partial(layer, pol=pol), [x], 1)
             row["kept_pairs"] = int(plan.k.sum())
             row["native_pairs"] = T * k
             row["mean_k"] = row["kept_pairs"] / T
             row["experts_used"] = experts_used(plan)
             row["gemm_tiles_128"] = gemm_tiles(plan, 128)
-            row["rel_err_vs_hf"] = rel if var == "moelab_topk" else None
+            row["gemm_tiles_64"] = gemm_tiles(plan, 64)  # the Triton path's row tiles (BLOCK_M 64 by default)
+            row["rel_err_vs_hf"] = rel.get(var)
             rows.append(row)
-            print(f"layer {name:8s} T={T:6d} {var:16s} {row['time_us']:10.1f} us  graph "
+            print(f"layer {name:8s} T={T:6d} {var:24s} {row['time_us']:10.1f} us  graph "
                   f"{row['graph_us'] or float('nan'):10.1f}  kept {row['kept_pairs']}/{T * k} "
                   f"experts {row['experts_used']}/{E}", flush=True)
     return rows
@@ -350,24 +365,32 @@ TUNE_TOKENS = (16, 512, 4096, 65536)
 TUNE_SHAPES = {8: 2, 60: 4, 64: 8, 128: 8}  # E: native k of the routing shapes
 
 
-def tune_configs(E, k, T):
-    """(select, tile, warps) worth timing at this shape: the three tile selections over tiles and warps;
-    the one-row-per-thread selection (tile = rows per program x BLOCK_E) where it can win: many tokens, or
-    small E from T = 512 (measured on the H200: slower than the others at T <= 4096 for E >= 60)."""
+def tune_configs(E, k, T, selects="all"):
+    """(select, tile, warps, split) worth timing at this shape. The three tile selections over tiles and
+    warps ('all'); the row kernel (bf16: 32-bit keys, any E) with a row cut into `split` pieces, tile =
+    rows per program x BLOCK_E; selects='rowwise': only the row kernel (the tile selections' timings
+    stand in the table already, as its current pick, timed beside them)."""
     import triton
 
     from moelab.kernels import routing as kr
 
-    out = [(sel, tile, warps) for sel in ("rounds", "bitonic", "split")
-           for tile in ((512, 1024, 2048) if T >= 4096 else (1024,)) for warps in (4, 8)]
+    out = []
+    if selects == "all":
+        out = [(sel, tile, warps, 1) for sel in ("rounds", "bitonic", "split")
+               for tile in ((512, 1024, 2048) if T >= 4096 else (1024,)) for warps in (4, 8)]
     be = triton.next_power_of_2(E)
-    if kr._select(k, "rowwise", be) == 3 and (T >= 65536 or (be <= 16 and T >= 512)):
-        out += [("rowwise", rows * 32 * warps * be, warps) for rows, warps in ((2, 1), (1, 2), (1, 4))]
+    if kr._select(k, "rowwise", be, 2) == 3:
+        for split in (1, 2, 4, 8):
+            for warps in (2, 4):
+                rows = 32 * warps // split  # one row piece per thread
+                if split <= be // 8 or split == 1:
+                    out.append(("rowwise", rows * be, warps, split))
     return out
 
 
-def tune_routing(bw_gbs):
-    """GPU time in a graph of the native top-k kernel per launch configuration (select, warps, tile)."""
+def tune_routing(bw_gbs, selects="all"):
+    """GPU time in a graph of the native top-k kernel per launch configuration (select, warps, tile, split);
+    with selects='rowwise' also the table's current pick (the row says which configuration that was)."""
     from moelab.kernels import routing as kr
 
     rows = []
@@ -375,13 +398,18 @@ def tune_routing(bw_gbs):
     for E, k in TUNE_SHAPES.items():
         for T in TUNE_TOKENS:
             inputs = [torch.randn(T, E, device="cuda").to(torch.bfloat16) for _ in range(8)]
-            for select, tile, warps in tune_configs(E, k, T):
-                kr.LAUNCH.update(select=select, tile=tile, warps=warps)
+            configs = tune_configs(E, k, T, selects)
+            if selects != "all":
+                kr.LAUNCH.update(select=None, tile=None, warps=None, split=None)
+                cur = kr.launch_config(T, E, torch.device("cuda"), k)
+                configs = [(cur["select"], cur["tile"], cur["warps"], cur["split"])] + configs
+            for select, tile, warps, split in dict.fromkeys(configs):
+                kr.LAUNCH.update(select=select, tile=tile, warps=warps, split=split)
                 us = graph_us(lambda x, k=k: route_triton(x, TopK(k), False), inputs, 16)
                 bound = (T * E * 2 + T * k * 8 + T * 8) / (bw_gbs * 1e9) * 1e6
-                rows.append({"E": E, "k": k, "T": T, "select": select, "tile": tile, "warps": warps,
+                rows.append({"E": E, "k": k, "T": T, "select": select, "tile": tile, "warps": warps, "split": split,
                              "graph_us": us, "hbm_bound_us": bound})
-                print(f"tune E={E:4d} T={T:6d} {select:8s} tile={tile:5d} warps={warps} {us:8.2f} us "
+                print(f"tune E={E:4d} T={T:6d} {select:8s} tile={tile:5d} warps={warps} split={split} {us:8.2f} us "
                       f"(bound {bound:.2f})", flush=True)
     kr.LAUNCH.update(keep)
     return rows
@@ -407,10 +435,11 @@ def tuned_table(rows) -> dict:
             best = {E: min(r["graph_us"] for r in at if r["E"] == E) for E in {r["E"] for r in at}}
             regret: dict = {}
             for r in at:
-                cfg = (r["select"], r["warps"], r["tile"])
+                cfg = (r["select"], r["warps"], r["tile"], r.get("split", 1))
                 regret[cfg] = max(regret.get(cfg, 0.0), r["graph_us"] / best[r["E"]])
-            sel, warps, tile = min(regret, key=regret.get)
-            entries.append((T if i < len(t_all) - 1 else 2**62, {"select": sel, "warps": warps, "tile": tile}))
+            sel, warps, tile, split = min(regret, key=regret.get)
+            entries.append((T if i < len(t_all) - 1 else 2**62,
+                            {"select": sel, "warps": warps, "tile": tile, "split": split}))
         table[kk] = entries
     return table
 
@@ -420,6 +449,8 @@ def main():
     ap.add_argument("--parts", default="routing,layer", help="comma list of: tune, routing, layer")
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="comma list of T")
     ap.add_argument("--quick", action="store_true", help="fewer shapes (a first check)")
+    ap.add_argument("--tune-selects", default="all", choices=("all", "rowwise"),
+                    help="tune: every selection, or the row kernel against the table's current pick")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs CUDA: this benchmark times GPU kernels (the notebook plots committed results on a CPU)")
@@ -431,7 +462,7 @@ def main():
     print(f"copy bandwidth {bw:.0f} GB/s, L2 {l2 / 2**20:.0f} MiB", flush=True)
     common = {"copy_bandwidth_gbs": bw, "l2_bytes": l2}
     if "tune" in parts:
-        rows = tune_routing(bw)
+        rows = tune_routing(bw, args.tune_selects)
         table = tuned_table(rows)
         notes = ("native top-k Triton routing, GPU time per call in a CUDA graph (inputs rotated over 8 tensors), "
                  "per launch configuration: select (top-k method), tile (logits per program), warps. tuned_table: "
@@ -444,6 +475,7 @@ def main():
 
         kr.TUNED[torch.cuda.get_device_name(0)] = table  # the routing part below runs with it
         kr._launch_config.cache_clear()
+        kr._shape_launch.cache_clear()
     if "routing" in parts:
         notes = ("bf16 router logits, random normal. eager_us: host loop per call, Python launch included, all methods "
                  "timed in turn over 5 rounds (median). "
@@ -458,13 +490,16 @@ def main():
                  "time_us: do_bench median (CUDA events, L2 flushed between calls), eager launch. gemm_tiles_128: "
                  "sum over experts of ceil(pairs / 128), the row tiles of a grouped GEMM with 128-row tiles. "
                  "graph_us: ours captured in a CUDA graph (T <= 4096). "
-                 "moelab_*: router GEMM + Triton routing + padded layout + Triton gather/SwiGLU/combine + "
-                 "torch._grouped_mm experts (+ shared expert for qwen15). hf_*: transformers sparse MoE block with "
-                 "experts implementation eager / grouped_mm. Adaptive: k levels (k/4, k/2, k) at the entropy "
-                 "terciles of a 4096-token batch; _q25 / _q50 (T=4096): (k/2, k) at the 25% / 50% entropy quantile; "
+                 "moelab_*: router GEMM + Triton routing + padded layout + Triton grouped GEMMs (gather + gate_up + "
+                 "SwiGLU fused, down, combine; moelab.kernels.grouped, 64-row tiles) (+ shared expert for qwen15); "
+                 "moelab_*_cutlass: the same with Triton gather/SwiGLU/combine + torch._grouped_mm experts "
+                 "(set_gemm('grouped')). gemm_tiles_64: the same count with 64-row tiles. "
+                 "hf_*: transformers sparse MoE block with experts implementation eager / grouped_mm. "
+                 "Adaptive: k levels (k/4, k/2, k) at the entropy terciles of a 4096-token batch; "
+                 "_q25 / _q50 (T=4096): (k/2, k) at the 25% / 50% entropy quantile; "
                  "_routed_only (qwen15, T=4096): without the shared expert, whose time does not shrink with k. "
                  "rel_err_vs_hf: ||ours - hf_grouped_mm|| / ||hf|| (both bf16). layer_targets: at T=4096, "
-                 "adaptive graph time / native graph time against 1.1 x kept / native pairs.")
+                 "adaptive time / native time of the same expert path against 1.1 x kept / native pairs.")
         save = functools.partial(_save_layer, notes, common)
         print("wrote", save(bench_layer(tokens, args.quick, save)))
 

@@ -203,7 +203,7 @@ def test_padded_layout_runs_the_same_experts(gemm, dtype):
 
 
 def test_launch_config_overrides(monkeypatch):
-    assert kr.launch_config(4096, 64) == {"select": "rounds", "warps": 4, "tile": 1024}
+    assert kr.launch_config(4096, 64) == {"select": "rounds", "warps": 4, "tile": 1024, "split": 1}
     assert kr.launch_config(4096, 8)["warps"] == 8
     monkeypatch.setitem(kr.LAUNCH, "select", "split")
     assert kr.launch_config(16, 64)["select"] == "split"
@@ -213,9 +213,26 @@ def test_launch_config_overrides(monkeypatch):
     table = {(64, 4): ["k4"], (64, 8): ["k8"], (8, 2): ["e8"]}
     assert kr._tuned_entries(table, 64, 4) == ["k4"] and kr._tuned_entries(table, 64, 16) == ["k8"]
     assert kr._tuned_entries(table, 64, 2) == ["k4"] and kr._tuned_entries(table, 128, 8) == []
-    # one row per thread up to k_max 8 and BLOCK_E 64 (unrolled: compile time grows with E), else rounds
-    assert kr._select(8, "rowwise", 64) == 3
-    assert kr._select(9, "rowwise", 64) == kr._select(8, "rowwise", 128) == 0
+    # rows: up to k_max 8; fp32 logits (int64 keys, unrolled: compile time grows with E) up to BLOCK_E 64,
+    # 16-bit logits (32-bit keys, a loop over chunks) any E; else rounds
+    assert kr._select(8, "rowwise", 64) == kr._select(8, "rowwise", 256, 2) == 3
+    assert kr._select(9, "rowwise", 64) == kr._select(8, "rowwise", 128) == kr._select(9, "rowwise", 64, 2) == 0
+
+
+@pytest.mark.parametrize("split", [2, 4, 8])
+def test_rows16_split_rows(split, monkeypatch):
+    """16-bit logits, a row cut into pieces scanned by separate threads and merged (tl.reduce): the same plan,
+    also where the pieces do not divide E (masked columns, a piece with no column at all) and with -0 / +0."""
+    monkeypatch.setitem(kr.LAUNCH, "select", "rowwise")
+    monkeypatch.setitem(kr.LAUNCH, "split", split)
+    rng = torch.Generator().manual_seed(split)
+    for E, K in [(5, 3), (33, 6), (60, 4), (64, 8)]:
+        for dtype in (torch.bfloat16, torch.float16):
+            logits = torch.randn(21, E, generator=rng) * 3
+            logits[::4] = logits[::4].round()  # exact ties
+            logits[1, :3] = torch.tensor([0.0, -0.0, 0.0])  # -0 and +0 tie (equal probabilities)
+            for pol in (TopK(K), TopP(0.7, k_max=K, k_min=1)):
+                assert_same_plan(logits.to(dtype).to(DEV), pol, E % 2 == 0)
 
 
 @gpu
@@ -259,12 +276,13 @@ def test_gpu_random_shapes_in_full(select):
 
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("E,K", [(8, 2), (60, 4), (64, 8)])
-def test_gpu_rowwise_at_the_tuned_shapes(E, K, monkeypatch):
+@pytest.mark.parametrize("E,K,split", [(8, 2, 1), (60, 4, 1), (64, 8, 2), (128, 8, 4), (256, 8, 8)])
+def test_gpu_rowwise_at_the_tuned_shapes(E, K, split, monkeypatch):
     """The one-row-per-thread selection compiled, at the shapes the tuned table gives it (few compiles: the
     random-shapes test above covers it too, but compiles a kernel per E, k and policy)."""
     monkeypatch.setitem(kr.LAUNCH, "select", "rowwise")
-    monkeypatch.setitem(kr.LAUNCH, "tile", 64 * triton.next_power_of_2(E))
+    monkeypatch.setitem(kr.LAUNCH, "split", split)
+    monkeypatch.setitem(kr.LAUNCH, "tile", 64 * triton.next_power_of_2(E) // split)
     rng = torch.Generator().manual_seed(E)
     logits = (torch.randn(3000, E, generator=rng) * 2).to(torch.bfloat16)
     logits[::3] = logits[::3].round()  # exact ties on every third token

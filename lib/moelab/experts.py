@@ -6,6 +6,16 @@ Weights are stored the way transformers 5 stores fused experts:
 Flow: plan -> expert-sorted pairs -> gather rows -> grouped GEMM (gate/up) -> act(gate) * up
       -> grouped GEMM (down) -> scale by routing weight -> scatter-add into [T, D].
 The number of rows in both GEMMs is exactly the number of kept pairs: skipped pairs cost nothing.
+
+Expert GEMMs (`set_gemm`):
+- 'triton': moelab.kernels.grouped.fused_experts, Triton grouped GEMMs with 64-row tiles, the gather
+  and SwiGLU fused into the gate_up GEMM, then the down GEMM and a per-token combine (padded layouts
+  with slot_row and act_fn F.silu only);
+- 'grouped': torch._grouped_mm (CUTLASS, 128-row tiles) between Triton gather / SwiGLU / combine
+  steps on padded layouts, torch ops on exact ones;
+- 'loop': a per-expert loop of matmuls (the reference);
+- 'auto' (default): 'triton' on CUDA for padded layouts in bf16 / fp16 where it applies, else
+  torch._grouped_mm where supported, else the loop. On the CPU nothing changes: the torch paths.
 """
 
 from __future__ import annotations
@@ -86,20 +96,41 @@ def make_layout(plan: RoutingPlan) -> PairLayout:
     return pair_layout(plan)
 
 
-_GEMM_MODE = "auto"  # "auto" | "grouped" | "loop"
+_GEMM_MODE = "auto"  # "auto" | "triton" | "grouped" | "loop"
 
 
 def set_gemm(mode: str) -> None:
-    """Force the expert GEMM: 'auto' (grouped where supported), 'grouped' or 'loop'."""
+    """Force the expert GEMM: 'auto' (Triton fused on CUDA padded layouts, else grouped where supported),
+    'triton' (moelab.kernels.grouped; padded layouts with slot_row and F.silu only), 'grouped'
+    (torch._grouped_mm) or 'loop'."""
     global _GEMM_MODE
-    if mode not in ("auto", "grouped", "loop"):
-        raise ValueError(f"gemm mode={mode!r}: must be 'auto', 'grouped' or 'loop'")
+    if mode not in ("auto", "triton", "grouped", "loop"):
+        raise ValueError(f"gemm mode={mode!r}: must be 'auto', 'triton', 'grouped' or 'loop'")
     _GEMM_MODE = mode
+
+
+def get_gemm() -> str:
+    """The current expert GEMM mode (to restore after a temporary set_gemm)."""
+    return _GEMM_MODE
+
+
+def fused_supported(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+    """Whether 'auto' runs the Triton fused experts (moelab.kernels.grouped) on these operands: CUDA,
+    bf16 / fp16, same dtype, contiguous weights, at most 256 experts."""
+    return (
+        x.is_cuda
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and gate_up.dtype == x.dtype == down.dtype
+        and gate_up.is_contiguous()
+        and down.is_contiguous()
+        and gate_up.shape[0] <= 256
+    )
 
 
 def grouped_gemm(x_PK: torch.Tensor, w_ENK: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
     """y[p] = x[p] @ w[e(p)].T for rows grouped by expert; w is [E, N, K] (nn.Linear layout)."""
-    use_grouped = _GEMM_MODE == "grouped" or (_GEMM_MODE == "auto" and grouped_mm_supported(x_PK, w_ENK))
+    auto = _GEMM_MODE in ("auto", "triton")  # 'triton' fuses whole layers (run_experts); single GEMMs as 'auto'
+    use_grouped = _GEMM_MODE == "grouped" or (auto and grouped_mm_supported(x_PK, w_ENK))
     if use_grouped:
         return torch._grouped_mm(x_PK, w_ENK.transpose(1, 2), offs=offsets_E)
     y = x_PK.new_empty(x_PK.shape[0], w_ENK.shape[1])
@@ -132,7 +163,18 @@ def run_experts(
             f"weights gate_up {tuple(gate_up_EHD.shape)} / down {tuple(down_EDF.shape)} do not match hidden D={D}"
         )
     layout = layout if layout is not None else make_layout(plan)
-    if layout.padded and layout.slot_row is not None and act_fn is F.silu:
+    fusable = layout.padded and layout.slot_row is not None and act_fn is F.silu
+    if _GEMM_MODE == "triton" and not fusable:
+        raise ValueError(
+            f"set_gemm('triton') needs a padded layout with slot_row (set_layout('padded') or "
+            f"layout=pair_layout_padded(plan)) and act_fn F.silu; got padded={layout.padded}, "
+            f"slot_row={'set' if layout.slot_row is not None else None}, act_fn={getattr(act_fn, '__name__', act_fn)}"
+        )
+    if fusable and (_GEMM_MODE == "triton" or (_GEMM_MODE == "auto" and fused_supported(x_TD, gate_up_EHD, down_EDF))):
+        from moelab.kernels.grouped import fused_experts  # gather + gate_up + SwiGLU, down, combine
+
+        return fused_experts(x_TD, layout, gate_up_EHD, down_EDF, plan)
+    if fusable:
         # Triton steps that stop at the kept pairs (P = offsets[-1], on the device)
         from moelab.kernels.experts import combine_rows, gather_rows, swiglu_rows
 

@@ -2,6 +2,7 @@
 expert row ops (experts.py). Dispatch lives in moelab.routing / moelab.experts."""
 
 import contextlib
+import functools
 import logging
 import os
 
@@ -21,11 +22,19 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+_NO_SWITCH = contextlib.nullcontext()
+
+
+@functools.lru_cache(maxsize=1)
+def _gpus() -> int:
+    return torch.cuda.device_count()
+
+
 def on_device_of(t: torch.Tensor):
     """Context that makes t's GPU current: Triton launches on the current device, not the tensor's,
-    which matters once a model is split over several GPUs (device_map)."""
-    if not t.is_cuda or t.device.index == torch.cuda.current_device():
-        return contextlib.nullcontext()
+    which matters once a model is split over several GPUs (device_map). With one GPU: nothing to do."""
+    if not t.is_cuda or _gpus() == 1 or t.get_device() == torch.cuda.current_device():
+        return _NO_SWITCH
     return torch.cuda.device(t.device)
 
 

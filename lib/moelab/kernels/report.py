@@ -64,15 +64,22 @@ def layer_targets(doc: dict, tokens: int = 4096) -> pd.DataFrame:
         if T != tokens:
             continue
         # every adaptive policy measured at this T; the qwen15 `_routed_only` rows leave out the shared
-        # expert, whose time does not shrink with k, and compare with the native layer without it too
+        # expert, whose time does not shrink with k, and compare with the native layer without it too;
+        # the `_cutlass` rows (torch._grouped_mm experts) with the native layer of the same path
         for var in [v for v in by.index if "adaptive" in v]:
             ada = by.loc[var]
-            base = by.loc["moelab_topk_routed_only"] if var.endswith("routed_only") else nat
+            base = nat
+            for suffix in ("routed_only", "cutlass"):
+                if var.endswith(suffix):
+                    base = by.loc[f"moelab_topk_{suffix}"]
             kept = ada["kept_pairs"] / ada["native_pairs"]
-            tiles = ada["gemm_tiles_128"] / base["gemm_tiles_128"]  # what 128-row GEMM tiles allow
+            # what the path's GEMM row tiles allow: 128 rows for CUTLASS (and results from before the Triton
+            # GEMMs, which have no gemm_tiles_64), 64 for the Triton path
+            rows = 128 if var.endswith("cutlass") or pd.isna(ada.get("gemm_tiles_64")) else 64
+            tiles = ada[f"gemm_tiles_{rows}"] / base[f"gemm_tiles_{rows}"]
             for col in ("time_us", "graph_us"):
                 if pd.notna(ada[col]) and pd.notna(base[col]):
                     ratio = ada[col] / base[col]
-                    out.append(_row(f"{var} / native layer {col} (kept {kept:.3f}, tiles {tiles:.3f})", shape,
-                                    T, ratio, LAYER_SLACK * kept, ratio <= LAYER_SLACK * kept, "x"))
+                    out.append(_row(f"{var} / native layer {col} (kept {kept:.3f}, {rows}-row tiles {tiles:.3f})",
+                                    shape, T, ratio, LAYER_SLACK * kept, ratio <= LAYER_SLACK * kept, "x"))
     return pd.DataFrame(out)

@@ -38,7 +38,7 @@ _TOPK, _ADAPTIVE, _TOPP, _RATIO = 0, 1, 2, 3
 # --parts tune` (data/results/routing-tune-*.json); a (BLOCK_E, BLOCK_K) not listed takes the entry of the
 # same BLOCK_E with the nearest BLOCK_K, devices not listed use DEFAULT. LAUNCH overrides any of the three
 # (benchmarks and tests set it).
-DEFAULT = {"select": "rounds", "warps": None, "tile": 1024}  # warps None: 8 for E <= 16, else 4
+DEFAULT = {"select": "rounds", "warps": None, "tile": 1024, "split": 1}  # warps None: 8 for E <= 16, else 4
 _R4, _B4, _B8, _S4 = ({"select": s, "warps": w, "tile": 1024} for s, w in
                       (("rounds", 4), ("bitonic", 4), ("bitonic", 8), ("split", 4)))
 TUNED: dict[str, dict[tuple[int, int], list]] = {
@@ -52,7 +52,7 @@ TUNED: dict[str, dict[tuple[int, int], list]] = {
         (128, 8): [(512, _B4), (2**62, _S4)],
     },
 }
-LAUNCH = {"select": None, "warps": None, "tile": None}
+LAUNCH = {"select": None, "warps": None, "tile": None, "split": None}
 
 
 @functools.lru_cache(maxsize=16)
@@ -76,7 +76,7 @@ def _tuned_entries(table: dict, block_e: int, block_k: int) -> list:
     return table[(block_e, bk)]
 
 
-@functools.lru_cache(maxsize=4096)  # host time: the eager call's budget is a few microseconds
+@functools.lru_cache(maxsize=4096)
 def _launch_config(T: int, E: int, K: int, cuda: int, overrides: tuple) -> dict:
     block_e = pow2(max(E, 2))
     cfg = dict(DEFAULT)
@@ -300,7 +300,7 @@ def _route_kernel(
 # with E * K, so it wins for small E * K or many tokens (H200, T = 65536: E = 60, k = 4 in 13 us against
 # 40; E = 8 from T = 512; E = 64, k = 8 in 26 us against 20 for 'split'). The chunk loops are unrolled
 # and compile time grows with E (E = 128: a minute per kernel on the H200 host), so it is used for
-# K <= 8 and BLOCK_E <= 64.
+# K <= 8 and BLOCK_E <= 64. bf16 / fp16 logits take the 32-bit-key kernel further below.
 MAX_ROWWISE_K = 8
 MAX_ROWWISE_E = 64
 
@@ -418,8 +418,20 @@ def _route_rows_kernel(
         v0, v1, v2, v3, v4, v5, v6, v7 = _ins_chunk(key, v0, v1, v2, v3, v4, v5, v6, v7, K, BLOCK_T, CH)
 
     slots = tl.arange(0, BLOCK_K)[None, :]
-    keys = tl.full((BLOCK_T, BLOCK_K), 0, tl.int64)
-    keys = _slot(keys, v0, 0, slots)
+    keys = _keys_tile(v0, v1, v2, v3, v4, v5, v6, v7, slots, K, BLOCK_T, BLOCK_K)
+    ids_tile = tl.where(slots < K, (BLOCK_E - 1) - (keys & 0xFFFFFFFF).to(tl.int32), -1)
+    w_tile = tl.where(slots < K, (keys >> 32).to(tl.int32).to(tl.float32, bitcast=True), 0.0)
+    top = (v0 >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+    cnt = _count(w_tile, top, slots, fpar, POLICY, K, BLOCK_T)
+    _finish(ids_tile, w_tile, cnt, ent, rows, row_ok, slots, pid, ids_ptr, w_ptr, k_ptr, ent_ptr,
+            hist_ptr, entsum_ptr, tok_ptr, th0, th1, th2, th3, th4, th5, th6, kv_packed, KMIN, NSLOT,
+            POLICY, NTH, K, BLOCK_T, RENORM, STATS, BLOCK_K1)
+
+
+@triton.jit
+def _keys_tile(v0, v1, v2, v3, v4, v5, v6, v7, slots, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The K per-row registers as one [BLOCK_T, BLOCK_K] tile (slots past K hold v0's filler)."""
+    keys = tl.zeros((BLOCK_T, BLOCK_K), v0.dtype) + v0[:, None]
     if K > 1:
         keys = _slot(keys, v1, 1, slots)
     if K > 2:
@@ -434,14 +446,169 @@ def _route_rows_kernel(
         keys = _slot(keys, v6, 6, slots)
     if K > 7:
         keys = _slot(keys, v7, 7, slots)
-    ids_tile = tl.where(slots < K, (BLOCK_E - 1) - (keys & 0xFFFFFFFF).to(tl.int32), -1)
-    w_tile = tl.where(slots < K, (keys >> 32).to(tl.int32).to(tl.float32, bitcast=True), 0.0)
-    top = (v0 >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+    return keys
+
+
+# ------------------------------------------------------------------ rows, 16-bit logits
+# For bf16 / fp16 logits a whole rank key fits in 32 bits: the logit's 16 bits (mapped so that signed
+# integer order is the float order, -0 = +0) above the reversed column. Softmax is monotone, so ranking
+# logits ranks probabilities; equal logits tie and go to the lower index, as in the reference. A 32-bit
+# max / min is one instruction (int64: four), so the insertion costs 2 K - 1 instructions per logit, and
+# the keys need no probability: max, sum of exp and the entropy's sum are kept online in the same pass
+# (one read of the logits). Only the K winners are turned into probabilities.
+# A row is cut into SPLIT column ranges, each scanned by its own thread (more threads in flight hide the
+# latency of the insertion chains); the SPLIT partial states (online sums and sorted keys) are then
+# merged with tl.reduce: a bitonic merge of two sorted lists keeps the best eight.
+@triton.jit
+def _rank16(x16):
+    """int32 with the float order of 16-bit floats (sign-magnitude -> two's complement; -0 -> 0)."""
+    b = x16.to(tl.int16, bitcast=True).to(tl.int32)
+    return tl.where(b < 0, -32768 - b, b)
+
+
+@triton.jit
+def _chunk16(
+    x16, ok, rev, m, s, t, v0, v1, v2, v3, v4, v5, v6, v7,
+    K: tl.constexpr, R: tl.constexpr, CH: tl.constexpr, FIRST: tl.constexpr, MASKED: tl.constexpr,
+):
+    """One chunk [R, CH] of 16-bit logits (R row pieces): keys inserted; online max m, sum s of 2^d and t
+    of d 2^d with d = (x - m) log2(e), relative to the running max (all columns masked: m = -inf, s = t = 0)."""
+    LOG2E: tl.constexpr = 1.4426950408889634
+    key = (_rank16(x16) << 16) | rev
+    x = x16.to(tl.float32)
+    if MASKED:
+        key = tl.where(ok, key, -2147483648)
+        x = tl.where(ok, x, float("-inf"))
+    v0, v1, v2, v3, v4, v5, v6, v7 = _ins_chunk(key, v0, v1, v2, v3, v4, v5, v6, v7, K, R, CH)
+    m_new = tl.maximum(m, tl.max(x, axis=1))
+    d = x * LOG2E - (m_new * LOG2E)[:, None]
+    e = tl.exp2(d)
+    if MASKED:
+        e = tl.where(ok, e, 0.0)
+        ed = tl.sum(tl.where(ok, e * d, 0.0), axis=1)
+    else:
+        ed = tl.sum(e * d, axis=1)
+    if FIRST:
+        s = tl.sum(e, axis=1)
+        t = ed
+    else:
+        sh = tl.where(m == m_new, 0.0, (m - m_new) * LOG2E)  # <= 0: rescale the sums to the new max
+        a = tl.exp2(sh)
+        t = a * (t + sh * s) + ed
+        s = a * s + tl.sum(e, axis=1)
+    return m_new, s, t, v0, v1, v2, v3, v4, v5, v6, v7
+
+
+@triton.jit
+def _cx(a, b):
+    """Compare-exchange: (larger, smaller)."""
+    return tl.maximum(a, b), tl.minimum(a, b)
+
+
+@triton.jit
+def _merge16(m1, s1, t1, a0, a1, a2, a3, a4, a5, a6, a7, m2, s2, t2, b0, b1, b2, b3, b4, b5, b6, b7):
+    """tl.reduce combine of two column ranges' states: the online sums rescaled to the larger max, and the
+    best eight of two descending key lists (pairwise max against the reversed list is bitonic; three
+    compare-exchange stages sort it)."""
+    LOG2E: tl.constexpr = 1.4426950408889634
+    m = tl.maximum(m1, m2)
+    sh1 = tl.where(m1 == m, 0.0, (m1 - m) * LOG2E)
+    sh2 = tl.where(m2 == m, 0.0, (m2 - m) * LOG2E)
+    e1 = tl.exp2(sh1)
+    e2 = tl.exp2(sh2)
+    s = e1 * s1 + e2 * s2
+    t = tl.where(s1 > 0, e1 * (t1 + sh1 * s1), 0.0) + tl.where(s2 > 0, e2 * (t2 + sh2 * s2), 0.0)
+    c0, c4 = _cx(tl.maximum(a0, b7), tl.maximum(a4, b3))
+    c1, c5 = _cx(tl.maximum(a1, b6), tl.maximum(a5, b2))
+    c2, c6 = _cx(tl.maximum(a2, b5), tl.maximum(a6, b1))
+    c3, c7 = _cx(tl.maximum(a3, b4), tl.maximum(a7, b0))
+    c0, c2 = _cx(c0, c2)
+    c1, c3 = _cx(c1, c3)
+    c4, c6 = _cx(c4, c6)
+    c5, c7 = _cx(c5, c7)
+    c0, c1 = _cx(c0, c1)
+    c2, c3 = _cx(c2, c3)
+    c4, c5 = _cx(c4, c5)
+    c6, c7 = _cx(c6, c7)
+    return m, s, t, c0, c1, c2, c3, c4, c5, c6, c7
+
+
+@triton.jit
+def _route_rows16_kernel(
+    logits_ptr, ids_ptr, w_ptr, k_ptr, ent_ptr,
+    hist_ptr, entsum_ptr, tok_ptr,
+    T, E, stride_t,
+    fpar, th0, th1, th2, th3, th4, th5, th6, kv_packed, KMIN, NSLOT,
+    POLICY: tl.constexpr, NTH: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, RENORM: tl.constexpr, STATS: tl.constexpr,
+    BLOCK_K1: tl.constexpr, CH: tl.constexpr, EC: tl.constexpr, SC: tl.constexpr, SPLIT: tl.constexpr,
+):
+    # as _route_rows_kernel (EC, SC: E and the row stride as constants), for bf16 / fp16 logits. The
+    # program's R = BLOCK_T * SPLIT row pieces are rows-major (a row's pieces in neighbouring threads: the
+    # merge is a warp shuffle); piece s of a row scans columns [s * CPS, (s + 1) * CPS), CPC chunks of CH
+    R: tl.constexpr = BLOCK_T * SPLIT
+    CPC: tl.constexpr = (EC + CH * SPLIT - 1) // (CH * SPLIT)
+    CPS: tl.constexpr = CPC * CH
+    RB: tl.constexpr = SPLIT * CPS - 1  # reversed column = RB - column (< 2^16)
+    MASKED: tl.constexpr = SPLIT * CPS != EC
+    pid = tl.program_id(0)
+    q = tl.arange(0, R)
+    rq = pid * BLOCK_T + q // SPLIT
+    col0 = (q % SPLIT)[:, None] * CPS + tl.arange(0, CH)[None, :]  # [R, CH]
+    ptrs = logits_ptr + rq[:, None].to(tl.int64) * SC + col0
+    rmask = (rq < T)[:, None]
+    m = tl.full((R,), float("-inf"), tl.float32)
+    s = tl.zeros((R,), tl.float32)
+    t = tl.zeros((R,), tl.float32)
+    v0 = tl.full((R,), -2147483648, tl.int32)  # below every key
+    v1 = v0
+    v2 = v0
+    v3 = v0
+    v4 = v0
+    v5 = v0
+    v6 = v0
+    v7 = v0
+    # the first chunk starts the online sums; the others go through a loop that is not unrolled
+    # (unrolled, compile time grew with E: 15 s at E = 128 and 90 s at 256 with Triton 3.6)
+    ok = col0 < EC
+    if MASKED:
+        x16 = tl.load(ptrs, mask=rmask & ok, other=0.0)
+    else:
+        x16 = tl.load(ptrs, mask=rmask, other=0.0)
+    m, s, t, v0, v1, v2, v3, v4, v5, v6, v7 = _chunk16(
+        x16, ok, RB - col0, m, s, t, v0, v1, v2, v3, v4, v5, v6, v7, K, R, CH, True, MASKED)
+    for c in tl.range(1, CPC):
+        ok = (col0 + c * CH) < EC
+        if MASKED:
+            x16 = tl.load(ptrs + c * CH, mask=rmask & ok, other=0.0)
+        else:
+            x16 = tl.load(ptrs + c * CH, mask=rmask, other=0.0)
+        m, s, t, v0, v1, v2, v3, v4, v5, v6, v7 = _chunk16(
+            x16, ok, RB - c * CH - col0, m, s, t, v0, v1, v2, v3, v4, v5, v6, v7, K, R, CH, False, MASKED)
+    if SPLIT > 1:
+        m, s, t, v0, v1, v2, v3, v4, v5, v6, v7 = tl.reduce(
+            (tl.reshape(m, [BLOCK_T, SPLIT]), tl.reshape(s, [BLOCK_T, SPLIT]), tl.reshape(t, [BLOCK_T, SPLIT]),
+             tl.reshape(v0, [BLOCK_T, SPLIT]), tl.reshape(v1, [BLOCK_T, SPLIT]), tl.reshape(v2, [BLOCK_T, SPLIT]),
+             tl.reshape(v3, [BLOCK_T, SPLIT]), tl.reshape(v4, [BLOCK_T, SPLIT]), tl.reshape(v5, [BLOCK_T, SPLIT]),
+             tl.reshape(v6, [BLOCK_T, SPLIT]), tl.reshape(v7, [BLOCK_T, SPLIT])), 1, _merge16)
+    rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_ok = rows < T
+    LN2: tl.constexpr = 0.6931471805599453
+    lse = tl.log(s)
+    ent = lse - (t / s) * LN2  # -sum p log p = log s - sum p (x - m)
+
+    slots = tl.arange(0, BLOCK_K)[None, :]
+    keys = _keys_tile(v0, v1, v2, v3, v4, v5, v6, v7, slots, K, BLOCK_T, BLOCK_K)
+    r = keys >> 16
+    x_tile = tl.where(r < 0, -32768 - r, r).to(tl.int16).to(logits_ptr.dtype.element_ty, bitcast=True)
+    p_tile = tl.exp((x_tile.to(tl.float32) - m[:, None]) - lse[:, None])  # the other selections' formula
+    ids_tile = tl.where(slots < K, RB - (keys & 0xFFFF), -1)
+    w_tile = tl.where(slots < K, p_tile, 0.0)
+    top = tl.max(w_tile, axis=1)
     cnt = _count(w_tile, top, slots, fpar, POLICY, K, BLOCK_T)
     _finish(ids_tile, w_tile, cnt, ent, rows, row_ok, slots, pid, ids_ptr, w_ptr, k_ptr, ent_ptr,
             hist_ptr, entsum_ptr, tok_ptr, th0, th1, th2, th3, th4, th5, th6, kv_packed, KMIN, NSLOT,
             POLICY, NTH, K, BLOCK_T, RENORM, STATS, BLOCK_K1)
-
 
 
 def _pack(k_values: list[int]) -> int:
@@ -477,17 +644,17 @@ def _policy_args(policy: Policy):
 SELECTS = ("rounds", "bitonic", "split", "rowwise")
 
 
-def _select(K: int, sel: str, block_e: int = 0) -> int:
+def _select(K: int, sel: str, block_e: int = 0, elsize: int = 4) -> int:
     """0 'rounds': K rounds of an int64 key max; 1 'bitonic': tl.topk of the keys (K >= 2: Triton's topk
     of one is a plain max); 2 'split': K rounds of an fp32 max, then the lowest index holding it;
-    3 'rowwise': one row per thread, keys inserted into K sorted registers (K <= 8 and BLOCK_E <= 64,
-    else 'rounds')."""
+    3 'rowwise': one row per thread, keys inserted into K sorted registers (K <= 8, and for fp32 logits
+    BLOCK_E <= 64; else 'rounds')."""
     if sel not in SELECTS:
         raise ValueError(f"select={sel!r}: must be one of {SELECTS}")
     if sel == "bitonic" and K >= 2 and hasattr(tl, "topk"):
         return 1
     if sel == "rowwise":
-        return 3 if K <= MAX_ROWWISE_K and block_e <= MAX_ROWWISE_E else 0
+        return 3 if K <= MAX_ROWWISE_K and (elsize == 2 or block_e <= MAX_ROWWISE_E) else 0
     return 2 if sel == "split" else 0
 
 
@@ -518,28 +685,40 @@ def route_triton(
         return RoutingPlan(ids, w, k, ent, E)
     if logits.stride(1) != 1:
         logits = logits.contiguous()
-    cfg = launch_config(T, E, logits.device, K)
-    block_t, block_e = block_tokens(T, E, cfg["tile"])
     st = stats
-    select = _select(K, cfg["select"], block_e)
+    launch, grid, shape_meta, warps = _shape_launch(
+        T, E, K, logits.get_device(), tuple(LAUNCH.values()), logits.element_size(), logits.stride(0))
     args = (logits, ids, w, k, ent, st.k_hist if st else k, st.entropy_sum if st else ent, st.tokens if st else k,
             T, E, logits.stride(0), fpar, *th, kv, kmin, st.k_hist.shape[0] if st else 1)
-    meta = dict(POLICY=code, NTH=nth, K=K, BLOCK_K=pow2(K), BLOCK_T=block_t, BLOCK_E=block_e,
-                RENORM=bool(renormalize), STATS=st is not None, BLOCK_K1=pow2(K + 1))
-    if select == 3:  # one 16-byte load per row and chunk
-        launch = _launch_rows
-        sc = logits.stride(0)
-        meta.update(CH=min(block_e, 16 // logits.element_size(), (sc & -sc) or 16), EC=E, SC=sc)
-    else:
-        launch = _launch
-        meta.update(SELECT=select)
+    meta = dict(shape_meta, POLICY=code, NTH=nth, RENORM=bool(renormalize), STATS=st is not None)
     with on_device_of(logits):
-        launch((cdiv(T, block_t),), args, meta, cfg["warps"], _VARYING if st is None else _VARYING_STATS)
+        launch(grid, args, meta, warps, _VARYING if st is None else _VARYING_STATS)
     return RoutingPlan(ids, w, k, ent, E)
+
+
+@functools.lru_cache(maxsize=4096)  # host time: derived once per shape
+def _shape_launch(T: int, E: int, K: int, cuda: int, overrides: tuple, elsize: int, stride: int):
+    """(launcher, grid, the shape's constexprs, warps) for T tokens of E logits (elsize bytes, row stride)."""
+    cfg = _launch_config(T, E, K, cuda, overrides)
+    block_t, block_e = block_tokens(T, E, cfg["tile"])
+    select = _select(K, cfg["select"], block_e, elsize)
+    meta = dict(K=K, BLOCK_K=pow2(K), BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K1=pow2(K + 1))
+    launch = _launch
+    if select == 3:  # one 16-byte load per row (and split) and chunk
+        ch = min(block_e, 16 // elsize, (stride & -stride) or 16)
+        meta.update(CH=ch, EC=E, SC=stride)
+        launch = _launch_rows
+        if elsize == 2:
+            launch = _launch_rows16
+            meta["SPLIT"] = max(1, min(cfg["split"], block_e // ch))
+    else:
+        meta["SELECT"] = select
+    return launch, (cdiv(T, block_t),), meta, cfg["warps"]
 
 
 _launch = Launcher(_route_kernel)
 _launch_rows = Launcher(_route_rows_kernel)
+_launch_rows16 = Launcher(_route_rows16_kernel)
 # arguments whose Triton specialisation can change between calls: logits (a view: any alignment), T,
 # E, the row stride and the packed k values; the plan buffers are fresh allocations (always aligned),
 # the policy's other scalars are floats or kept in the key through the constexprs (stats: check all)

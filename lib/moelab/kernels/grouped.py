@@ -1,0 +1,340 @@
+"""Grouped expert GEMMs in Triton over the padded pair layout: the layer's work scales with the kept pairs.
+
+The torch._grouped_mm path (moelab.experts) runs gather -> GEMM -> SwiGLU -> GEMM -> combine, with
+CUTLASS's 128-row tiles: every expert's last partial tile is mostly wasted, and the gather and SwiGLU
+passes add fixed cost. Here two kernels do the same with smaller row tiles (BLOCK_M 64 by default):
+- A, gate_up + SwiGLU: rows of x gathered through token_idx straight into the GEMM (no x_PD copy),
+  gate and up accumulated side by side for the same F columns, a_PF = silu(gate) * up written once;
+- B, down: y_PD = a_PF @ down_EDF[e].T;
+then `combine_rows` (moelab.kernels.experts) sums each token's rows.
+
+Tile map, on the device (no host sync, so a CUDA graph runs with any number of kept pairs): the
+grid has an upper bound of row tiles; each program reads the E group ends `offsets`, counts
+cdiv(count_e, BLOCK_M) tiles per expert, and finds its expert and rows from the cumsum of those
+counts. A tile never crosses an expert boundary; programs past the total return at once.
+
+Launch configurations: `DEFAULT` (BLOCK_M 64) and `FEW_ROWS` (BLOCK_M 16 / 32 for few rows per
+expert), from vLLM fused_moe's bf16 table for the H200, and a per-device table `TUNED` to fill in from
+a GPU tuning run (vLLM keeps per-device configs the same way); `launch_config` picks.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from moelab.experts import PairLayout
+from moelab.kernels import cdiv, on_device_of, pow2
+from moelab.kernels.experts import combine_rows
+from moelab.routing import RoutingPlan
+
+__all__ = ["fused_experts", "gate_up_swiglu", "down_proj", "tile_map", "launch_config", "max_tiles",
+           "DEFAULT", "FEW_ROWS", "TUNED", "MAX_EXPERTS"]
+
+MAX_EXPERTS = 256  # every program loads all E group ends (padded to a power of two)
+
+# per kernel: BLOCK_M rows (of one expert) x BLOCK_N output columns, BLOCK_K of the reduction per step.
+# gate_up: BLOCK_N columns of F for gate and up each (two accumulators), so BLOCK_N 64 here is vLLM's 128
+# columns of the fused 2F output. Starting points from vLLM's fused_moe table for the H200, bf16,
+# E=128, N=1024 (one config for both GEMMs there): BLOCK_M 64 / N 128 / K 64, 4 warps, 3 stages from
+# 3072 tokens on, BLOCK_M 32 (K 128, 8 warps) at 1536-2048, BLOCK_M 16 (K 128) below; here as padded
+# rows per expert with k = 8 (192+, 96-128, up to 64). Not measured on moelab's kernels yet: see TUNED.
+DEFAULT = {
+    "gate_up": {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3},
+    "down": {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3},
+}
+# fewer rows per expert (N / E, N = T * k_max padded rows): smaller row tiles waste less on each group
+FEW_ROWS = [
+    (64, {"gate_up": {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3},
+          "down": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}}),
+    (128, {"gate_up": {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3},
+           "down": {"BLOCK_M": 32, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3}}),
+]
+
+# device name -> {(D, F): [(N up to, {"gate_up": {...}, "down": {...}}), ...]} (N = T * k_max rows);
+# an entry's dicts update the default's key by key. Empty until a tuning run on the device fills it.
+TUNED: dict[str, dict[tuple[int, int], list]] = {
+    "NVIDIA H200": {},
+}
+
+
+@functools.lru_cache(maxsize=16)
+def _device_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+def launch_config(N: int, E: int, D: int, Fd: int, device: torch.device | None = None) -> dict:
+    """{"gate_up": {...}, "down": {...}} for N = T * k_max padded rows, E experts, hidden D, expert width F:
+    by rows per expert (FEW_ROWS, else DEFAULT), updated by the device's tuned entry for (D, F) if any."""
+    cuda = -1 if device is None or device.type != "cuda" else (device.index or 0)
+    return {name: dict(c) for name, c in _launch_config(N, E, D, Fd, cuda).items()}
+
+
+@functools.lru_cache(maxsize=64)
+def _launch_config(N: int, E: int, D: int, Fd: int, cuda: int) -> dict:
+    base = next((c for rows, c in FEW_ROWS if N <= rows * E), DEFAULT)
+    cfg = {name: dict(c) for name, c in base.items()}
+    if cuda >= 0:
+        for n_max, tuned in TUNED.get(_device_name(cuda), {}).get((D, Fd), []):
+            if N <= n_max:
+                for name in cfg:
+                    cfg[name].update(tuned.get(name, {}))
+                break
+    return cfg
+
+
+def max_tiles(N: int, E: int, block_m: int) -> int:
+    """Upper bound of sum_e cdiv(count_e, BLOCK_M) over any counts summing to at most N: at most
+    min(E, N) groups are non-empty, each adds at most BLOCK_M - 1 rows of padding to its last tile."""
+    return (N + min(E, N) * (block_m - 1)) // block_m
+
+
+# ------------------------------------------------------------------ kernels
+
+
+@triton.jit
+def _tile_of(pid_m, offs_ptr, E, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Row tile pid_m of the expert-grouped rows: (expert, first row, group end row, total tiles).
+    Tiles of expert e cover [start_e + m * BLOCK_M, min(end_e, start_e + (m + 1) * BLOCK_M))."""
+    e_i = tl.arange(0, BLOCK_E)
+    ends = tl.load(offs_ptr + e_i, mask=e_i < E, other=0)
+    starts = tl.load(offs_ptr + e_i - 1, mask=(e_i > 0) & (e_i < E), other=0)
+    counts = tl.where(e_i < E, ends - starts, 0)
+    tiles = (counts + BLOCK_M - 1) // BLOCK_M
+    cum = tl.cumsum(tiles, 0)  # inclusive: tiles of experts 0..e
+    total = tl.sum(tiles, 0)
+    e = tl.sum((cum <= pid_m).to(tl.int32), 0)  # experts whose tiles all come before pid_m
+    sel = e_i == e
+    first_tile = tl.sum(tl.where(sel, cum - tiles, 0), 0)
+    start = tl.sum(tl.where(sel, starts, 0), 0)
+    end = tl.sum(tl.where(sel, ends, 0), 0)
+    row0 = start + (pid_m - first_tile) * BLOCK_M
+    return e, row0, end, total
+
+
+@triton.jit
+def _tile_map_kernel(offs_ptr, out_ptr, E, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
+    """(expert, first row, end row) of each program's tile, (-1, -1, -1) past the total: the map the
+    GEMM kernels use, written out (tests)."""
+    pid = tl.program_id(0)
+    e, row0, end, total = _tile_of(pid, offs_ptr, E, BLOCK_M, BLOCK_E)
+    ok = pid < total
+    row1 = tl.minimum(end, row0 + BLOCK_M)
+    tl.store(out_ptr + pid * 3 + 0, tl.where(ok, e, -1))
+    tl.store(out_ptr + pid * 3 + 1, tl.where(ok, row0, -1))
+    tl.store(out_ptr + pid * 3 + 2, tl.where(ok, row1, -1))
+
+
+@triton.jit
+def _gate_up_swiglu_kernel(
+    x_ptr, tok_ptr, offs_ptr, w_ptr, a_ptr,
+    D, Fd, E,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
+    EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """a[r, n] = silu(x[tok[r]] . w[e, n]) * (x[tok[r]] . w[e, F + n]) for the rows r of one expert's tile."""
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(Fd, BLOCK_N)
+    pid_m = pid // num_n
+    pid_n = pid % num_n
+    e, row0, end, total = _tile_of(pid_m, offs_ptr, E, BLOCK_M, BLOCK_E)
+    if pid_m >= total:
+        return
+    r = row0 + tl.arange(0, BLOCK_M)
+    r_ok = r < end
+    tok = tl.load(tok_ptr + tl.where(r_ok, r, row0)).to(tl.int64)  # rows past the group: a valid token
+    n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % Fd  # columns past F wrap (never stored)
+    k = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + tok[:, None] * D + k[None, :]
+    w_e = w_ptr + e.to(tl.int64) * (2 * Fd) * D
+    g_ptrs = w_e + n[None, :].to(tl.int64) * D + k[:, None]  # [BLOCK_K, BLOCK_N] of w[e, n, :].T
+    u_ptrs = w_e + (n[None, :] + Fd).to(tl.int64) * D + k[:, None]  # w[e, F + n, :].T
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for kk in range(0, tl.cdiv(D, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            wg = tl.load(g_ptrs)
+            wu = tl.load(u_ptrs)
+        else:
+            k_ok = k < D - kk * BLOCK_K
+            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+            wg = tl.load(g_ptrs, mask=k_ok[:, None], other=0.0)
+            wu = tl.load(u_ptrs, mask=k_ok[:, None], other=0.0)
+        acc_g = tl.dot(a, wg, acc_g, input_precision=PRECISION)
+        acc_u = tl.dot(a, wu, acc_u, input_precision=PRECISION)
+        a_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+    dt = a_ptr.dtype.element_ty
+    # the numerics of GEMM -> swiglu_rows: gate and up rounded to the data type, silu rounded too
+    g = acc_g.to(dt).to(tl.float32)
+    u = acc_u.to(dt).to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+    n_out = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    out = a_ptr + r[:, None].to(tl.int64) * Fd + n_out[None, :]
+    tl.store(out, (act * u).to(dt), mask=r_ok[:, None] & (n_out < Fd)[None, :])
+
+
+@triton.jit
+def _down_kernel(
+    a_ptr, offs_ptr, w_ptr, y_ptr,
+    D, Fd, E,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
+    EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """y[r, n] = a[r] . w[e, n] for the rows r of one expert's tile (w: [E, D, F])."""
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(D, BLOCK_N)
+    pid_m = pid // num_n
+    pid_n = pid % num_n
+    e, row0, end, total = _tile_of(pid_m, offs_ptr, E, BLOCK_M, BLOCK_E)
+    if pid_m >= total:
+        return
+    r = row0 + tl.arange(0, BLOCK_M)
+    r_ok = r < end
+    r_in = tl.where(r_ok, r, row0).to(tl.int64)  # rows past the group read a row that exists
+    n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % D
+    k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + r_in[:, None] * Fd + k[None, :]
+    w_ptrs = w_ptr + e.to(tl.int64) * D * Fd + n[None, :].to(tl.int64) * Fd + k[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for kk in range(0, tl.cdiv(Fd, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            w = tl.load(w_ptrs)
+        else:
+            k_ok = k < Fd - kk * BLOCK_K
+            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
+        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    n_out = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    out = y_ptr + r[:, None].to(tl.int64) * D + n_out[None, :]
+    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=r_ok[:, None] & (n_out < D)[None, :])
+
+
+# ------------------------------------------------------------------ host side
+
+
+def _precision(dtype: torch.dtype) -> str:
+    """fp32 operands in full precision (tl.dot would use TF32 on the GPU); 16-bit ones ignore it."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def tile_map(offsets_E: torch.Tensor, N: int, block_m: int) -> torch.Tensor:
+    """[max_tiles, 3] int32: (expert, first row, end row) of each row tile as the GEMM kernels compute
+    it from the group ends offsets_E; (-1, -1, -1) for programs past the total (they return at once)."""
+    E = offsets_E.shape[0]
+    n_tiles = max_tiles(N, E, block_m)
+    out = torch.empty(n_tiles, 3, dtype=torch.int32, device=offsets_E.device)
+    if n_tiles:
+        with on_device_of(offsets_E):
+            _tile_map_kernel[(n_tiles,)](offsets_E, out, E, BLOCK_M=block_m, BLOCK_E=pow2(max(E, 2)))
+    return out
+
+
+def gate_up_swiglu(x_TD: torch.Tensor, token_idx: torch.Tensor, offsets_E: torch.Tensor, gate_up_EHD: torch.Tensor,
+                   cfg: dict) -> torch.Tensor:
+    """a_PF = silu(x[tok] @ gate.T) * (x[tok] @ up.T) per expert group, rows < offsets[-1] written
+    ([N, F], later rows left unwritten). Inputs already checked by fused_experts."""
+    N, D = token_idx.shape[0], x_TD.shape[1]
+    E, H, _ = gate_up_EHD.shape
+    Fd = H // 2
+    a_PF = torch.empty(N, Fd, dtype=x_TD.dtype, device=x_TD.device)
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    grid = (max_tiles(N, E, bm) * cdiv(Fd, bn),)
+    if grid[0]:
+        _gate_up_swiglu_kernel[grid](
+            x_TD, token_idx, offsets_E, gate_up_EHD, a_PF, D, Fd, E,
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_E=pow2(max(E, 2)), EVEN_K=D % bk == 0,
+            PRECISION=_precision(x_TD.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )
+    return a_PF
+
+
+def down_proj(a_PF: torch.Tensor, offsets_E: torch.Tensor, down_EDF: torch.Tensor, cfg: dict) -> torch.Tensor:
+    """y_PD = a_PF @ down[e].T per expert group, rows < offsets[-1] written ([N, D], later rows unwritten)."""
+    N, Fd = a_PF.shape
+    E, D, _ = down_EDF.shape
+    y_PD = torch.empty(N, D, dtype=a_PF.dtype, device=a_PF.device)
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    grid = (max_tiles(N, E, bm) * cdiv(D, bn),)
+    if grid[0]:
+        _down_kernel[grid](
+            a_PF, offsets_E, down_EDF, y_PD, D, Fd, E,
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_E=pow2(max(E, 2)), EVEN_K=Fd % bk == 0,
+            PRECISION=_precision(a_PF.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )
+    return y_PD
+
+
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _check(x_TD, layout, gate_up_EHD, down_EDF, plan) -> None:
+    """Clear errors for what the kernels assume: shapes, dtypes, contiguity, devices, a padded layout."""
+    if x_TD.dim() != 2:
+        raise ValueError(f"x shape {tuple(x_TD.shape)}: must be [T, D]")
+    T, D = x_TD.shape
+    if x_TD.dtype not in _DTYPES:
+        raise ValueError(f"x dtype={x_TD.dtype}: must be one of {_DTYPES}")
+    for name, w in (("gate_up", gate_up_EHD), ("down", down_EDF)):
+        if w.dim() != 3:
+            raise ValueError(f"{name} shape {tuple(w.shape)}: must be 3-D ([E, 2F, D] / [E, D, F])")
+        if w.dtype != x_TD.dtype:
+            raise ValueError(f"{name} dtype={w.dtype} but x dtype={x_TD.dtype}: must be the same")
+        if not w.is_contiguous():
+            raise ValueError(f"{name} weights are not contiguous (strides {w.stride()}): need contiguous")
+        if w.device != x_TD.device:
+            raise ValueError(f"{name} on {w.device} but x on {x_TD.device}: must be on the same device")
+    E, H, Dw = gate_up_EHD.shape
+    if H % 2 or Dw != D:
+        raise ValueError(f"gate_up shape {tuple(gate_up_EHD.shape)}: must be [E, 2F, D] with D={D}")
+    if tuple(down_EDF.shape) != (E, D, H // 2):
+        raise ValueError(f"down shape {tuple(down_EDF.shape)}: must be [E, D, F] = {(E, D, H // 2)}")
+    if not 1 <= E <= MAX_EXPERTS:
+        raise ValueError(f"E={E} experts: must be 1..{MAX_EXPERTS}")
+    if plan.num_tokens != T or plan.num_experts != E:
+        raise ValueError(f"plan has {plan.num_tokens} tokens / {plan.num_experts} experts but x has T={T} and "
+                         f"the weights E={E}: must match")
+    if layout.slot_row is None:
+        raise ValueError("layout has no slot_row: need a padded layout (moelab.kernels.layout.pair_layout_padded)")
+    if tuple(layout.slot_row.shape) != (T, plan.k_max) or layout.slot_row.dtype != torch.int32:
+        raise ValueError(f"layout.slot_row {tuple(layout.slot_row.shape)} {layout.slot_row.dtype}: must be "
+                         f"[T, k_max] = {(T, plan.k_max)} int32")
+    if tuple(layout.offsets.shape) != (E,) or layout.offsets.dtype != torch.int32:
+        raise ValueError(f"layout.offsets {tuple(layout.offsets.shape)} {layout.offsets.dtype}: must be [E={E}] int32")
+    if layout.token_idx.dim() != 1 or layout.token_idx.dtype != torch.int64:
+        raise ValueError(f"layout.token_idx {tuple(layout.token_idx.shape)} {layout.token_idx.dtype}: must be [N] "
+                         "int64")
+    for name, t in (("offsets", layout.offsets), ("token_idx", layout.token_idx), ("slot_row", layout.slot_row)):
+        if t.device != x_TD.device or not t.is_contiguous():
+            raise ValueError(f"layout.{name} on {t.device}, contiguous={t.is_contiguous()}: must be contiguous on "
+                             f"{x_TD.device}")
+
+
+def fused_experts(x_TD: torch.Tensor, layout: PairLayout, gate_up_EHD: torch.Tensor, down_EDF: torch.Tensor,
+                  plan: RoutingPlan, config: dict | None = None) -> torch.Tensor:
+    """Sum over kept experts of weight * down(silu(gate(x)) * up(x)), [T, D] in x's dtype: kernel A
+    (gather + gate_up + SwiGLU), kernel B (down), combine_rows. layout: padded, with slot_row
+    (moelab.kernels.layout.pair_layout_padded). config: {"gate_up": {...}, "down": {...}} entries
+    overriding `launch_config`'s (e.g. {"gate_up": {"BLOCK_M": 16}})."""
+    _check(x_TD, layout, gate_up_EHD, down_EDF, plan)
+    T, D = x_TD.shape
+    E, H, _ = gate_up_EHD.shape
+    N = layout.token_idx.shape[0]
+    if T == 0 or D == 0 or N == 0 or H == 0:
+        return x_TD.new_zeros(T, D)
+    x_TD = x_TD.contiguous()
+    cfg = launch_config(N, E, D, H // 2, x_TD.device)
+    if config:
+        cfg = {name: {**c, **config.get(name, {})} for name, c in cfg.items()}
+    with on_device_of(x_TD):
+        a_PF = gate_up_swiglu(x_TD, layout.token_idx, layout.offsets, gate_up_EHD, cfg["gate_up"])
+        y_PD = down_proj(a_PF, layout.offsets, down_EDF, cfg["down"])
+    return combine_rows(y_PD, layout.slot_row, plan, x_TD.dtype)

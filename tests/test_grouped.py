@@ -1,0 +1,278 @@
+"""Triton grouped expert GEMMs (moelab.kernels.grouped): the same layer output as the torch reference.
+
+On a CPU the kernels run under TRITON_INTERPRET=1 (set by conftest.py) on small shapes, in fp32 and fp16:
+the interpreter's bf16 tl.dot is wrong (garbage sums, triton 3.9), so bf16 is left to the `gpu` test.
+Small row tiles (BLOCK_M 16) via the config override give experts with several tiles.
+"""
+
+import itertools
+import os
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+if not torch.cuda.is_available():
+    assert os.environ.get("TRITON_INTERPRET") == "1", "tests/conftest.py sets TRITON_INTERPRET=1 on a CPU"
+
+pytest.importorskip("triton")
+
+import moelab.experts as ex  # noqa: E402
+import moelab.kernels.grouped as gk  # noqa: E402
+from moelab.kernels.grouped import fused_experts, max_tiles, tile_map  # noqa: E402
+from moelab.kernels.layout import pair_layout_padded  # noqa: E402
+from moelab.routing import EntropyAdaptiveK, RoutingPlan, TopK, route  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on the GPU machine)")
+
+TILE16 = {"gate_up": {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16},
+          "down": {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 16}}
+
+
+def layer(T, D, Fd, E, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, D, generator=g).to(DEV, dtype)
+    gu = (torch.randn(E, 2 * Fd, D, generator=g) / D**0.5).to(DEV, dtype)
+    dn = (torch.randn(E, D, Fd, generator=g) / Fd**0.5).to(DEV, dtype)
+    logits = (torch.randn(T, E, generator=g) * 2).to(DEV)
+    return x, gu, dn, logits
+
+
+def reference(x, plan, gu, dn):
+    """The torch reference: exact layout, a per-expert loop of matmuls."""
+    ex.set_gemm("loop")
+    ex.set_layout("exact")
+    try:
+        return ex.run_experts(x, plan, gu, dn)
+    finally:
+        ex.set_gemm("auto")
+        ex.set_layout("auto")
+
+
+def assert_matches(y, ref):
+    assert y.shape == ref.shape and y.dtype == ref.dtype
+    if y.dtype == torch.float32:
+        torch.testing.assert_close(y, ref, atol=2e-5, rtol=2e-5)
+    else:  # 16-bit: GEMM sums in another order; rounding points are the reference's
+        torch.testing.assert_close(y.float(), ref.float(), atol=4e-3, rtol=4e-3)
+
+
+def counts_of(layout):
+    return torch.diff(layout.offsets.long(), prepend=torch.zeros(1, dtype=torch.long, device=layout.offsets.device))
+
+
+# ---------------------------------------------------------------- tile map
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(0, 70), min_size=1, max_size=12), st.integers(0, 40), st.sampled_from([16, 32, 64]))
+def test_tile_map_covers_every_kept_row_once(counts, slack, block_m):
+    """The tiles the kernels compute from the group ends: every kept row once, each tile inside one
+    expert's group and at most BLOCK_M rows, tiles of an expert BLOCK_M apart, exactly
+    sum cdiv(count_e, BLOCK_M) of them and all before the programs that return at once."""
+    E = len(counts)
+    c = torch.tensor(counts)
+    offsets = torch.cumsum(c, 0).to(torch.int32).to(DEV)
+    P = int(c.sum())
+    N = P + slack  # padded layout: rows past P are padding
+    got = tile_map(offsets, N, block_m).cpu().long()
+    assert got.shape == (max_tiles(N, E, block_m), 3)
+    want_tiles = int(((c + block_m - 1) // block_m).sum())
+    valid = got[:, 0] >= 0
+    assert int(valid.sum()) == want_tiles and bool(valid[:want_tiles].all())
+    assert (got[want_tiles:] == -1).all()
+    e, r0, r1 = got[valid].T
+    starts = torch.cumsum(c, 0) - c
+    assert (r0 < r1).all() and (r1 - r0 <= block_m).all()
+    assert (r0 >= starts[e]).all() and (r1 <= starts[e] + c[e]).all()
+    assert ((r0 - starts[e]) % block_m == 0).all()
+    cover = torch.zeros(max(N, 1), dtype=torch.long)
+    for a, b in zip(r0.tolist(), r1.tolist()):
+        cover[a:b] += 1
+    assert (cover[:P] == 1).all() and (cover[P:] == 0).all()
+
+
+def test_max_tiles_is_an_upper_bound():
+    """Against the most tiles any counts summing to at most N can need (all of them, small cases), and
+    no more than the simple bound cdiv(N, BLOCK_M) + E."""
+    for N, E, bm in [(0, 3, 2), (1, 4, 4), (7, 3, 2), (9, 4, 3), (12, 2, 4), (10, 4, 4)]:
+        worst = max(sum(-(-c // bm) for c in cs) for cs in itertools.product(range(N + 1), repeat=E) if sum(cs) <= N)
+        assert worst <= max_tiles(N, E, bm) <= -(-N // bm) + E
+    assert max_tiles(32768, 64, 64) == 575  # T = 4096, k = 8, E = 64: 512 full tiles + at most 63 partial
+
+
+# ---------------------------------------------------------------- against the reference
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(
+    "T,D,Fd,E,policy",
+    [
+        (16, 32, 48, 4, TopK(3)),  # 48 pairs over 4 experts: groups of several 16-row tiles
+        (13, 40, 36, 8, EntropyAdaptiveK((1, 2, 3), (1.2, 1.6))),  # D, F not multiples of the tiles
+    ],
+)
+def test_matches_reference(T, D, Fd, E, policy, dtype):
+    x, gu, dn, logits = layer(T, D, Fd, E, dtype, seed=T)
+    plan = route(logits, policy, renormalize=True)
+    lay = pair_layout_padded(plan)
+    ref = reference(x, plan, gu, dn)
+    assert_matches(fused_experts(x, lay, gu, dn, plan, config=TILE16), ref)
+    if dtype == torch.float32:  # the launch table's own config (16-row tiles, BLOCK_K 128 > D: masked K tail)
+        assert_matches(fused_experts(x, lay, gu, dn, plan), ref)
+
+
+def test_swiglu_rounds_like_the_unfused_path():
+    """Kernel A's epilogue: gate and up rounded to the data type (as the GEMM output is), silu(gate)
+    rounded too, then the product: the unfused GEMM -> swiglu_rows numbers, bit for bit but for the
+    odd last-bit tie of the fp32 sums (not rounding silu first changes about a quarter of them)."""
+    T, D, Fd, E = 16, 32, 48, 4
+    x, gu, _, logits = layer(T, D, Fd, E, torch.float16, seed=1)
+    lay = pair_layout_padded(route(logits, TopK(2), renormalize=True))
+    cfg = {**TILE16["gate_up"], "num_warps": 4, "num_stages": 2}
+    a = gk.gate_up_swiglu(x, lay.token_idx, lay.offsets, gu, cfg)
+    P = int(lay.offsets[-1])
+    h = torch.einsum("pd,phd->ph", x[lay.token_idx[:P]].float(), gu[lay.expert_idx[:P]].float()).half()
+    ref = torch.nn.functional.silu(h[:, :Fd]) * h[:, Fd:]
+    assert (a[:P] == ref).float().mean() > 0.99
+    torch.testing.assert_close(a[:P], ref, atol=1e-5, rtol=1e-3)
+
+
+def test_empty_experts_and_groups_longer_than_a_tile():
+    T, D, Fd, E = 24, 32, 32, 6
+    x, gu, dn, logits = layer(T, D, Fd, E, torch.float32, seed=7)
+    logits[:, 1:3] *= 0.3
+    logits[:12, 0] = 20  # sure tokens: expert 0 alone (k = 1)
+    logits[12:, 0] = 2  # unsure tokens: expert 0 first, then expert 1 or 2 (k = 2)
+    logits[:, 3:] = -40  # experts 3..5 never chosen
+    plan = route(logits, EntropyAdaptiveK((1, 2), (0.3,)), renormalize=False)
+    lay = pair_layout_padded(plan)
+    counts = counts_of(lay).cpu()
+    assert counts[0] == T and (counts[3:] == 0).all() and counts[1:3].sum() == 12  # 24 rows: two 16-row tiles
+    assert int(lay.offsets[-1]) < lay.num_pairs  # some pairs dropped: padding rows follow
+    assert_matches(fused_experts(x, lay, gu, dn, plan, config=TILE16), reference(x, plan, gu, dn))
+
+
+def test_no_tokens_and_all_pairs_dropped():
+    D, Fd, E, K = 32, 48, 4, 2
+    x, gu, dn, logits = layer(5, D, Fd, E, torch.float32)
+    plan0 = route(logits[:0], TopK(K), renormalize=True)
+    y0 = fused_experts(x[:0], pair_layout_padded(plan0), gu, dn, plan0)
+    assert y0.shape == (0, D) and y0.dtype == x.dtype
+    none = RoutingPlan(
+        expert_ids=torch.full((5, K), -1, dtype=torch.int32, device=DEV),
+        weights=torch.zeros(5, K, device=DEV),
+        k=torch.zeros(5, dtype=torch.int32, device=DEV),
+        entropy=torch.zeros(5, device=DEV),
+        num_experts=E,
+    )
+    lay = pair_layout_padded(none)
+    assert int(lay.offsets[-1]) == 0
+    y = fused_experts(x, lay, gu, dn, none, config=TILE16)
+    assert torch.equal(y, torch.zeros_like(x))
+    assert torch.equal(reference(x, none, gu, dn), y)
+
+
+def test_set_gemm_triton_dispatch(monkeypatch):
+    x, gu, dn, logits = layer(12, 32, 32, 4, torch.float32, seed=3)
+    plan = route(logits, TopK(2), renormalize=True)
+    ref = reference(x, plan, gu, dn)
+    calls = []
+    real = gk.fused_experts
+    monkeypatch.setattr(gk, "fused_experts", lambda *a, **k: calls.append(1) or real(*a, **k))
+    assert not ex.fused_supported(x, gu, dn)  # CPU: 'auto' keeps the torch paths
+    ex.set_layout("padded")
+    try:
+        ex.run_experts(x, plan, gu, dn)
+        assert calls == []
+        ex.set_gemm("triton")
+        assert ex.get_gemm() == "triton"
+        assert_matches(ex.run_experts(x, plan, gu, dn), ref)
+        assert calls == [1]
+        ex.set_layout("exact")
+        with pytest.raises(ValueError, match="padded layout with slot_row"):
+            ex.run_experts(x, plan, gu, dn)
+        ex.set_layout("padded")
+        with pytest.raises(ValueError, match="act_fn"):
+            ex.run_experts(x, plan, gu, dn, act_fn=torch.nn.functional.gelu)
+    finally:
+        ex.set_gemm("auto")
+        ex.set_layout("auto")
+    with pytest.raises(ValueError, match="'triton'"):
+        ex.set_gemm("cutlass")
+
+
+def test_bad_input():
+    x, gu, dn, logits = layer(6, 32, 16, 4, torch.float32)
+    plan = route(logits, TopK(2), renormalize=True)
+    lay = pair_layout_padded(plan)
+    with pytest.raises(ValueError, match="gate_up dtype=torch.float16 but x dtype=torch.float32"):
+        fused_experts(x, lay, gu.half(), dn, plan)
+    with pytest.raises(ValueError, match="down weights are not contiguous"):
+        fused_experts(x, lay, gu, dn.transpose(1, 2).contiguous().transpose(1, 2), plan)
+    with pytest.raises(ValueError, match=r"down shape \(4, 32, 15\): must be \[E, D, F\]"):
+        fused_experts(x, lay, gu, dn[:, :, :15].contiguous(), plan)
+    with pytest.raises(ValueError, match=r"gate_up shape .*must be \[E, 2F, D\]"):
+        fused_experts(x, lay, gu[:, :, :31].contiguous(), dn, plan)
+    with pytest.raises(ValueError, match="x dtype=torch.int64"):
+        fused_experts(x.long(), lay, gu, dn, plan)
+    with pytest.raises(ValueError, match="layout has no slot_row"):
+        fused_experts(x, ex.pair_layout(plan), gu, dn, plan)
+    with pytest.raises(ValueError, match="plan has 6 tokens"):
+        fused_experts(x[:5], lay, gu, dn, plan)
+    big = torch.zeros(257, 2, 32, device=DEV)
+    with pytest.raises(ValueError, match="E=257 experts: must be 1..256"):
+        fused_experts(x, lay, big, torch.zeros(257, 32, 1, device=DEV), plan)
+
+
+def test_launch_config(monkeypatch):
+    # by padded rows per expert N / E: 16-row tiles up to 64, 32-row up to 128, then DEFAULT's 64
+    assert gk.launch_config(64 * 64, 64, 2048, 1024)["gate_up"]["BLOCK_M"] == 16
+    assert gk.launch_config(64 * 65, 64, 2048, 1024)["down"]["BLOCK_M"] == 32
+    cfg = gk.launch_config(32768, 64, 2048, 1024)  # T = 4096, k = 8: 512 rows per expert
+    assert cfg == gk.DEFAULT and cfg["down"]["BLOCK_M"] == 64
+    cfg["down"]["BLOCK_M"] = 1  # callers get copies
+    assert gk.DEFAULT["down"]["BLOCK_M"] == 64 and gk.launch_config(32768, 64, 2048, 1024) == gk.DEFAULT
+    gk._launch_config.cache_clear()
+    monkeypatch.setattr(gk, "_device_name", lambda i: "Fake GPU")
+    monkeypatch.setitem(gk.TUNED, "Fake GPU", {(2048, 1024): [(32768, {"down": {"BLOCK_N": 256}})]})
+    try:
+        got = gk._launch_config(32768, 64, 2048, 1024, 0)
+        assert got["down"] == {**gk.DEFAULT["down"], "BLOCK_N": 256} and got["gate_up"] == gk.DEFAULT["gate_up"]
+        assert gk._launch_config(32769, 64, 2048, 1024, 0) == gk.DEFAULT
+        assert gk._launch_config(32768, 64, 2048, 512, 0) == gk.DEFAULT  # another (D, F)
+    finally:
+        gk._launch_config.cache_clear()
+
+
+# ---------------------------------------------------------------- GPU
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_matches_reference_at_real_shapes():
+    """bf16 at an OLMoE-like width (16-, 32- and 64-row tiles at T = 8, 1024, 2048), against the loop
+    reference and the torch._grouped_mm path; also inside a CUDA graph."""
+    D, Fd, E = 1024, 512, 64
+    for T in (8, 1024, 2048):
+        x, gu, dn, logits = layer(T, D, Fd, E, torch.bfloat16, seed=T)
+        ent = route(logits, TopK(8), renormalize=False).entropy
+        pol = EntropyAdaptiveK((2, 4, 8), tuple(float(q) for q in ent.quantile(torch.tensor([0.33, 0.67], device=DEV))))
+        plan = route(logits, pol, renormalize=False)
+        lay = pair_layout_padded(plan)
+        y = fused_experts(x, lay, gu, dn, plan)
+        ref = reference(x, plan, gu, dn)
+        assert float((y.float() - ref.float()).norm() / ref.float().norm()) < 5e-3
+        ex.set_gemm("grouped")
+        try:
+            cutlass = ex.run_experts(x, plan, gu, dn, layout=lay)
+        finally:
+            ex.set_gemm("auto")
+        torch.testing.assert_close(y.float(), cutlass.float(), atol=2e-2, rtol=2e-2)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y_g = fused_experts(x, lay, gu, dn, plan)
+        graph.replay()
+        assert torch.equal(y_g, y)
