@@ -444,9 +444,77 @@ def tuned_table(rows) -> dict:
     return table
 
 
+GEMM_CONFIGS = {  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, GROUP_M); gate_up's BLOCK_N counts gate and up each
+    "gate_up": [(64, 64, 64, 4, 3, 16), (64, 128, 64, 8, 3, 16), (128, 64, 64, 8, 3, 16), (64, 64, 64, 4, 4, 32),
+                (64, 128, 64, 4, 3, 16), (64, 64, 128, 4, 3, 16)],
+    "down": [(64, 128, 64, 4, 3, 16), (64, 256, 64, 8, 3, 16), (128, 128, 64, 8, 3, 16), (64, 128, 64, 4, 4, 32),
+             (128, 256, 64, 8, 3, 16), (64, 128, 128, 4, 3, 16)],
+}
+
+
+@torch.no_grad()
+def tune_experts(tokens=4096):
+    """GPU time of each Triton expert GEMM (gate_up + SwiGLU, down) per launch configuration on the native
+    top-k plan of each layer shape at T = `tokens`, beside torch._grouped_mm (CUTLASS) on the same rows."""
+    from moelab.kernels import grouped as gk
+    from moelab.experts import grouped_gemm
+    from moelab.kernels.experts import swiglu_rows
+
+    rows = []
+    for name, (D, Fd, E, k, renorm, shared) in LAYERS.items():
+        g = torch.Generator(device="cuda").manual_seed(0)
+        x = torch.randn(tokens, D, device="cuda", generator=g).bfloat16()
+        gu = (torch.randn(E, 2 * Fd, D, device="cuda", generator=g) * D ** -0.5).bfloat16()
+        dn = (torch.randn(E, D, Fd, device="cuda", generator=g) * Fd ** -0.5).bfloat16()
+        logits = torch.randn(tokens, E, device="cuda", generator=g).bfloat16()
+        plan = route_triton(logits, TopK(k), renorm)
+        lay = pair_layout_padded(plan)
+        a = gk.gate_up_swiglu(x, lay.token_idx, lay.offsets, gu, gk.DEFAULT["gate_up"])
+        for kernel, configs in GEMM_CONFIGS.items():
+            for bm, bn, bk, warps, stages, group in configs:
+                cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages,
+                       "GROUP_M": group}
+                if kernel == "gate_up":
+                    fn = functools.partial(gk.gate_up_swiglu, x, lay.token_idx, lay.offsets, gu, cfg)
+                else:
+                    fn = functools.partial(gk.down_proj, a, lay.offsets, dn, cfg)
+                try:
+                    us = events_us(fn)
+                except Exception as e:  # e.g. out of shared memory for this tile: record and go on
+                    print(f"gemm {name} {kernel} {cfg} failed: {type(e).__name__}: {str(e)[:120]}", flush=True)
+                    continue
+                rows.append({"shape": name, "T": tokens, "kernel": kernel, **cfg, "time_us": us})
+                print(f"gemm {name:8s} {kernel:8s} {bm:4d} {bn:4d} {bk:4d} w{warps} s{stages} g{group:3d} {us:9.1f} us",
+                      flush=True)
+        xp = x[lay.token_idx.clamp_max(tokens - 1)]
+        cut_gu = events_us(lambda: swiglu_rows(grouped_gemm(xp, gu, lay.offsets), lay.offsets))
+        cut_dn = events_us(lambda: grouped_gemm(a, dn, lay.offsets))
+        rows += [{"shape": name, "T": tokens, "kernel": "gate_up", "cutlass": True, "time_us": cut_gu},
+                 {"shape": name, "T": tokens, "kernel": "down", "cutlass": True, "time_us": cut_dn}]
+        print(f"gemm {name:8s} cutlass gate_up+swiglu {cut_gu:9.1f} us, down {cut_dn:9.1f} us", flush=True)
+    return rows
+
+
+def tuned_experts_table(rows) -> dict:
+    """{(D, F): [(2**62, {"gate_up": cfg, "down": cfg})]} in the form of moelab.kernels.grouped.TUNED: the
+    fastest configuration per shape and kernel."""
+    table = {}
+    for name, (D, Fd, *_rest) in LAYERS.items():
+        entry = {}
+        for kernel in ("gate_up", "down"):
+            cand = [r for r in rows if r["shape"] == name and r["kernel"] == kernel and not r.get("cutlass")]
+            if cand:
+                best = min(cand, key=lambda r: r["time_us"])
+                entry[kernel] = {key: best[key] for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps",
+                                                            "num_stages", "GROUP_M")}
+        if entry:
+            table[(D, Fd)] = [(2**62, entry)]
+    return table
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--parts", default="routing,layer", help="comma list of: tune, routing, layer")
+    ap.add_argument("--parts", default="routing,layer", help="comma list of: tune, routing, tune-gemm, layer")
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="comma list of T")
     ap.add_argument("--quick", action="store_true", help="fewer shapes (a first check)")
     ap.add_argument("--tune-selects", default="all", choices=("all", "rowwise"),
@@ -485,6 +553,21 @@ def main():
                  "graph_us None: the method cannot be captured (graph_note says why).")
         save = functools.partial(_save, "routing-kernel", notes, common)
         print("wrote", save(bench_routing(tokens, bw, l2, args.quick, save)))
+    if "tune-gemm" in parts:
+        rows = tune_experts()
+        table = tuned_experts_table(rows)
+        notes = ("Triton expert GEMMs (moelab.kernels.grouped) per launch configuration, GPU time (CUDA events) "
+                 "on the native top-k plan of each layer shape at T=4096, bf16, random weights; cutlass rows: "
+                 "torch._grouped_mm on the same rows (+ SwiGLU pass for gate_up). tuned_table: the fastest per "
+                 "(D, F) and kernel, as moelab.kernels.grouped.TUNED takes it.")
+        path = write_results("experts-tune", rows, extra={"tuned_table": {str(k): v for k, v in table.items()}},
+                             notes=notes)
+        print("wrote", path)
+        print("experts TUNED table:", table)
+        from moelab.kernels import grouped as gk
+
+        gk.TUNED[torch.cuda.get_device_name(0)] = table  # the layer part below runs with it
+        gk._launch_config.cache_clear()
     if "layer" in parts:
         notes = ("bf16 MoE layer on random weights N(0, 1/fan_in) and random inputs; same weights for all variants. "
                  "time_us: do_bench median (CUDA events, L2 flushed between calls), eager launch. gemm_tiles_128: "

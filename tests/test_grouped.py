@@ -27,8 +27,8 @@ from moelab.routing import EntropyAdaptiveK, RoutingPlan, TopK, route  # noqa: E
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on the GPU machine)")
 
-TILE16 = {"gate_up": {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16},
-          "down": {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 16}}
+TILE16 = {"gate_up": {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "GROUP_M": 2},  # swizzled program order,
+          "down": {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 16, "GROUP_M": 3}}  # partial last groups
 
 
 def layer(T, D, Fd, E, dtype, seed=0):

@@ -3,6 +3,7 @@ expert row ops (experts.py). Dispatch lives in moelab.routing / moelab.experts."
 
 import contextlib
 import functools
+import operator
 import logging
 import os
 
@@ -67,7 +68,9 @@ class Launcher:
         self.names = list(fn.arg_names)
         self.cache: dict = {}
         self.disabled = "" if os.environ.get("MOELAB_FAST_LAUNCH", "1") != "0" else "MOELAB_FAST_LAUNCH=0"
+        self.interpret = os.environ.get("TRITON_INTERPRET") == "1"  # read once: os.environ costs ~1 us a call
         self.direct_calls = 0
+        self._pick: dict = {}  # varying indices -> itemgetter
 
     def __call__(self, grid: tuple, args: tuple, constexprs: dict, num_warps: int, varying: tuple | None = None):
         """kernel[grid](*args, **constexprs, num_warps=num_warps).
@@ -76,11 +79,17 @@ class Launcher:
         caller vouches that the others keep theirs: fresh allocations are always 16-byte aligned); None:
         all of them. Fewer indices, less host time per call."""
         t0 = args[0]
-        fast = not self.disabled and t0.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
-        if not fast:
+        if self.disabled or self.interpret or not t0.is_cuda:
             return self.fn[grid](*args, **constexprs, num_warps=num_warps)
-        dev = t0.device.index
-        spec = tuple(_spec(a) for a in args) if varying is None else tuple(_spec(args[i]) for i in varying)
+        dev = t0.get_device()
+        if varying is None:
+            spec = tuple(map(_spec, args))
+        else:
+            pick = self._pick.get(varying)
+            if pick is None:
+                get = operator.itemgetter(*varying)
+                pick = self._pick[varying] = get if len(varying) > 1 else (lambda a, g=get: (g(a),))
+            spec = tuple(map(_spec, pick(args)))
         key = (dev, num_warps, varying, tuple(constexprs.values()), spec)
         hit = self.cache.get(key)
         if hit is None:

@@ -43,8 +43,8 @@ MAX_EXPERTS = 256  # every program loads all E group ends (padded to a power of 
 # 3072 tokens on, BLOCK_M 32 (K 128, 8 warps) at 1536-2048, BLOCK_M 16 (K 128) below; here as padded
 # rows per expert with k = 8 (192+, 96-128, up to 64). Not measured on moelab's kernels yet: see TUNED.
 DEFAULT = {
-    "gate_up": {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3},
-    "down": {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3},
+    "gate_up": {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3, "GROUP_M": 16},
+    "down": {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3, "GROUP_M": 16},
 }
 # fewer rows per expert (N / E, N = T * k_max padded rows): smaller row tiles waste less on each group
 FEW_ROWS = [
@@ -77,7 +77,7 @@ def launch_config(N: int, E: int, D: int, Fd: int, device: torch.device | None =
 def _launch_config(N: int, E: int, D: int, Fd: int, cuda: int) -> dict:
     base = next((c for rows, c in FEW_ROWS if N <= rows * E), DEFAULT)
     cfg = {name: dict(c) for name, c in base.items()}
-    if cuda >= 0:
+    if cuda >= 0 and base is DEFAULT:  # tuned at many rows per expert
         for n_max, tuned in TUNED.get(_device_name(cuda), {}).get((D, Fd), []):
             if N <= n_max:
                 for name in cfg:
@@ -116,6 +116,17 @@ def _tile_of(pid_m, offs_ptr, E, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
 
 
 @triton.jit
+def _swizzle(pid, NUM_M, num_n, GROUP_M: tl.constexpr):
+    """(row tile, column tile) of program pid, GROUP_M row tiles at a time over all columns: programs in
+    flight share weight columns (a large expert's weights are read from HBM about once, not once per
+    row tile) and rows (from L2)."""
+    in_group = GROUP_M * num_n
+    first_m = (pid // in_group) * GROUP_M
+    size_m = tl.minimum(NUM_M - first_m, GROUP_M)
+    return first_m + (pid % in_group) % size_m, (pid % in_group) // size_m
+
+
+@triton.jit
 def _tile_map_kernel(offs_ptr, out_ptr, E, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
     """(expert, first row, end row) of each program's tile, (-1, -1, -1) past the total: the map the
     GEMM kernels use, written out (tests)."""
@@ -131,15 +142,12 @@ def _tile_map_kernel(offs_ptr, out_ptr, E, BLOCK_M: tl.constexpr, BLOCK_E: tl.co
 @triton.jit
 def _gate_up_swiglu_kernel(
     x_ptr, tok_ptr, offs_ptr, w_ptr, a_ptr,
-    D, Fd, E,
+    D, Fd, E, NUM_M,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
-    EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """a[r, n] = silu(x[tok[r]] . w[e, n]) * (x[tok[r]] . w[e, F + n]) for the rows r of one expert's tile."""
-    pid = tl.program_id(0)
-    num_n = tl.cdiv(Fd, BLOCK_N)
-    pid_m = pid // num_n
-    pid_n = pid % num_n
+    pid_m, pid_n = _swizzle(tl.program_id(0), NUM_M, tl.cdiv(Fd, BLOCK_N), GROUP_M)
     e, row0, end, total = _tile_of(pid_m, offs_ptr, E, BLOCK_M, BLOCK_E)
     if pid_m >= total:
         return
@@ -182,15 +190,12 @@ def _gate_up_swiglu_kernel(
 @triton.jit
 def _down_kernel(
     a_ptr, offs_ptr, w_ptr, y_ptr,
-    D, Fd, E,
+    D, Fd, E, NUM_M,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
-    EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """y[r, n] = a[r] . w[e, n] for the rows r of one expert's tile (w: [E, D, F])."""
-    pid = tl.program_id(0)
-    num_n = tl.cdiv(D, BLOCK_N)
-    pid_m = pid // num_n
-    pid_n = pid % num_n
+    pid_m, pid_n = _swizzle(tl.program_id(0), NUM_M, tl.cdiv(D, BLOCK_N), GROUP_M)
     e, row0, end, total = _tile_of(pid_m, offs_ptr, E, BLOCK_M, BLOCK_E)
     if pid_m >= total:
         return
@@ -247,12 +252,14 @@ def gate_up_swiglu(x_TD: torch.Tensor, token_idx: torch.Tensor, offsets_E: torch
     Fd = H // 2
     a_PF = torch.empty(N, Fd, dtype=x_TD.dtype, device=x_TD.device)
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-    grid = (max_tiles(N, E, bm) * cdiv(Fd, bn),)
+    num_m = max_tiles(N, E, bm)
+    grid = (num_m * cdiv(Fd, bn),)
     if grid[0]:
         _gate_up_swiglu_kernel[grid](
-            x_TD, token_idx, offsets_E, gate_up_EHD, a_PF, D, Fd, E,
+            x_TD, token_idx, offsets_E, gate_up_EHD, a_PF, D, Fd, E, num_m,
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_E=pow2(max(E, 2)), EVEN_K=D % bk == 0,
-            PRECISION=_precision(x_TD.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            PRECISION=_precision(x_TD.dtype), GROUP_M=cfg.get("GROUP_M", 1), num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"],
         )
     return a_PF
 
@@ -263,12 +270,14 @@ def down_proj(a_PF: torch.Tensor, offsets_E: torch.Tensor, down_EDF: torch.Tenso
     E, D, _ = down_EDF.shape
     y_PD = torch.empty(N, D, dtype=a_PF.dtype, device=a_PF.device)
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-    grid = (max_tiles(N, E, bm) * cdiv(D, bn),)
+    num_m = max_tiles(N, E, bm)
+    grid = (num_m * cdiv(D, bn),)
     if grid[0]:
         _down_kernel[grid](
-            a_PF, offsets_E, down_EDF, y_PD, D, Fd, E,
+            a_PF, offsets_E, down_EDF, y_PD, D, Fd, E, num_m,
             BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_E=pow2(max(E, 2)), EVEN_K=Fd % bk == 0,
-            PRECISION=_precision(a_PF.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            PRECISION=_precision(a_PF.dtype), GROUP_M=cfg.get("GROUP_M", 1), num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"],
         )
     return y_PD
 
