@@ -7,12 +7,13 @@ host-syncing statistics) and plain softmax + top-k. Eager time (host loop, Pytho
 and GPU time per call inside a CUDA graph (inputs rotated past the L2 so large T reads HBM).
 
 MoE layer (topic `moe-layer`), bf16, Mixtral-like / OLMoE-like / Qwen1.5-MoE-like: moelab's layer
-(router GEMM, Triton routing, padded layout, Triton grouped expert GEMMs; `_cutlass`: torch._grouped_mm
-experts instead) with native top-k and with entropy adaptive-k, against the transformers 5 sparse MoE
-blocks with experts implementation 'eager' and 'grouped_mm', on the same weights. Times are medians
-of CUDA-event timings (triton.testing.do_bench); ours also inside a CUDA graph.
+(router GEMM, Triton routing, padded layout, expert GEMMs as 'auto' picks them; `_triton` / `_cutlass`:
+pinned to moelab's Triton grouped GEMMs / torch._grouped_mm) with native top-k and with entropy
+adaptive-k, against the transformers 5 sparse MoE blocks with experts implementation 'eager' and
+'grouped_mm', on the same weights. Times are medians of CUDA-event timings (triton.testing.do_bench);
+ours also inside a CUDA graph.
 
-    PYTHONPATH=lib python benchmarks/moe_kernels.py [--quick] [--parts routing,layer] [--tokens 1,16,...]
+    PYTHONPATH=lib python benchmarks/moe_kernels.py [--quick] [--parts tune,routing,tune-gemm,layer] [--tokens 1,16,...]
 """
 
 from __future__ import annotations
@@ -296,7 +297,8 @@ def bench_layer_one(name, tokens):
     D, Fd, E, k, renorm, shared = LAYERS[name]
     block, cfg = hf_block(name, D, Fd, E, k, shared, "cuda")
     ours = moelab_layer(block, renorm, shared)
-    cutlass = moelab_layer(block, renorm, shared, gemm="grouped")  # the torch._grouped_mm path, same run
+    cutlass = moelab_layer(block, renorm, shared, gemm="grouped")  # each expert-GEMM path pinned, same run
+    triton_ = moelab_layer(block, renorm, shared, gemm="triton")
     g = torch.Generator(device="cuda").manual_seed(0)
     xc = torch.randn(4096, D, device="cuda", generator=g).to(torch.bfloat16)
     ent = route_torch(F.linear(xc, block.gate.weight), TopK(k), renorm).entropy
@@ -312,15 +314,19 @@ def bench_layer_one(name, tokens):
         y_nat, plan_nat = ours(x, native)
         _, plan_ada = ours(x, ada)
         y_cut, _ = cutlass(x, native)
+        y_tri, _ = triton_(x, native)
         y_hf = hf_call(block, cfg, "grouped_mm", x)
         hf_norm = y_hf.float().norm().clamp_min(1e-12)
         rel = {"moelab_topk": float((y_nat.float() - y_hf.float()).norm() / hf_norm),
-               "moelab_topk_cutlass": float((y_cut.float() - y_hf.float()).norm() / hf_norm)}
+               "moelab_topk_cutlass": float((y_cut.float() - y_hf.float()).norm() / hf_norm),
+               "moelab_topk_triton": float((y_tri.float() - y_hf.float()).norm() / hf_norm)}
         variants = {
             "moelab_topk": (functools.partial(ours, x, native), native, plan_nat),
             "moelab_adaptive": (functools.partial(ours, x, ada), ada, plan_ada),
             "moelab_topk_cutlass": (functools.partial(cutlass, x, native), native, plan_nat),
             "moelab_adaptive_cutlass": (functools.partial(cutlass, x, ada), ada, plan_ada),
+            "moelab_topk_triton": (functools.partial(triton_, x, native), native, plan_nat),
+            "moelab_adaptive_triton": (functools.partial(triton_, x, ada), ada, plan_ada),
             "hf_eager": (functools.partial(hf_call, block, cfg, "eager", x), native, plan_nat),
             "hf_grouped_mm": (functools.partial(hf_call, block, cfg, "grouped_mm", x), native, plan_nat),
         }
@@ -336,7 +342,9 @@ def bench_layer_one(name, tokens):
             row["time_us"] = events_us(fn, rep_ms=30 if T >= 65536 else 50)
             row["graph_us"] = None
             if var.startswith("moelab") and T <= 4096:
-                layer = routed if var.endswith("routed_only") else cutlass if var.endswith("_cutlass") else ours
+                layer = {"routed_only": routed, "cutlass": cutlass, "triton": triton_}.get(var.rsplit("_", 1)[-1], ours)
+                if var.endswith("routed_only"):
+                    layer = routed
                 row["graph_us"] = graph_us(functools.partial(layer, pol=pol), [x], 1)
             row["kept_pairs"] = int(plan.k.sum())
             row["native_pairs"] = T * k
@@ -456,12 +464,12 @@ GEMM_CONFIGS = {  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, GROUP_M); gate_up
 def tune_experts(tokens=4096):
     """GPU time of each Triton expert GEMM (gate_up + SwiGLU, down) per launch configuration on the native
     top-k plan of each layer shape at T = `tokens`, beside torch._grouped_mm (CUTLASS) on the same rows."""
-    from moelab.kernels import grouped as gk
     from moelab.experts import grouped_gemm
+    from moelab.kernels import grouped as gk
     from moelab.kernels.experts import swiglu_rows
 
     rows = []
-    for name, (D, Fd, E, k, renorm, shared) in LAYERS.items():
+    for name, (D, Fd, E, k, renorm, _shared) in LAYERS.items():
         g = torch.Generator(device="cuda").manual_seed(0)
         x = torch.randn(tokens, D, device="cuda", generator=g).bfloat16()
         gu = (torch.randn(E, 2 * Fd, D, device="cuda", generator=g) * D ** -0.5).bfloat16()
@@ -487,8 +495,9 @@ def tune_experts(tokens=4096):
                 print(f"gemm {name:8s} {kernel:8s} {bm:4d} {bn:4d} {bk:4d} w{warps} s{stages} g{group:3d} {us:9.1f} us",
                       flush=True)
         xp = x[lay.token_idx.clamp_max(tokens - 1)]
-        cut_gu = events_us(lambda: swiglu_rows(grouped_gemm(xp, gu, lay.offsets), lay.offsets))
-        cut_dn = events_us(lambda: grouped_gemm(a, dn, lay.offsets))
+        offs = lay.offsets
+        cut_gu = events_us(lambda xp=xp, gu=gu, offs=offs: swiglu_rows(grouped_gemm(xp, gu, offs), offs))
+        cut_dn = events_us(lambda a=a, dn=dn, offs=offs: grouped_gemm(a, dn, offs))
         rows += [{"shape": name, "T": tokens, "kernel": "gate_up", "cutlass": True, "time_us": cut_gu},
                  {"shape": name, "T": tokens, "kernel": "down", "cutlass": True, "time_us": cut_dn}]
         print(f"gemm {name:8s} cutlass gate_up+swiglu {cut_gu:9.1f} us, down {cut_dn:9.1f} us", flush=True)
@@ -573,10 +582,12 @@ def main():
                  "time_us: do_bench median (CUDA events, L2 flushed between calls), eager launch. gemm_tiles_128: "
                  "sum over experts of ceil(pairs / 128), the row tiles of a grouped GEMM with 128-row tiles. "
                  "graph_us: ours captured in a CUDA graph (T <= 4096). "
-                 "moelab_*: router GEMM + Triton routing + padded layout + Triton grouped GEMMs (gather + gate_up + "
-                 "SwiGLU fused, down, combine; moelab.kernels.grouped, 64-row tiles) (+ shared expert for qwen15); "
-                 "moelab_*_cutlass: the same with Triton gather/SwiGLU/combine + torch._grouped_mm experts "
-                 "(set_gemm('grouped')). gemm_tiles_64: the same count with 64-row tiles. "
+                 "moelab_*: router GEMM + Triton routing + padded layout + expert GEMMs as set_gemm('auto') picks "
+                 "them (Triton grouped GEMMs up to 32 padded rows per expert, torch._grouped_mm above) + combine "
+                 "(+ shared expert for qwen15); moelab_*_triton: pinned to the Triton grouped GEMMs (gather + "
+                 "gate_up + SwiGLU fused, down; moelab.kernels.grouped, 64-row tiles at many rows per expert "
+                 "unless the experts-tune table says otherwise); moelab_*_cutlass: pinned to Triton gather/SwiGLU "
+                 "+ torch._grouped_mm experts (set_gemm('grouped')). gemm_tiles_64: the same count with 64-row tiles. "
                  "hf_*: transformers sparse MoE block with experts implementation eager / grouped_mm. "
                  "Adaptive: k levels (k/4, k/2, k) at the entropy terciles of a 4096-token batch; "
                  "_q25 / _q50 (T=4096): (k/2, k) at the 25% / 50% entropy quantile; "

@@ -14,8 +14,9 @@ Expert GEMMs (`set_gemm`):
 - 'grouped': torch._grouped_mm (CUTLASS, 128-row tiles) between Triton gather / SwiGLU / combine
   steps on padded layouts, torch ops on exact ones;
 - 'loop': a per-expert loop of matmuls (the reference);
-- 'auto' (default): 'triton' on CUDA for padded layouts in bf16 / fp16 where it applies, else
-  torch._grouped_mm where supported, else the loop. On the CPU nothing changes: the torch paths.
+- 'auto' (default): 'triton' on CUDA for padded layouts in bf16 / fp16 with few rows per expert
+  (decode sizes: FUSED_MAX_ROWS_PER_EXPERT), else torch._grouped_mm where supported, else the loop.
+  On the CPU nothing changes: the torch paths.
 """
 
 from __future__ import annotations
@@ -114,11 +115,21 @@ def get_gemm() -> str:
     return _GEMM_MODE
 
 
-def fused_supported(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+# 'auto' takes the Triton experts up to this many padded rows (T * k_max) per expert and CUTLASS above:
+# on the H200 (data/results/moe-layer-20261130.json, experts-tune-20261130.json) the Triton layer was
+# faster at T = 16 and 64 (4-16 rows per expert; e.g. Mixtral-like T = 16: 0.68 against 1.06 ms,
+# OLMoE-like T = 64 in a graph: 0.24 against 0.33 ms) and CUTLASS at T = 512 and 4096 (34+ rows per
+# expert; its GEMMs 10-30% faster than the best Triton configuration measured at T = 4096).
+FUSED_MAX_ROWS_PER_EXPERT = 32
+
+
+def fused_supported(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, rows: int = 0) -> bool:
     """Whether 'auto' runs the Triton fused experts (moelab.kernels.grouped) on these operands: CUDA,
-    bf16 / fp16, same dtype, contiguous weights, at most 256 experts."""
+    bf16 / fp16, same dtype, contiguous weights, at most 256 experts, at most FUSED_MAX_ROWS_PER_EXPERT
+    padded rows per expert."""
     return (
-        x.is_cuda
+        rows <= FUSED_MAX_ROWS_PER_EXPERT * gate_up.shape[0]
+        and x.is_cuda
         and x.dtype in (torch.bfloat16, torch.float16)
         and gate_up.dtype == x.dtype == down.dtype
         and gate_up.is_contiguous()
@@ -170,7 +181,8 @@ def run_experts(
             f"layout=pair_layout_padded(plan)) and act_fn F.silu; got padded={layout.padded}, "
             f"slot_row={'set' if layout.slot_row is not None else None}, act_fn={getattr(act_fn, '__name__', act_fn)}"
         )
-    if fusable and (_GEMM_MODE == "triton" or (_GEMM_MODE == "auto" and fused_supported(x_TD, gate_up_EHD, down_EDF))):
+    if fusable and (_GEMM_MODE == "triton" or (_GEMM_MODE == "auto" and fused_supported(
+            x_TD, gate_up_EHD, down_EDF, layout.num_pairs))):
         from moelab.kernels.grouped import fused_experts  # gather + gate_up + SwiGLU, down, combine
 
         return fused_experts(x_TD, layout, gate_up_EHD, down_EDF, plan)

@@ -3,8 +3,8 @@ expert row ops (experts.py). Dispatch lives in moelab.routing / moelab.experts."
 
 import contextlib
 import functools
-import operator
 import logging
+import operator
 import os
 
 import torch

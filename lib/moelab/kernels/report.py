@@ -65,17 +65,18 @@ def layer_targets(doc: dict, tokens: int = 4096) -> pd.DataFrame:
             continue
         # every adaptive policy measured at this T; the qwen15 `_routed_only` rows leave out the shared
         # expert, whose time does not shrink with k, and compare with the native layer without it too;
-        # the `_cutlass` rows (torch._grouped_mm experts) with the native layer of the same path
+        # the `_cutlass` / `_triton` rows (expert GEMMs pinned to torch._grouped_mm / moelab.kernels.grouped)
+        # with the native layer of the same path
         for var in [v for v in by.index if "adaptive" in v]:
             ada = by.loc[var]
             base = nat
-            for suffix in ("routed_only", "cutlass"):
+            for suffix in ("routed_only", "cutlass", "triton"):
                 if var.endswith(suffix):
                     base = by.loc[f"moelab_topk_{suffix}"]
             kept = ada["kept_pairs"] / ada["native_pairs"]
             # what the path's GEMM row tiles allow: 128 rows for CUTLASS (and results from before the Triton
             # GEMMs, which have no gemm_tiles_64), 64 for the Triton path
-            rows = 128 if var.endswith("cutlass") or pd.isna(ada.get("gemm_tiles_64")) else 64
+            rows = 64 if var.endswith("triton") and pd.notna(ada.get("gemm_tiles_64")) else 128
             tiles = ada[f"gemm_tiles_{rows}"] / base[f"gemm_tiles_{rows}"]
             for col in ("time_us", "graph_us"):
                 if pd.notna(ada[col]) and pd.notna(base[col]):

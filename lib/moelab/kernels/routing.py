@@ -2,17 +2,20 @@
 
 One program routes BLOCK_T tokens: fp32 softmax (as log-softmax then exp, the reference's formula),
 entropy, the k_max largest probabilities with the lowest index first on ties (the reference's stable
-descending sort), the policy's per-token k, the mask and the model's normalisation. Three compiled
-selections find the k_max largest: k_max rounds of an int64 max over (probability bits, reversed
-index) keys, a bitonic tl.topk of those keys, or k_max rounds of an fp32 max and the lowest index
-holding it; which is fastest depends on E and T (TUNED, per device). Optional running
+descending sort), the policy's per-token k, the mask and the model's normalisation. Four compiled
+selections find the k_max largest: on tiles of tokens x experts, k_max rounds of an int64 max over
+(probability bits, reversed index) keys, a bitonic tl.topk of those keys, or k_max rounds of an fp32
+max and the lowest index holding it; or with rows in threads ('rowwise'), each key inserted into k_max
+sorted registers (bf16 / fp16 logits: 32-bit (logit, reversed index) keys, one pass, a row split over
+up to 8 threads). Which is fastest depends on E, k_max and T (TUNED, per device). Optional running
 statistics (k histogram, entropy sum, tokens) are added to device tensors with atomics, so the call
 can be captured in a CUDA graph. `moelab.routing.route` dispatches here on CUDA (or when the backend
 is forced to 'triton'; on a CPU that needs TRITON_INTERPRET=1).
 
 Exactness: ids, k and the tie order match `route_torch` whenever the fp32 probabilities are either
 equal (ties, broken by the lower index) or apart by more than the last-bit differences of two exp
-implementations; weights agree within 1e-6. Entropy is summed in another order (about 1e-7 apart).
+implementations; weights agree within 1e-6. Entropy is summed in another order (about 1e-6 apart; the
+16-bit row kernel sums it online as log s - sum p (x - m)).
 """
 
 from __future__ import annotations
@@ -33,23 +36,29 @@ MAX_EXPERTS = 256  # one tile row holds all of a token's logits
 MAX_K_VALUES = 8  # EntropyAdaptiveK levels passed as scalars (no device tensor built per call)
 
 _TOPK, _ADAPTIVE, _TOPP, _RATIO = 0, 1, 2, 3
-# Launch configuration per device, (BLOCK_E, BLOCK_K) and token count: (T up to, {select, warps, tile}),
-# tile = logits per program (rowwise: rows per program x BLOCK_E). Measured by `benchmarks/moe_kernels.py
-# --parts tune` (data/results/routing-tune-*.json); a (BLOCK_E, BLOCK_K) not listed takes the entry of the
-# same BLOCK_E with the nearest BLOCK_K, devices not listed use DEFAULT. LAUNCH overrides any of the three
-# (benchmarks and tests set it).
+# Launch configuration per device, (BLOCK_E, BLOCK_K) and token count: (T up to, {select, warps, tile,
+# split}), tile = logits per program (rowwise: rows per program x BLOCK_E), split = threads per row (the
+# 16-bit row kernel). Measured by `benchmarks/moe_kernels.py --parts tune` (data/results/routing-tune-*.json);
+# a (BLOCK_E, BLOCK_K) not listed takes the entry of the same BLOCK_E with the nearest BLOCK_K, devices not
+# listed use DEFAULT. LAUNCH overrides any of the four (benchmarks and tests set it).
 DEFAULT = {"select": "rounds", "warps": None, "tile": 1024, "split": 1}  # warps None: 8 for E <= 16, else 4
-_R4, _B4, _B8, _S4 = ({"select": s, "warps": w, "tile": 1024} for s, w in
-                      (("rounds", 4), ("bitonic", 4), ("bitonic", 8), ("split", 4)))
+_R4 = {"select": "rounds", "warps": 4, "tile": 1024, "split": 1}
+
+
+def _rows(warps: int, tile: int, split: int) -> dict:
+    return {"select": "rowwise", "warps": warps, "tile": tile, "split": split}
+
+
 TUNED: dict[str, dict[tuple[int, int], list]] = {
-    # benchmarks/moe_kernels.py tuned_table() on the rows of data/results/routing-tune-20261130.json
-    # (H200, torch 2.11, triton 3.6; measured at 2002e3c, whose table was keyed on BLOCK_E alone)
+    # benchmarks/moe_kernels.py tuned_table() on the rows of data/results/routing-tune-20261130.json (H200,
+    # torch 2.11, triton 3.6, measured at 02952b1: the row kernel against the table's previous picks;
+    # bf16 logits take the 32-bit-key row kernel at every E listed, fp32 the int64 one up to BLOCK_E 64)
     "NVIDIA H200": {
-        (8, 2): [(16, _R4), (512, {"select": "rowwise", "warps": 4, "tile": 1024}),
-                 (2**62, {"select": "rowwise", "warps": 2, "tile": 512})],
-        (64, 4): [(4096, _B8), (2**62, {"select": "rowwise", "warps": 1, "tile": 4096})],
-        (64, 8): [(512, _B4), (2**62, _S4)],
-        (128, 8): [(512, _B4), (2**62, _S4)],
+        (8, 2): [(16, _R4), (2**62, _rows(4, 1024, 1))],
+        (64, 4): [(16, _rows(4, 1024, 8)), (512, _rows(2, 512, 8)), (2**62, _rows(2, 1024, 4))],
+        (64, 8): [(16, _rows(4, 1024, 8)), (512, _rows(2, 512, 8)), (4096, _rows(2, 1024, 4)),
+                  (2**62, _rows(4, 4096, 2))],
+        (128, 8): [(4096, _rows(4, 2048, 8)), (2**62, _rows(4, 8192, 2))],
     },
 }
 LAUNCH = {"select": None, "warps": None, "tile": None, "split": None}
@@ -61,8 +70,8 @@ def _device_name(index: int) -> str:
 
 
 def launch_config(T: int, E: int, device: torch.device | None = None, K: int = 8) -> dict:
-    """{select, warps, tile} for T tokens, E experts and k_max K: LAUNCH overrides, else the device's tuned
-    entry, else DEFAULT."""
+    """{select, warps, tile, split} for T tokens, E experts and k_max K: LAUNCH overrides, else the device's
+    tuned entry, else DEFAULT."""
     cuda = -1 if device is None or device.type != "cuda" else (device.index or 0)
     return _launch_config(T, E, K, cuda, tuple(LAUNCH.values()))
 
@@ -471,9 +480,9 @@ def _chunk16(
     x16, ok, rev, m, s, t, v0, v1, v2, v3, v4, v5, v6, v7,
     K: tl.constexpr, R: tl.constexpr, CH: tl.constexpr, FIRST: tl.constexpr, MASKED: tl.constexpr,
 ):
-    """One chunk [R, CH] of 16-bit logits (R row pieces): keys inserted; online max m, sum s of 2^d and t
-    of d 2^d with d = (x - m) log2(e), relative to the running max (all columns masked: m = -inf, s = t = 0)."""
-    LOG2E: tl.constexpr = 1.4426950408889634
+    """One chunk [R, CH] of 16-bit logits (R row pieces): keys inserted; online max m, sum s of e^d and t
+    of d e^d with d = x - m, relative to the running max (all columns masked: m = -inf, s = t = 0).
+    d is formed before scaling (x log2(e) - m log2(e) rounds m log2(e): weights 1e-6 off at |m| ~ 20)."""
     key = (_rank16(x16) << 16) | rev
     x = x16.to(tl.float32)
     if MASKED:
@@ -481,8 +490,8 @@ def _chunk16(
         x = tl.where(ok, x, float("-inf"))
     v0, v1, v2, v3, v4, v5, v6, v7 = _ins_chunk(key, v0, v1, v2, v3, v4, v5, v6, v7, K, R, CH)
     m_new = tl.maximum(m, tl.max(x, axis=1))
-    d = x * LOG2E - (m_new * LOG2E)[:, None]
-    e = tl.exp2(d)
+    d = x - m_new[:, None]
+    e = tl.exp(d)
     if MASKED:
         e = tl.where(ok, e, 0.0)
         ed = tl.sum(tl.where(ok, e * d, 0.0), axis=1)
@@ -492,8 +501,8 @@ def _chunk16(
         s = tl.sum(e, axis=1)
         t = ed
     else:
-        sh = tl.where(m == m_new, 0.0, (m - m_new) * LOG2E)  # <= 0: rescale the sums to the new max
-        a = tl.exp2(sh)
+        sh = tl.where(m == m_new, 0.0, m - m_new)  # <= 0: rescale the sums to the new max
+        a = tl.exp(sh)
         t = a * (t + sh * s) + ed
         s = a * s + tl.sum(e, axis=1)
     return m_new, s, t, v0, v1, v2, v3, v4, v5, v6, v7
@@ -510,12 +519,11 @@ def _merge16(m1, s1, t1, a0, a1, a2, a3, a4, a5, a6, a7, m2, s2, t2, b0, b1, b2,
     """tl.reduce combine of two column ranges' states: the online sums rescaled to the larger max, and the
     best eight of two descending key lists (pairwise max against the reversed list is bitonic; three
     compare-exchange stages sort it)."""
-    LOG2E: tl.constexpr = 1.4426950408889634
     m = tl.maximum(m1, m2)
-    sh1 = tl.where(m1 == m, 0.0, (m1 - m) * LOG2E)
-    sh2 = tl.where(m2 == m, 0.0, (m2 - m) * LOG2E)
-    e1 = tl.exp2(sh1)
-    e2 = tl.exp2(sh2)
+    sh1 = tl.where(m1 == m, 0.0, m1 - m)
+    sh2 = tl.where(m2 == m, 0.0, m2 - m)
+    e1 = tl.exp(sh1)
+    e2 = tl.exp(sh2)
     s = e1 * s1 + e2 * s2
     t = tl.where(s1 > 0, e1 * (t1 + sh1 * s1), 0.0) + tl.where(s2 > 0, e2 * (t2 + sh2 * s2), 0.0)
     c0, c4 = _cx(tl.maximum(a0, b7), tl.maximum(a4, b3))
@@ -593,9 +601,8 @@ def _route_rows16_kernel(
              tl.reshape(v6, [BLOCK_T, SPLIT]), tl.reshape(v7, [BLOCK_T, SPLIT])), 1, _merge16)
     rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = rows < T
-    LN2: tl.constexpr = 0.6931471805599453
     lse = tl.log(s)
-    ent = lse - (t / s) * LN2  # -sum p log p = log s - sum p (x - m)
+    ent = lse - t / s  # -sum p log p = log s - sum p (x - m)
 
     slots = tl.arange(0, BLOCK_K)[None, :]
     keys = _keys_tile(v0, v1, v2, v3, v4, v5, v6, v7, slots, K, BLOCK_T, BLOCK_K)
