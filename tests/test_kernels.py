@@ -239,19 +239,24 @@ def test_rows16_split_rows(split, monkeypatch):
 @pytest.mark.gpu
 def test_gpu_direct_launch_is_used_and_specialises(monkeypatch):
     """The cached launch path runs after the first call and gives the same plan; a misaligned or
-    differently-shaped input gets its own compiled kernel (the cache key holds Triton's specialisation)."""
+    differently-shaped input gets its own compiled kernel (the cache key holds Triton's specialisation).
+    For the tile kernel (fp32, 'rounds') and the 16-bit row kernel (bf16, a row over 4 threads)."""
     pol = EntropyAdaptiveK((2, 4, 8), (3.0, 3.6))
-    x = (torch.randn(1000, 64) * 2).cuda()
-    first = route_triton(x, pol, False)
-    n0 = kr._launch.direct_calls
-    again = route_triton(x, pol, False)
-    assert not kr._launch.disabled and kr._launch.direct_calls == n0 + 1
-    assert torch.equal(first.expert_ids, again.expert_ids) and torch.equal(first.weights, again.weights)
-    big = torch.randn(1001 * 64 + 1).cuda()
-    for view in (big[1:].view(1001, 64), big[:16 * 64].view(16, 64), big[:64].view(1, 64)):
-        for _ in range(2):  # compile, then the direct path
-            assert_same_plan(view, pol, False)
-            assert_same_plan(view, TopP(0.5, k_max=8), True)
+    for launcher, dtype, select in ((kr._launch, torch.float32, "rounds"),
+                                    (kr._launch_rows16, torch.bfloat16, "rowwise")):
+        monkeypatch.setitem(kr.LAUNCH, "select", select)
+        monkeypatch.setitem(kr.LAUNCH, "split", 4)
+        x = (torch.randn(1000, 64) * 2).to(dtype).cuda()
+        first = route_triton(x, pol, False)
+        n0 = launcher.direct_calls
+        again = route_triton(x, pol, False)
+        assert not launcher.disabled and launcher.direct_calls == n0 + 1
+        assert torch.equal(first.expert_ids, again.expert_ids) and torch.equal(first.weights, again.weights)
+        big = torch.randn(1001 * 64 + 1).to(dtype).cuda()
+        for view in (big[1:].view(1001, 64), big[:16 * 64].view(16, 64), big[:64].view(1, 64)):
+            for _ in range(2):  # compile, then the direct path
+                assert_same_plan(view, pol, False)
+                assert_same_plan(view, TopP(0.5, k_max=8), True)
 
 
 @gpu
