@@ -55,7 +55,10 @@ FEW_ROWS = [
 ]
 
 # device name -> {(D, F): [(N up to, {"gate_up": {...}, "down": {...}}), ...]} (N = T * k_max rows);
-# an entry's dicts update the default's key by key. Empty until a tuning run on the device fills it.
+# an entry's dicts update the default's key by key (many rows per expert only). Left empty for the H200:
+# data/results/experts-tune-20261130.json (--parts tune-gemm) found 128-row tiles fastest on native plans
+# at T = 4096 but still 10-30% behind CUTLASS, which moelab.experts 'auto' uses there; 128-row tiles
+# would also give up the smaller tiles' edge on adaptive plans, the reason this path exists.
 TUNED: dict[str, dict[tuple[int, int], list]] = {
     "NVIDIA H200": {},
 }
