@@ -122,11 +122,14 @@ plt.show()
 # %% [markdown]
 # ## 3 · MoE layer time
 # Same weights for every variant. moelab: router GEMM, Triton routing, padded pair layout (no host
-# sync), Triton gather / SwiGLU / combine that stop at the kept pairs, `torch._grouped_mm` for the
-# expert GEMMs. Solid: eager launch (CUDA events); dashed: ours inside a CUDA graph (T <= 4096).
+# sync), expert GEMMs as `moelab.experts.set_gemm('auto')` picks them: moelab's Triton grouped GEMMs
+# (gather and SwiGLU fused in) up to 32 padded rows per expert, `torch._grouped_mm` (CUTLASS) above;
+# `_triton` / `_cutlass`: native top-k pinned to one of the two. Solid: eager launch (CUDA events);
+# dashed: ours inside a CUDA graph (T <= 4096).
 
 # %%
-VARIANTS = ["moelab_topk", "moelab_adaptive", "hf_grouped_mm", "hf_eager"]
+VARIANTS = [v for v in ["moelab_topk", "moelab_adaptive", "moelab_topk_triton", "moelab_topk_cutlass",
+                        "hf_grouped_mm", "hf_eager"] if v in set(layer["variant"])]
 lshapes = list(dict.fromkeys(layer["shape"]))
 fig, axes = figure("full", aspect=0.32, ncols=len(lshapes), squeeze=False, layout="constrained")
 for ax, shape in zip(axes.flat, lshapes):
