@@ -2,7 +2,8 @@
 
 The torch._grouped_mm path (moelab.experts) runs gather -> GEMM -> SwiGLU -> GEMM -> combine, with
 CUTLASS's 128-row tiles: every expert's last partial tile is mostly wasted, and the gather and SwiGLU
-passes add fixed cost. Here two kernels do the same with smaller row tiles (BLOCK_M 64 by default):
+passes add fixed cost. Here two launches of one kernel do the same with smaller row tiles (BLOCK_M 64 at
+many rows per expert, 16 / 32 at few):
 - A, gate_up + SwiGLU: rows of x gathered through token_idx straight into the GEMM (no x_PD copy),
   gate and up accumulated side by side for the same F columns, a_PF = silu(gate) * up written once;
 - B, down: y_PD = a_PF @ down_EDF[e].T;
@@ -143,87 +144,63 @@ def _tile_map_kernel(offs_ptr, out_ptr, E, BLOCK_M: tl.constexpr, BLOCK_E: tl.co
 
 
 @triton.jit
-def _gate_up_swiglu_kernel(
-    x_ptr, tok_ptr, offs_ptr, w_ptr, a_ptr,
-    D, Fd, E, NUM_M,
+def _expert_gemm_kernel(
+    a_ptr, tok_ptr, offs_ptr, w_ptr, out_ptr,
+    KD, N, E, NUM_M,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
-    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, GROUP_M: tl.constexpr, GATED: tl.constexpr,
 ):
-    """a[r, n] = silu(x[tok[r]] . w[e, n]) * (x[tok[r]] . w[e, F + n]) for the rows r of one expert's tile."""
-    pid_m, pid_n = _swizzle(tl.program_id(0), NUM_M, tl.cdiv(Fd, BLOCK_N), GROUP_M)
+    """out[r, n] = a[r] . w[e, n] (w: [E, N, KD]) for the rows r of one expert's tile: the down GEMM.
+    GATED: the gate_up GEMM + SwiGLU, rows of a gathered through tok, w: [E, 2N, KD],
+    out[r, n] = silu(a[tok[r]] . w[e, n]) * (a[tok[r]] . w[e, N + n])."""
+    pid_m, pid_n = _swizzle(tl.program_id(0), NUM_M, tl.cdiv(N, BLOCK_N), GROUP_M)
     e, row0, end, total = _tile_of(pid_m, offs_ptr, E, BLOCK_M, BLOCK_E)
     if pid_m >= total:
         return
     r = row0 + tl.arange(0, BLOCK_M)
     r_ok = r < end
-    tok = tl.load(tok_ptr + tl.where(r_ok, r, row0)).to(tl.int64)  # rows past the group: a valid token
-    n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % Fd  # columns past F wrap (never stored)
+    if GATED:
+        src = tl.load(tok_ptr + tl.where(r_ok, r, row0)).to(tl.int64)  # rows past the group: a valid token
+    else:
+        src = tl.where(r_ok, r, row0).to(tl.int64)  # rows past the group read a row that exists
+    n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N  # columns past N wrap (never stored)
     k = tl.arange(0, BLOCK_K)
-    a_ptrs = x_ptr + tok[:, None] * D + k[None, :]
-    w_e = w_ptr + e.to(tl.int64) * (2 * Fd) * D
-    g_ptrs = w_e + n[None, :].to(tl.int64) * D + k[:, None]  # [BLOCK_K, BLOCK_N] of w[e, n, :].T
-    u_ptrs = w_e + (n[None, :] + Fd).to(tl.int64) * D + k[:, None]  # w[e, F + n, :].T
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for kk in range(0, tl.cdiv(D, BLOCK_K)):
-        if EVEN_K:
-            a = tl.load(a_ptrs)
-            wg = tl.load(g_ptrs)
-            wu = tl.load(u_ptrs)
-        else:
-            k_ok = k < D - kk * BLOCK_K
-            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-            wg = tl.load(g_ptrs, mask=k_ok[:, None], other=0.0)
-            wu = tl.load(u_ptrs, mask=k_ok[:, None], other=0.0)
-        acc_g = tl.dot(a, wg, acc_g, input_precision=PRECISION)
-        acc_u = tl.dot(a, wu, acc_u, input_precision=PRECISION)
-        a_ptrs += BLOCK_K
-        g_ptrs += BLOCK_K
-        u_ptrs += BLOCK_K
-    dt = a_ptr.dtype.element_ty
-    # the numerics of GEMM -> swiglu_rows: gate and up rounded to the data type, silu rounded too
-    g = acc_g.to(dt).to(tl.float32)
-    u = acc_u.to(dt).to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
-    n_out = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    out = a_ptr + r[:, None].to(tl.int64) * Fd + n_out[None, :]
-    tl.store(out, (act * u).to(dt), mask=r_ok[:, None] & (n_out < Fd)[None, :])
-
-
-@triton.jit
-def _down_kernel(
-    a_ptr, offs_ptr, w_ptr, y_ptr,
-    D, Fd, E, NUM_M,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
-    EVEN_K: tl.constexpr, PRECISION: tl.constexpr, GROUP_M: tl.constexpr,
-):
-    """y[r, n] = a[r] . w[e, n] for the rows r of one expert's tile (w: [E, D, F])."""
-    pid_m, pid_n = _swizzle(tl.program_id(0), NUM_M, tl.cdiv(D, BLOCK_N), GROUP_M)
-    e, row0, end, total = _tile_of(pid_m, offs_ptr, E, BLOCK_M, BLOCK_E)
-    if pid_m >= total:
-        return
-    r = row0 + tl.arange(0, BLOCK_M)
-    r_ok = r < end
-    r_in = tl.where(r_ok, r, row0).to(tl.int64)  # rows past the group read a row that exists
-    n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % D
-    k = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + r_in[:, None] * Fd + k[None, :]
-    w_ptrs = w_ptr + e.to(tl.int64) * D * Fd + n[None, :].to(tl.int64) * Fd + k[:, None]
+    a_ptrs = a_ptr + src[:, None] * KD + k[None, :]
+    w_e = w_ptr + e.to(tl.int64) * ((2 * N) if GATED else N) * KD
+    w_ptrs = w_e + n[None, :].to(tl.int64) * KD + k[:, None]  # [BLOCK_K, BLOCK_N] of w[e, n, :].T
+    u_ptrs = w_e + (n[None, :] + N).to(tl.int64) * KD + k[:, None]  # GATED: w[e, N + n, :].T
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for kk in range(0, tl.cdiv(Fd, BLOCK_K)):
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for kk in range(0, tl.cdiv(KD, BLOCK_K)):
         if EVEN_K:
             a = tl.load(a_ptrs)
             w = tl.load(w_ptrs)
+            if GATED:
+                wu = tl.load(u_ptrs)
         else:
-            k_ok = k < Fd - kk * BLOCK_K
+            k_ok = k < KD - kk * BLOCK_K
             a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
+            if GATED:
+                wu = tl.load(u_ptrs, mask=k_ok[:, None], other=0.0)
         acc = tl.dot(a, w, acc, input_precision=PRECISION)
+        if GATED:
+            acc_u = tl.dot(a, wu, acc_u, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+        if GATED:
+            u_ptrs += BLOCK_K
+    dt = out_ptr.dtype.element_ty
+    if GATED:  # the numerics of GEMM -> swiglu_rows: gate and up rounded to the data type, silu rounded too
+        g = acc.to(dt).to(tl.float32)
+        u = acc_u.to(dt).to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+        val = (act * u).to(dt)
+    else:
+        val = acc.to(dt)
     n_out = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    out = y_ptr + r[:, None].to(tl.int64) * D + n_out[None, :]
-    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=r_ok[:, None] & (n_out < D)[None, :])
+    out = out_ptr + r[:, None].to(tl.int64) * N + n_out[None, :]
+    tl.store(out, val, mask=r_ok[:, None] & (n_out < N)[None, :])
 
 
 # ------------------------------------------------------------------ host side
@@ -246,43 +223,34 @@ def tile_map(offsets_E: torch.Tensor, N: int, block_m: int) -> torch.Tensor:
     return out
 
 
+def _launch_gemm(a: torch.Tensor, tok: torch.Tensor | None, offsets_E: torch.Tensor, w: torch.Tensor, n_out: int,
+                 rows: int, cfg: dict) -> torch.Tensor:
+    """[rows, n_out] from _expert_gemm_kernel (GATED when tok is given), rows < offsets[-1] written."""
+    E, KD = w.shape[0], a.shape[1]
+    out = torch.empty(rows, n_out, dtype=a.dtype, device=a.device)
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    num_m = max_tiles(rows, E, bm)
+    grid = (num_m * cdiv(n_out, bn),)
+    if grid[0]:
+        _expert_gemm_kernel[grid](
+            a, offsets_E if tok is None else tok, offsets_E, w, out, KD, n_out, E, num_m,
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_E=pow2(max(E, 2)), EVEN_K=KD % bk == 0,
+            PRECISION=_precision(a.dtype), GROUP_M=cfg.get("GROUP_M", 1), GATED=tok is not None,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )
+    return out
+
+
 def gate_up_swiglu(x_TD: torch.Tensor, token_idx: torch.Tensor, offsets_E: torch.Tensor, gate_up_EHD: torch.Tensor,
                    cfg: dict) -> torch.Tensor:
     """a_PF = silu(x[tok] @ gate.T) * (x[tok] @ up.T) per expert group, rows < offsets[-1] written
     ([N, F], later rows left unwritten). Inputs already checked by fused_experts."""
-    N, D = token_idx.shape[0], x_TD.shape[1]
-    E, H, _ = gate_up_EHD.shape
-    Fd = H // 2
-    a_PF = torch.empty(N, Fd, dtype=x_TD.dtype, device=x_TD.device)
-    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-    num_m = max_tiles(N, E, bm)
-    grid = (num_m * cdiv(Fd, bn),)
-    if grid[0]:
-        _gate_up_swiglu_kernel[grid](
-            x_TD, token_idx, offsets_E, gate_up_EHD, a_PF, D, Fd, E, num_m,
-            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_E=pow2(max(E, 2)), EVEN_K=D % bk == 0,
-            PRECISION=_precision(x_TD.dtype), GROUP_M=cfg.get("GROUP_M", 1), num_warps=cfg["num_warps"],
-            num_stages=cfg["num_stages"],
-        )
-    return a_PF
+    return _launch_gemm(x_TD, token_idx, offsets_E, gate_up_EHD, gate_up_EHD.shape[1] // 2, token_idx.shape[0], cfg)
 
 
 def down_proj(a_PF: torch.Tensor, offsets_E: torch.Tensor, down_EDF: torch.Tensor, cfg: dict) -> torch.Tensor:
     """y_PD = a_PF @ down[e].T per expert group, rows < offsets[-1] written ([N, D], later rows unwritten)."""
-    N, Fd = a_PF.shape
-    E, D, _ = down_EDF.shape
-    y_PD = torch.empty(N, D, dtype=a_PF.dtype, device=a_PF.device)
-    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-    num_m = max_tiles(N, E, bm)
-    grid = (num_m * cdiv(D, bn),)
-    if grid[0]:
-        _down_kernel[grid](
-            a_PF, offsets_E, down_EDF, y_PD, D, Fd, E, num_m,
-            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_E=pow2(max(E, 2)), EVEN_K=Fd % bk == 0,
-            PRECISION=_precision(a_PF.dtype), GROUP_M=cfg.get("GROUP_M", 1), num_warps=cfg["num_warps"],
-            num_stages=cfg["num_stages"],
-        )
-    return y_PD
+    return _launch_gemm(a_PF, None, offsets_E, down_EDF, down_EDF.shape[1], a_PF.shape[0], cfg)
 
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -332,8 +300,8 @@ def _check(x_TD, layout, gate_up_EHD, down_EDF, plan) -> None:
 
 def fused_experts(x_TD: torch.Tensor, layout: PairLayout, gate_up_EHD: torch.Tensor, down_EDF: torch.Tensor,
                   plan: RoutingPlan, config: dict | None = None) -> torch.Tensor:
-    """Sum over kept experts of weight * down(silu(gate(x)) * up(x)), [T, D] in x's dtype: kernel A
-    (gather + gate_up + SwiGLU), kernel B (down), combine_rows. layout: padded, with slot_row
+    """Sum over kept experts of weight * down(silu(gate(x)) * up(x)), [T, D] in x's dtype: gate_up_swiglu
+    (gather + gate_up + SwiGLU), down_proj, combine_rows. layout: padded, with slot_row
     (moelab.kernels.layout.pair_layout_padded). config: {"gate_up": {...}, "down": {...}} entries
     overriding `launch_config`'s (e.g. {"gate_up": {"BLOCK_M": 16}})."""
     _check(x_TD, layout, gate_up_EHD, down_EDF, plan)
