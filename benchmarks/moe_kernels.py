@@ -375,9 +375,10 @@ TUNE_SHAPES = {8: 2, 60: 4, 64: 8, 128: 8}  # E: native k of the routing shapes
 
 def tune_configs(E, k, T, selects="all"):
     """(select, tile, warps, split) worth timing at this shape. The three tile selections over tiles and
-    warps ('all'); the row kernel (bf16: 32-bit keys, any E) with a row cut into `split` pieces, tile =
-    rows per program x BLOCK_E; selects='rowwise': only the row kernel (the tile selections' timings
-    stand in the table already, as its current pick, timed beside them)."""
+    warps ('all'); the row kernel (bf16: 32-bit keys, any E; keys inserted one by one or, 'rowsort',
+    sorted in chunks of eight and merged) with a row cut into `split` pieces, tile = rows per program x
+    BLOCK_E; selects='rowwise': only the row kernel (the tile selections' timings stand in the table
+    already, as its current pick, timed beside them)."""
     import triton
 
     from moelab.kernels import routing as kr
@@ -388,11 +389,13 @@ def tune_configs(E, k, T, selects="all"):
                for tile in ((512, 1024, 2048) if T >= 4096 else (1024,)) for warps in (4, 8)]
     be = triton.next_power_of_2(E)
     if kr._select(k, "rowwise", be, 2) == 3:
-        for split in (1, 2, 4, 8):
-            for warps in (2, 4):
-                rows = 32 * warps // split  # one row piece per thread
-                if split <= be // 8 or split == 1:
-                    out.append(("rowwise", rows * be, warps, split))
+        # 'rowsort' (chunks of eight keys sorted and merged) differs from 'rowwise' only for 5 <= k <= 8
+        for sel in ("rowwise", "rowsort") if 5 <= k <= 8 else ("rowwise",):
+            for split in (1, 2, 4, 8):
+                for warps in (2, 4):
+                    rows = 32 * warps // split  # one row piece per thread
+                    if split <= be // 8 or split == 1:
+                        out.append((sel, rows * be, warps, split))
     return out
 
 

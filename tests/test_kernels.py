@@ -220,10 +220,12 @@ def test_launch_config_overrides(monkeypatch):
 
 
 @pytest.mark.parametrize("split", [2, 4, 8])
-def test_rows16_split_rows(split, monkeypatch):
+@pytest.mark.parametrize("sel", ["rowwise", "rowsort"])
+def test_rows16_split_rows(split, sel, monkeypatch):
     """16-bit logits, a row cut into pieces scanned by separate threads and merged (tl.reduce): the same plan,
-    also where the pieces do not divide E (masked columns, a piece with no column at all) and with -0 / +0."""
-    monkeypatch.setitem(kr.LAUNCH, "select", "rowwise")
+    also where the pieces do not divide E (masked columns, a piece with no column at all) and with -0 / +0;
+    'rowsort' sorts each piece's 8-key chunks and merges them (E = 64, k = 8 here)."""
+    monkeypatch.setitem(kr.LAUNCH, "select", sel)
     monkeypatch.setitem(kr.LAUNCH, "split", split)
     rng = torch.Generator().manual_seed(split)
     for E, K in [(5, 3), (33, 6), (60, 4), (64, 8)]:
@@ -281,11 +283,13 @@ def test_gpu_random_shapes_in_full(select):
 
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("E,K,split", [(8, 2, 1), (60, 4, 1), (64, 8, 2), (128, 8, 4), (256, 8, 8)])
-def test_gpu_rowwise_at_the_tuned_shapes(E, K, split, monkeypatch):
+@pytest.mark.parametrize("E,K,split,sel", [(8, 2, 1, "rowwise"), (60, 4, 1, "rowwise"), (64, 8, 2, "rowwise"),
+                                         (128, 8, 4, "rowwise"), (256, 8, 8, "rowwise"), (64, 8, 2, "rowsort"),
+                                         (128, 6, 1, "rowsort")])
+def test_gpu_rowwise_at_the_tuned_shapes(E, K, split, sel, monkeypatch):
     """The one-row-per-thread selection compiled, at the shapes the tuned table gives it (few compiles: the
     random-shapes test above covers it too, but compiles a kernel per E, k and policy)."""
-    monkeypatch.setitem(kr.LAUNCH, "select", "rowwise")
+    monkeypatch.setitem(kr.LAUNCH, "select", sel)
     monkeypatch.setitem(kr.LAUNCH, "split", split)
     monkeypatch.setitem(kr.LAUNCH, "tile", 64 * triton.next_power_of_2(E) // split)
     rng = torch.Generator().manual_seed(E)

@@ -7,9 +7,9 @@ selections find the k_max largest: on tiles of tokens x experts, k_max rounds of
 (probability bits, reversed index) keys, a bitonic tl.topk of those keys, or k_max rounds of an fp32
 max and the lowest index holding it; or with rows in threads ('rowwise'), each key inserted into k_max
 sorted registers (bf16 / fp16 logits: 32-bit (logit, reversed index) keys, one pass, a row split over
-up to 8 threads). Which is fastest depends on E, k_max and T (TUNED, per device). Optional running
-statistics (k histogram, entropy sum, tokens) are added to device tensors with atomics, so the call
-can be captured in a CUDA graph. `moelab.routing.route` dispatches here on CUDA (or when the backend
+up to 8 threads; 'rowsort': chunks of eight keys sorted and merged). Which is fastest depends on E,
+k_max and T (TUNED, per device). Optional running statistics (k histogram, entropy sum, tokens) are
+added to device tensors with atomics, so the call can be captured in a CUDA graph. `moelab.routing.route` dispatches here on CUDA (or when the backend
 is forced to 'triton'; on a CPU that needs TRITON_INTERPRET=1).
 
 Exactness: ids, k and the tie order match `route_torch` whenever the fp32 probabilities are either
@@ -479,19 +479,34 @@ def _rank16(x16):
 def _chunk16(
     x16, ok, rev, m, s, t, v0, v1, v2, v3, v4, v5, v6, v7,
     K: tl.constexpr, R: tl.constexpr, CH: tl.constexpr, FIRST: tl.constexpr, MASKED: tl.constexpr,
+    SORT: tl.constexpr,
 ):
-    """One chunk [R, CH] of 16-bit logits (R row pieces): keys inserted; online max m, sum s of e^d and t
+    """One chunk [R, CH] of 16-bit logits (R row pieces): keys inserted (SORT, CH = 8: the chunk's eight
+    keys sorted and merged, 19 + 20 compare-exchanges instead of 8 insertions of 2 K - 1 min/max each);
+    online max m, sum s of e^d and t
     of d e^d with d = x - m, relative to the running max (all columns masked: m = -inf, s = t = 0).
     d is formed before scaling (x log2(e) - m log2(e) rounds m log2(e): weights 1e-6 off at |m| ~ 20)."""
+    LOG2E: tl.constexpr = 1.4426950408889634
     key = (_rank16(x16) << 16) | rev
     x = x16.to(tl.float32)
     if MASKED:
         key = tl.where(ok, key, -2147483648)
         x = tl.where(ok, x, float("-inf"))
-    v0, v1, v2, v3, v4, v5, v6, v7 = _ins_chunk(key, v0, v1, v2, v3, v4, v5, v6, v7, K, R, CH)
+    if SORT:
+        a, b = tl.split(tl.reshape(key, [R, 4, 2]))  # the eight keys of each row piece, in any order
+        a0, a1 = tl.split(tl.reshape(a, [R, 2, 2]))
+        b0, b1 = tl.split(tl.reshape(b, [R, 2, 2]))
+        k0, k1 = tl.split(a0)
+        k2, k3 = tl.split(a1)
+        k4, k5 = tl.split(b0)
+        k6, k7 = tl.split(b1)
+        k0, k1, k2, k3, k4, k5, k6, k7 = _sort8(k0, k1, k2, k3, k4, k5, k6, k7)
+        v0, v1, v2, v3, v4, v5, v6, v7 = _top8(v0, v1, v2, v3, v4, v5, v6, v7, k0, k1, k2, k3, k4, k5, k6, k7)
+    else:
+        v0, v1, v2, v3, v4, v5, v6, v7 = _ins_chunk(key, v0, v1, v2, v3, v4, v5, v6, v7, K, R, CH)
     m_new = tl.maximum(m, tl.max(x, axis=1))
     d = x - m_new[:, None]
-    e = tl.exp(d)
+    e = tl.exp2(d * LOG2E)  # as tl.exp, without its fix-up for arguments below -126 (fewer instructions)
     if MASKED:
         e = tl.where(ok, e, 0.0)
         ed = tl.sum(tl.where(ok, e * d, 0.0), axis=1)
@@ -502,7 +517,7 @@ def _chunk16(
         t = ed
     else:
         sh = tl.where(m == m_new, 0.0, m - m_new)  # <= 0: rescale the sums to the new max
-        a = tl.exp(sh)
+        a = tl.exp2(sh * LOG2E)
         t = a * (t + sh * s) + ed
         s = a * s + tl.sum(e, axis=1)
     return m_new, s, t, v0, v1, v2, v3, v4, v5, v6, v7
@@ -515,17 +530,9 @@ def _cx(a, b):
 
 
 @triton.jit
-def _merge16(m1, s1, t1, a0, a1, a2, a3, a4, a5, a6, a7, m2, s2, t2, b0, b1, b2, b3, b4, b5, b6, b7):
-    """tl.reduce combine of two column ranges' states: the online sums rescaled to the larger max, and the
-    best eight of two descending key lists (pairwise max against the reversed list is bitonic; three
-    compare-exchange stages sort it)."""
-    m = tl.maximum(m1, m2)
-    sh1 = tl.where(m1 == m, 0.0, m1 - m)
-    sh2 = tl.where(m2 == m, 0.0, m2 - m)
-    e1 = tl.exp(sh1)
-    e2 = tl.exp(sh2)
-    s = e1 * s1 + e2 * s2
-    t = tl.where(s1 > 0, e1 * (t1 + sh1 * s1), 0.0) + tl.where(s2 > 0, e2 * (t2 + sh2 * s2), 0.0)
+def _top8(a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7):
+    """The best eight of two descending key lists, descending: the pairwise max against the reversed
+    list is bitonic; three compare-exchange stages sort it."""
     c0, c4 = _cx(tl.maximum(a0, b7), tl.maximum(a4, b3))
     c1, c5 = _cx(tl.maximum(a1, b6), tl.maximum(a5, b2))
     c2, c6 = _cx(tl.maximum(a2, b5), tl.maximum(a6, b1))
@@ -538,6 +545,46 @@ def _merge16(m1, s1, t1, a0, a1, a2, a3, a4, a5, a6, a7, m2, s2, t2, b0, b1, b2,
     c2, c3 = _cx(c2, c3)
     c4, c5 = _cx(c4, c5)
     c6, c7 = _cx(c6, c7)
+    return c0, c1, c2, c3, c4, c5, c6, c7
+
+
+@triton.jit
+def _sort8(s0, s1, s2, s3, s4, s5, s6, s7):
+    """Eight keys in descending order: the 19-comparator network of depth 6 (Knuth, TAOCP 5.3.4)."""
+    s0, s2 = _cx(s0, s2)
+    s1, s3 = _cx(s1, s3)
+    s4, s6 = _cx(s4, s6)
+    s5, s7 = _cx(s5, s7)
+    s0, s4 = _cx(s0, s4)
+    s1, s5 = _cx(s1, s5)
+    s2, s6 = _cx(s2, s6)
+    s3, s7 = _cx(s3, s7)
+    s0, s1 = _cx(s0, s1)
+    s2, s3 = _cx(s2, s3)
+    s4, s5 = _cx(s4, s5)
+    s6, s7 = _cx(s6, s7)
+    s2, s4 = _cx(s2, s4)
+    s3, s5 = _cx(s3, s5)
+    s1, s4 = _cx(s1, s4)
+    s3, s6 = _cx(s3, s6)
+    s1, s2 = _cx(s1, s2)
+    s3, s4 = _cx(s3, s4)
+    s5, s6 = _cx(s5, s6)
+    return s0, s1, s2, s3, s4, s5, s6, s7
+
+
+@triton.jit
+def _merge16(m1, s1, t1, a0, a1, a2, a3, a4, a5, a6, a7, m2, s2, t2, b0, b1, b2, b3, b4, b5, b6, b7):
+    """tl.reduce combine of two column ranges' states: the online sums rescaled to the larger max, and the
+    best eight of the two sorted key lists."""
+    m = tl.maximum(m1, m2)
+    sh1 = tl.where(m1 == m, 0.0, m1 - m)
+    sh2 = tl.where(m2 == m, 0.0, m2 - m)
+    e1 = tl.exp(sh1)
+    e2 = tl.exp(sh2)
+    s = e1 * s1 + e2 * s2
+    t = tl.where(s1 > 0, e1 * (t1 + sh1 * s1), 0.0) + tl.where(s2 > 0, e2 * (t2 + sh2 * s2), 0.0)
+    c0, c1, c2, c3, c4, c5, c6, c7 = _top8(a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7)
     return m, s, t, c0, c1, c2, c3, c4, c5, c6, c7
 
 
@@ -550,6 +597,7 @@ def _route_rows16_kernel(
     POLICY: tl.constexpr, NTH: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, RENORM: tl.constexpr, STATS: tl.constexpr,
     BLOCK_K1: tl.constexpr, CH: tl.constexpr, EC: tl.constexpr, SC: tl.constexpr, SPLIT: tl.constexpr,
+    SORT: tl.constexpr,
 ):
     # as _route_rows_kernel (EC, SC: E and the row stride as constants), for bf16 / fp16 logits. The
     # program's R = BLOCK_T * SPLIT row pieces are rows-major (a row's pieces in neighbouring threads: the
@@ -584,7 +632,7 @@ def _route_rows16_kernel(
     else:
         x16 = tl.load(ptrs, mask=rmask, other=0.0)
     m, s, t, v0, v1, v2, v3, v4, v5, v6, v7 = _chunk16(
-        x16, ok, RB - col0, m, s, t, v0, v1, v2, v3, v4, v5, v6, v7, K, R, CH, True, MASKED)
+        x16, ok, RB - col0, m, s, t, v0, v1, v2, v3, v4, v5, v6, v7, K, R, CH, True, MASKED, SORT)
     for c in tl.range(1, CPC):
         ok = (col0 + c * CH) < EC
         if MASKED:
@@ -592,7 +640,7 @@ def _route_rows16_kernel(
         else:
             x16 = tl.load(ptrs + c * CH, mask=rmask, other=0.0)
         m, s, t, v0, v1, v2, v3, v4, v5, v6, v7 = _chunk16(
-            x16, ok, RB - c * CH - col0, m, s, t, v0, v1, v2, v3, v4, v5, v6, v7, K, R, CH, False, MASKED)
+            x16, ok, RB - c * CH - col0, m, s, t, v0, v1, v2, v3, v4, v5, v6, v7, K, R, CH, False, MASKED, SORT)
     if SPLIT > 1:
         m, s, t, v0, v1, v2, v3, v4, v5, v6, v7 = tl.reduce(
             (tl.reshape(m, [BLOCK_T, SPLIT]), tl.reshape(s, [BLOCK_T, SPLIT]), tl.reshape(t, [BLOCK_T, SPLIT]),
@@ -648,19 +696,20 @@ def _policy_args(policy: Policy):
     raise ValueError(f"policy={policy!r}: must be TopK, EntropyAdaptiveK, TopP or RatioSkip")
 
 
-SELECTS = ("rounds", "bitonic", "split", "rowwise")
+SELECTS = ("rounds", "bitonic", "split", "rowwise", "rowsort")
 
 
 def _select(K: int, sel: str, block_e: int = 0, elsize: int = 4) -> int:
     """0 'rounds': K rounds of an int64 key max; 1 'bitonic': tl.topk of the keys (K >= 2: Triton's topk
     of one is a plain max); 2 'split': K rounds of an fp32 max, then the lowest index holding it;
     3 'rowwise': one row per thread, keys inserted into K sorted registers (K <= 8, and for fp32 logits
-    BLOCK_E <= 64; else 'rounds')."""
+    BLOCK_E <= 64; else 'rounds'); 'rowsort': the same kernel, and for 16-bit logits in 8-key chunks
+    with 5 <= K <= 8 each chunk's keys are sorted and merged instead of inserted one by one."""
     if sel not in SELECTS:
         raise ValueError(f"select={sel!r}: must be one of {SELECTS}")
     if sel == "bitonic" and K >= 2 and hasattr(tl, "topk"):
         return 1
-    if sel == "rowwise":
+    if sel in ("rowwise", "rowsort"):
         return 3 if K <= MAX_ROWWISE_K and (elsize == 2 or block_e <= MAX_ROWWISE_E) else 0
     return 2 if sel == "split" else 0
 
@@ -718,6 +767,7 @@ def _shape_launch(T: int, E: int, K: int, cuda: int, overrides: tuple, elsize: i
         if elsize == 2:
             launch = _launch_rows16
             meta["SPLIT"] = max(1, min(cfg["split"], block_e // ch))
+            meta["SORT"] = cfg["select"] == "rowsort" and ch == 8 and pow2(K) == 8
     else:
         meta["SELECT"] = select
     return launch, (cdiv(T, block_t),), meta, cfg["warps"]
