@@ -9,8 +9,9 @@ max and the lowest index holding it; or with rows in threads ('rowwise'), each k
 sorted registers (bf16 / fp16 logits: 32-bit (logit, reversed index) keys, one pass, a row split over
 up to 8 threads; 'rowsort': chunks of eight keys sorted and merged). Which is fastest depends on E,
 k_max and T (TUNED, per device). Optional running statistics (k histogram, entropy sum, tokens) are
-added to device tensors with atomics, so the call can be captured in a CUDA graph. `moelab.routing.route` dispatches here on CUDA (or when the backend
-is forced to 'triton'; on a CPU that needs TRITON_INTERPRET=1).
+added to device tensors with atomics, so the call can be captured in a CUDA graph.
+`moelab.routing.route` dispatches here on CUDA (or when the backend is forced to 'triton'; on a CPU
+that needs TRITON_INTERPRET=1).
 
 Exactness: ids, k and the tie order match `route_torch` whenever the fp32 probabilities are either
 equal (ties, broken by the lower index) or apart by more than the last-bit differences of two exp
