@@ -317,37 +317,30 @@ MAX_ROWWISE_E = 64
 
 @triton.jit
 def _ins(q, v0, v1, v2, v3, v4, v5, v6, v7, K: tl.constexpr):
-    """Insert key q into the sorted keys v0 >= v1 >= ... (the first K used): each slot keeps the larger."""
-    t = tl.maximum(v0, q)
-    q = tl.minimum(v0, q)
-    v0 = t
+    """Insert key q into the sorted keys v0 >= v1 >= ... (the first K used): each slot keeps the larger
+    and passes the smaller on."""
+    v0, q = _cx(v0, q)
     if K > 1:
-        t = tl.maximum(v1, q)
-        q = tl.minimum(v1, q)
-        v1 = t
+        v1, q = _cx(v1, q)
     if K > 2:
-        t = tl.maximum(v2, q)
-        q = tl.minimum(v2, q)
-        v2 = t
+        v2, q = _cx(v2, q)
     if K > 3:
-        t = tl.maximum(v3, q)
-        q = tl.minimum(v3, q)
-        v3 = t
+        v3, q = _cx(v3, q)
     if K > 4:
-        t = tl.maximum(v4, q)
-        q = tl.minimum(v4, q)
-        v4 = t
+        v4, q = _cx(v4, q)
     if K > 5:
-        t = tl.maximum(v5, q)
-        q = tl.minimum(v5, q)
-        v5 = t
+        v5, q = _cx(v5, q)
     if K > 6:
-        t = tl.maximum(v6, q)
-        q = tl.minimum(v6, q)
-        v6 = t
+        v6, q = _cx(v6, q)
     if K > 7:
         v7 = tl.maximum(v7, q)
     return v0, v1, v2, v3, v4, v5, v6, v7
+
+
+@triton.jit
+def _cx(a, b):
+    """Compare-exchange: (larger, smaller)."""
+    return tl.maximum(a, b), tl.minimum(a, b)
 
 
 @triton.jit
@@ -522,12 +515,6 @@ def _chunk16(
         t = a * (t + sh * s) + ed
         s = a * s + tl.sum(e, axis=1)
     return m_new, s, t, v0, v1, v2, v3, v4, v5, v6, v7
-
-
-@triton.jit
-def _cx(a, b):
-    """Compare-exchange: (larger, smaller)."""
-    return tl.maximum(a, b), tl.minimum(a, b)
 
 
 @triton.jit
