@@ -8,7 +8,7 @@ Flow: plan -> expert-sorted pairs -> gather rows -> grouped GEMM (gate/up) -> ac
 The number of rows in both GEMMs is exactly the number of kept pairs: skipped pairs cost nothing.
 
 Expert GEMMs (`set_gemm`):
-- 'triton': moelab.kernels.grouped.fused_experts, Triton grouped GEMMs with 64-row tiles, the gather
+- 'triton': moelab.kernels.grouped.fused_experts, Triton grouped GEMMs with 16-64-row tiles, the gather
   and SwiGLU fused into the gate_up GEMM, then the down GEMM and a per-token combine (padded layouts
   with slot_row and act_fn F.silu only);
 - 'grouped': torch._grouped_mm (CUTLASS, 128-row tiles) between Triton gather / SwiGLU / combine
@@ -101,8 +101,9 @@ _GEMM_MODE = "auto"  # "auto" | "triton" | "grouped" | "loop"
 
 
 def set_gemm(mode: str) -> None:
-    """Force the expert GEMM: 'auto' (Triton fused on CUDA padded layouts, else grouped where supported),
-    'triton' (moelab.kernels.grouped; padded layouts with slot_row and F.silu only), 'grouped'
+    """Force the expert GEMM: 'auto' (Triton fused on CUDA padded layouts with at most
+    FUSED_MAX_ROWS_PER_EXPERT rows per expert, else grouped where supported), 'triton'
+    (moelab.kernels.grouped; padded layouts with slot_row and F.silu only), 'grouped'
     (torch._grouped_mm) or 'loop'."""
     global _GEMM_MODE
     if mode not in ("auto", "triton", "grouped", "loop"):

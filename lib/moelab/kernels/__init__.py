@@ -1,5 +1,6 @@
 """Triton kernels: fused routing (routing.py), pair layout without host sync (layout.py), padded
-expert row ops (experts.py). Dispatch lives in moelab.routing / moelab.experts."""
+expert row ops (experts.py), grouped expert GEMMs (grouped.py), the issue-5 target checks (report.py).
+Dispatch lives in moelab.routing / moelab.experts."""
 
 import contextlib
 import functools
