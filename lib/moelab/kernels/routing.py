@@ -42,12 +42,12 @@ _TOPK, _ADAPTIVE, _TOPP, _RATIO = 0, 1, 2, 3
 # 16-bit row kernel). Measured by `benchmarks/moe_kernels.py --parts tune` (data/results/routing-tune-*.json);
 # a (BLOCK_E, BLOCK_K) not listed takes the entry of the same BLOCK_E with the nearest BLOCK_K, devices not
 # listed use DEFAULT. LAUNCH overrides any of the four (benchmarks and tests set it).
-DEFAULT = {"select": "rounds", "warps": None, "tile": 1024, "split": 1}  # warps None: 8 for E <= 16, else 4
+DEFAULT = {"select": "rounds", "warps": None, "tile": 1024, "split": 1, "pre": 1}  # warps None: 8 for E <= 16, else 4
 _R4 = {"select": "rounds", "warps": 4, "tile": 1024, "split": 1}
 
 
-def _rows(warps: int, tile: int, split: int) -> dict:
-    return {"select": "rowwise", "warps": warps, "tile": tile, "split": split}
+def _rows(warps: int, tile: int, split: int, pre: int = 0) -> dict:
+    return {"select": "rowwise", "warps": warps, "tile": tile, "split": split, "pre": pre}
 
 
 TUNED: dict[str, dict[tuple[int, int], list]] = {
@@ -62,7 +62,7 @@ TUNED: dict[str, dict[tuple[int, int], list]] = {
         (128, 8): [(4096, _rows(4, 2048, 8)), (2**62, _rows(4, 8192, 2))],
     },
 }
-LAUNCH = {"select": None, "warps": None, "tile": None, "split": None}
+LAUNCH = {"select": None, "warps": None, "tile": None, "split": None, "pre": None}
 
 
 @functools.lru_cache(maxsize=16)
@@ -463,17 +463,33 @@ def _keys_tile(v0, v1, v2, v3, v4, v5, v6, v7, slots, K: tl.constexpr, BLOCK_T: 
 # latency of the insertion chains); the SPLIT partial states (online sums and sorted keys) are then
 # merged with tl.reduce: a bitonic merge of two sorted lists keeps the best eight.
 @triton.jit
-def _rank16(x16):
-    """int32 with the float order of 16-bit floats (sign-magnitude -> two's complement; -0 -> 0)."""
+def _key16(x16, x, rev, BF16: tl.constexpr):
+    """int32 keys: above the reversed column rev (< 2^16), 16 bits in the float order of the logit, -0 = +0.
+    bf16 (x = x16 in fp32, low 16 bits zero): from x + 0 (-0 -> +0), negatives' magnitude bits flipped
+    (one LOP3); fp16: sign-magnitude -> two's complement of the 16-bit pattern."""
+    if BF16:
+        b = (x + 0.0).to(tl.int32, bitcast=True)
+        return (b ^ ((b >> 31) & 0x7FFF0000)) + rev  # + = | (low bits zero): one IADD3 with rev's terms
     b = x16.to(tl.int16, bitcast=True).to(tl.int32)
-    return tl.where(b < 0, -32768 - b, b)
+    return (tl.where(b < 0, -32768 - b, b) << 16) + rev
+
+
+@triton.jit
+def _unkey16(keys, dtype: tl.constexpr, BF16: tl.constexpr):
+    """The logits of `_key16`'s keys."""
+    r = keys >> 16
+    if BF16:
+        r = r ^ ((r >> 15) & 0x7FFF)
+    else:
+        r = tl.where(r < 0, -32768 - r, r)
+    return r.to(tl.int16).to(dtype, bitcast=True)
 
 
 @triton.jit
 def _chunk16(
     x16, ok, rev, m, s, t, v0, v1, v2, v3, v4, v5, v6, v7,
     K: tl.constexpr, R: tl.constexpr, CH: tl.constexpr, FIRST: tl.constexpr, MASKED: tl.constexpr,
-    SORT: tl.constexpr,
+    SORT: tl.constexpr, BF16: tl.constexpr,
 ):
     """One chunk [R, CH] of 16-bit logits (R row pieces): keys inserted (SORT, CH = 8: the chunk's eight
     keys sorted and merged, 19 + 20 compare-exchanges instead of 8 insertions of 2 K - 1 min/max each);
@@ -481,8 +497,8 @@ def _chunk16(
     of d e^d with d = x - m, relative to the running max (all columns masked: m = -inf, s = t = 0).
     d is formed before scaling (x log2(e) - m log2(e) rounds m log2(e): weights 1e-6 off at |m| ~ 20)."""
     LOG2E: tl.constexpr = 1.4426950408889634
-    key = (_rank16(x16) << 16) | rev
     x = x16.to(tl.float32)
+    key = _key16(x16, x, rev, BF16)
     if MASKED:
         key = tl.where(ok, key, -2147483648)
         x = tl.where(ok, x, float("-inf"))
@@ -577,6 +593,14 @@ def _merge16(m1, s1, t1, a0, a1, a2, a3, a4, a5, a6, a7, m2, s2, t2, b0, b1, b2,
 
 
 @triton.jit
+def _load16(ptrs, rmask, ok, MASKED: tl.constexpr):
+    """One chunk of 16-bit logits; masked rows and (MASKED) columns read as 0."""
+    if MASKED:
+        return tl.load(ptrs, mask=rmask & ok, other=0.0)
+    return tl.load(ptrs, mask=rmask, other=0.0)
+
+
+@triton.jit
 def _route_rows16_kernel(
     logits_ptr, ids_ptr, w_ptr, k_ptr, ent_ptr,
     hist_ptr, entsum_ptr, tok_ptr,
@@ -585,7 +609,7 @@ def _route_rows16_kernel(
     POLICY: tl.constexpr, NTH: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, RENORM: tl.constexpr, STATS: tl.constexpr,
     BLOCK_K1: tl.constexpr, CH: tl.constexpr, EC: tl.constexpr, SC: tl.constexpr, SPLIT: tl.constexpr,
-    SORT: tl.constexpr,
+    SORT: tl.constexpr, PRE: tl.constexpr,
 ):
     # as _route_rows_kernel (EC, SC: E and the row stride as constants), for bf16 / fp16 logits. The
     # program's R = BLOCK_T * SPLIT row pieces are rows-major (a row's pieces in neighbouring threads: the
@@ -595,6 +619,7 @@ def _route_rows16_kernel(
     CPS: tl.constexpr = CPC * CH
     RB: tl.constexpr = SPLIT * CPS - 1  # reversed column = RB - column (< 2^16)
     MASKED: tl.constexpr = SPLIT * CPS != EC
+    BF16: tl.constexpr = logits_ptr.dtype.element_ty == tl.bfloat16
     pid = tl.program_id(0)
     q = tl.arange(0, R)
     rq = pid * BLOCK_T + q // SPLIT
@@ -613,22 +638,29 @@ def _route_rows16_kernel(
     v6 = v0
     v7 = v0
     # the first chunk starts the online sums; the others go through a loop that is not unrolled
-    # (unrolled, compile time grew with E: 15 s at E = 128 and 90 s at 256 with Triton 3.6)
+    # (unrolled, compile time grew with E: 15 s at E = 128 and 90 s at 256 with Triton 3.6). The loads run
+    # PRE chunks ahead of the chunk being ranked (0-2), so their latency hides behind its instructions.
     ok = col0 < EC
-    if MASKED:
-        x16 = tl.load(ptrs, mask=rmask & ok, other=0.0)
-    else:
-        x16 = tl.load(ptrs, mask=rmask, other=0.0)
+    x16 = _load16(ptrs, rmask, ok, MASKED)
+    if PRE >= 1:
+        n1 = _load16(ptrs + CH, rmask & (CPC > 1), (col0 + CH) < EC, MASKED)
+    if PRE >= 2:
+        n2 = _load16(ptrs + 2 * CH, rmask & (CPC > 2), (col0 + 2 * CH) < EC, MASKED)
     m, s, t, v0, v1, v2, v3, v4, v5, v6, v7 = _chunk16(
-        x16, ok, RB - col0, m, s, t, v0, v1, v2, v3, v4, v5, v6, v7, K, R, CH, True, MASKED, SORT)
+        x16, ok, RB - col0, m, s, t, v0, v1, v2, v3, v4, v5, v6, v7, K, R, CH, True, MASKED, SORT, BF16)
     for c in tl.range(1, CPC):
         ok = (col0 + c * CH) < EC
-        if MASKED:
-            x16 = tl.load(ptrs + c * CH, mask=rmask & ok, other=0.0)
+        if PRE == 0:
+            x16 = _load16(ptrs + c * CH, rmask, ok, MASKED)
+        elif PRE == 1:
+            x16 = n1
+            n1 = _load16(ptrs + (c + 1) * CH, rmask & (c + 1 < CPC), (col0 + (c + 1) * CH) < EC, MASKED)
         else:
-            x16 = tl.load(ptrs + c * CH, mask=rmask, other=0.0)
+            x16 = n1
+            n1 = n2
+            n2 = _load16(ptrs + (c + 2) * CH, rmask & (c + 2 < CPC), (col0 + (c + 2) * CH) < EC, MASKED)
         m, s, t, v0, v1, v2, v3, v4, v5, v6, v7 = _chunk16(
-            x16, ok, RB - c * CH - col0, m, s, t, v0, v1, v2, v3, v4, v5, v6, v7, K, R, CH, False, MASKED, SORT)
+            x16, ok, RB - c * CH - col0, m, s, t, v0, v1, v2, v3, v4, v5, v6, v7, K, R, CH, False, MASKED, SORT, BF16)
     if SPLIT > 1:
         m, s, t, v0, v1, v2, v3, v4, v5, v6, v7 = tl.reduce(
             (tl.reshape(m, [BLOCK_T, SPLIT]), tl.reshape(s, [BLOCK_T, SPLIT]), tl.reshape(t, [BLOCK_T, SPLIT]),
@@ -642,8 +674,7 @@ def _route_rows16_kernel(
 
     slots = tl.arange(0, BLOCK_K)[None, :]
     keys = _keys_tile(v0, v1, v2, v3, v4, v5, v6, v7, slots, K, BLOCK_T, BLOCK_K)
-    r = keys >> 16
-    x_tile = tl.where(r < 0, -32768 - r, r).to(tl.int16).to(logits_ptr.dtype.element_ty, bitcast=True)
+    x_tile = _unkey16(keys, logits_ptr.dtype.element_ty, BF16)
     p_tile = tl.exp((x_tile.to(tl.float32) - m[:, None]) - lse[:, None])  # the other selections' formula
     ids_tile = tl.where(slots < K, RB - (keys & 0xFFFF), -1)
     w_tile = tl.where(slots < K, p_tile, 0.0)
@@ -662,8 +693,21 @@ def _pack(k_values: list[int]) -> int:
 
 @functools.lru_cache(maxsize=1024)
 def _policy_args(policy: Policy):
-    """(POLICY code, fpar, thresholds[7], packed k values, NTH, KMIN): the kernel's scalar arguments."""
-    th = [0.0] * (MAX_K_VALUES - 1)
+    """(POLICY code, fpar, thresholds[7], packed k values, NTH, KMIN): the kernel's scalar arguments,
+    derived once per policy (policies are frozen dataclasses; one with unhashable fields is derived anew)."""
+    try:
+        return _policy_args_cached(policy)
+    except TypeError:
+        return _derive_policy_args(policy)
+
+
+@functools.lru_cache(maxsize=256)
+def _policy_args_cached(policy: Policy):
+    return _derive_policy_args(policy)
+
+
+def _derive_policy_args(policy: Policy):
+    th = (0.0,) * (MAX_K_VALUES - 1)
     kv = [policy.k_max] * MAX_K_VALUES
     if isinstance(policy, TopK):
         return _TOPK, 0.0, th, _pack(kv), 0, policy.k
@@ -674,7 +718,7 @@ def _policy_args(policy: Policy):
                 f"k_values={list(policy.k_values)}: the Triton kernel takes at most {MAX_K_VALUES} k values; "
                 "use moelab.routing.set_backend('torch') for more"
             )
-        th[: n - 1] = policy.thresholds
+        th = tuple(policy.thresholds) + th[n - 1:]
         kv[:n] = policy.k_values
         return _ADAPTIVE, 0.0, th, _pack(kv), n - 1, policy.k_min
     if isinstance(policy, TopP):
@@ -756,6 +800,7 @@ def _shape_launch(T: int, E: int, K: int, cuda: int, overrides: tuple, elsize: i
             launch = _launch_rows16
             meta["SPLIT"] = max(1, min(cfg["split"], block_e // ch))
             meta["SORT"] = cfg["select"] == "rowsort" and ch == 8 and pow2(K) == 8
+            meta["PRE"] = cfg["pre"]
     else:
         meta["SELECT"] = select
     return launch, (cdiv(T, block_t),), meta, cfg["warps"]
