@@ -385,19 +385,17 @@ def tune_configs(E, k, T, selects="all"):
 
     out = []
     if selects == "all":
-        out = [(sel, tile, warps, 1, 0) for sel in ("rounds", "bitonic", "split")
+        out = [(sel, tile, warps, 1) for sel in ("rounds", "bitonic", "split")
                for tile in ((512, 1024, 2048) if T >= 4096 else (1024,)) for warps in (4, 8)]
     be = triton.next_power_of_2(E)
     if kr._select(k, "rowwise", be, 2) == 3:
-        # 'rowsort' (chunks of eight keys sorted and merged) differs from 'rowwise' only for 5 <= k <= 8;
-        # loads 0-2 chunks ahead matter only where a row piece has more than one chunk
+        # 'rowsort' (chunks of eight keys sorted and merged) differs from 'rowwise' only for 5 <= k <= 8
         for sel in ("rowwise", "rowsort") if 5 <= k <= 8 else ("rowwise",):
             for split in (1, 2, 4, 8):
                 for warps in (2, 4):
                     rows = 32 * warps // split  # one row piece per thread
                     if split <= be // 8 or split == 1:
-                        for pre in ((0, 1, 2) if T >= 4096 else (0, 2)) if E > 8 * split else (0,):
-                            out.append((sel, rows * be, warps, split, pre))
+                        out.append((sel, rows * be, warps, split))
     return out
 
 
@@ -413,17 +411,16 @@ def tune_routing(bw_gbs, selects="all"):
             inputs = [torch.randn(T, E, device="cuda").to(torch.bfloat16) for _ in range(8)]
             configs = tune_configs(E, k, T, selects)
             if selects != "all":
-                kr.LAUNCH.update(select=None, tile=None, warps=None, split=None, pre=None)
+                kr.LAUNCH.update(select=None, tile=None, warps=None, split=None)
                 cur = kr.launch_config(T, E, torch.device("cuda"), k)
-                configs = [(cur["select"], cur["tile"], cur["warps"], cur["split"], cur["pre"])] + configs
-            for select, tile, warps, split, pre in dict.fromkeys(configs):
-                kr.LAUNCH.update(select=select, tile=tile, warps=warps, split=split, pre=pre)
+                configs = [(cur["select"], cur["tile"], cur["warps"], cur["split"])] + configs
+            for select, tile, warps, split in dict.fromkeys(configs):
+                kr.LAUNCH.update(select=select, tile=tile, warps=warps, split=split)
                 us = graph_us(lambda x, k=k: route_triton(x, TopK(k), False), inputs, 16)
                 bound = (T * E * 2 + T * k * 8 + T * 8) / (bw_gbs * 1e9) * 1e6
                 rows.append({"E": E, "k": k, "T": T, "select": select, "tile": tile, "warps": warps, "split": split,
-                             "pre": pre, "graph_us": us, "hbm_bound_us": bound})
-                print(f"tune E={E:4d} T={T:6d} {select:8s} tile={tile:5d} warps={warps} split={split} pre={pre} "
-                      f"{us:8.2f} us "
+                             "graph_us": us, "hbm_bound_us": bound})
+                print(f"tune E={E:4d} T={T:6d} {select:8s} tile={tile:5d} warps={warps} split={split} {us:8.2f} us "
                       f"(bound {bound:.2f})", flush=True)
     kr.LAUNCH.update(keep)
     return rows
@@ -440,6 +437,8 @@ def tuned_table(rows) -> dict:
         return triton.next_power_of_2(r["E"]), triton.next_power_of_2(r.get("k") or TUNE_SHAPES[r["E"]])
 
     table: dict = {}
+    # 'pre' (the row kernel loading chunks ahead, measured at 7a973f4, no faster): since removed
+    rows = [r for r in rows if not (r.get("pre") and r["select"] in ("rowwise", "rowsort"))]
     for kk in sorted({key(r) for r in rows}):
         group = [r for r in rows if key(r) == kk]
         t_all = sorted({r["T"] for r in group})
@@ -449,11 +448,11 @@ def tuned_table(rows) -> dict:
             best = {E: min(r["graph_us"] for r in at if r["E"] == E) for E in {r["E"] for r in at}}
             regret: dict = {}
             for r in at:
-                cfg = (r["select"], r["warps"], r["tile"], r.get("split", 1), r.get("pre", 0))
+                cfg = (r["select"], r["warps"], r["tile"], r.get("split", 1))
                 regret[cfg] = max(regret.get(cfg, 0.0), r["graph_us"] / best[r["E"]])
-            sel, warps, tile, split, pre = min(regret, key=regret.get)
+            sel, warps, tile, split = min(regret, key=regret.get)
             entries.append((T if i < len(t_all) - 1 else 2**62,
-                            {"select": sel, "warps": warps, "tile": tile, "split": split, "pre": pre}))
+                            {"select": sel, "warps": warps, "tile": tile, "split": split}))
         table[kk] = entries
     return table
 

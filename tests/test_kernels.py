@@ -203,7 +203,7 @@ def test_padded_layout_runs_the_same_experts(gemm, dtype):
 
 
 def test_launch_config_overrides(monkeypatch):
-    assert kr.launch_config(4096, 64) == {"select": "rounds", "warps": 4, "tile": 1024, "split": 1, "pre": 1}
+    assert kr.launch_config(4096, 64) == {"select": "rounds", "warps": 4, "tile": 1024, "split": 1}
     assert kr.launch_config(4096, 8)["warps"] == 8
     monkeypatch.setitem(kr.LAUNCH, "select", "split")
     assert kr.launch_config(16, 64)["select"] == "split"
@@ -219,15 +219,14 @@ def test_launch_config_overrides(monkeypatch):
     assert kr._select(9, "rowwise", 64) == kr._select(8, "rowwise", 128) == kr._select(9, "rowwise", 64, 2) == 0
 
 
-@pytest.mark.parametrize("split,pre", [(1, 2), (2, 0), (4, 2), (8, 1)])
+@pytest.mark.parametrize("split", [1, 2, 4, 8])
 @pytest.mark.parametrize("sel", ["rowwise", "rowsort"])
-def test_rows16_split_rows(split, pre, sel, monkeypatch):
+def test_rows16_split_rows(split, sel, monkeypatch):
     """16-bit logits, a row cut into pieces scanned by separate threads and merged (tl.reduce): the same plan,
     also where the pieces do not divide E (masked columns, a piece with no column at all) and with -0 / +0;
-    'rowsort' sorts each piece's 8-key chunks and merges them (E = 64, k = 8 here); loads 0-2 chunks ahead."""
+    'rowsort' sorts each piece's 8-key chunks and merges them (E = 64, k = 8 here)."""
     monkeypatch.setitem(kr.LAUNCH, "select", sel)
     monkeypatch.setitem(kr.LAUNCH, "split", split)
-    monkeypatch.setitem(kr.LAUNCH, "pre", pre)
     rng = torch.Generator().manual_seed(split)
     for E, K in [(5, 3), (33, 6), (60, 4), (64, 8)]:
         for dtype in (torch.bfloat16, torch.float16):
@@ -284,15 +283,14 @@ def test_gpu_random_shapes_in_full(select):
 
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("E,K,split,sel,pre", [
-    (8, 2, 1, "rowwise", 0), (60, 4, 1, "rowwise", 1), (64, 8, 2, "rowwise", 2), (128, 8, 4, "rowwise", 1),
-    (256, 8, 8, "rowwise", 2), (64, 8, 2, "rowsort", 1), (128, 8, 2, "rowsort", 2), (128, 6, 1, "rowsort", 0)])
-def test_gpu_rowwise_at_the_tuned_shapes(E, K, split, sel, pre, monkeypatch):
+@pytest.mark.parametrize("E,K,split,sel", [(8, 2, 1, "rowwise"), (60, 4, 4, "rowwise"), (64, 8, 2, "rowwise"),
+                                         (128, 8, 4, "rowwise"), (256, 8, 8, "rowwise"), (64, 8, 2, "rowsort"),
+                                         (128, 8, 8, "rowsort"), (128, 6, 1, "rowsort")])
+def test_gpu_rowwise_at_the_tuned_shapes(E, K, split, sel, monkeypatch):
     """The one-row-per-thread selection compiled, at the shapes the tuned table gives it (few compiles: the
     random-shapes test above covers it too, but compiles a kernel per E, k and policy)."""
     monkeypatch.setitem(kr.LAUNCH, "select", sel)
     monkeypatch.setitem(kr.LAUNCH, "split", split)
-    monkeypatch.setitem(kr.LAUNCH, "pre", pre)
     monkeypatch.setitem(kr.LAUNCH, "tile", 64 * triton.next_power_of_2(E) // split)
     rng = torch.Generator().manual_seed(E)
     logits = (torch.randn(3000, E, generator=rng) * 2).to(torch.bfloat16)

@@ -42,27 +42,28 @@ _TOPK, _ADAPTIVE, _TOPP, _RATIO = 0, 1, 2, 3
 # 16-bit row kernel). Measured by `benchmarks/moe_kernels.py --parts tune` (data/results/routing-tune-*.json);
 # a (BLOCK_E, BLOCK_K) not listed takes the entry of the same BLOCK_E with the nearest BLOCK_K, devices not
 # listed use DEFAULT. LAUNCH overrides any of the four (benchmarks and tests set it).
-DEFAULT = {"select": "rounds", "warps": None, "tile": 1024, "split": 1, "pre": 1}  # warps None: 8 for E <= 16, else 4
+DEFAULT = {"select": "rounds", "warps": None, "tile": 1024, "split": 1}  # warps None: 8 for E <= 16, else 4
 _R4 = {"select": "rounds", "warps": 4, "tile": 1024, "split": 1}
 
 
-def _rows(warps: int, tile: int, split: int, pre: int = 0) -> dict:
-    return {"select": "rowwise", "warps": warps, "tile": tile, "split": split, "pre": pre}
+def _rows(warps: int, tile: int, split: int, select: str = "rowwise") -> dict:
+    return {"select": select, "warps": warps, "tile": tile, "split": split}
 
 
 TUNED: dict[str, dict[tuple[int, int], list]] = {
     # benchmarks/moe_kernels.py tuned_table() on the rows of data/results/routing-tune-20261130.json (H200,
-    # torch 2.11, triton 3.6, measured at 02952b1: the row kernel against the table's previous picks;
+    # torch 2.11, triton 3.6, measured at 7a973f4: the row kernels against the table's previous picks;
     # bf16 logits take the 32-bit-key row kernel at every E listed, fp32 the int64 one up to BLOCK_E 64)
     "NVIDIA H200": {
-        (8, 2): [(16, _R4), (2**62, _rows(4, 1024, 1))],
-        (64, 4): [(16, _rows(4, 1024, 8)), (512, _rows(2, 512, 8)), (2**62, _rows(2, 1024, 4))],
-        (64, 8): [(16, _rows(4, 1024, 8)), (512, _rows(2, 512, 8)), (4096, _rows(2, 1024, 4)),
-                  (2**62, _rows(4, 4096, 2))],
-        (128, 8): [(4096, _rows(4, 2048, 8)), (2**62, _rows(4, 8192, 2))],
+        (8, 2): [(16, _R4), (512, _rows(4, 1024, 1)), (4096, _rows(2, 512, 1)), (2**62, _rows(4, 1024, 1))],
+        (64, 4): [(512, _rows(4, 1024, 8)), (2**62, _rows(2, 1024, 4))],
+        (64, 8): [(16, _rows(4, 1024, 8)), (512, _rows(4, 1024, 8, "rowsort")), (4096, _rows(4, 2048, 4, "rowsort")),
+                  (2**62, _rows(2, 2048, 2, "rowsort"))],
+        (128, 8): [(512, _rows(4, 2048, 8)), (4096, _rows(4, 2048, 8, "rowsort")),
+                   (2**62, _rows(4, 8192, 2, "rowsort"))],
     },
 }
-LAUNCH = {"select": None, "warps": None, "tile": None, "split": None, "pre": None}
+LAUNCH = {"select": None, "warps": None, "tile": None, "split": None}
 
 
 @functools.lru_cache(maxsize=16)
@@ -609,7 +610,7 @@ def _route_rows16_kernel(
     POLICY: tl.constexpr, NTH: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, RENORM: tl.constexpr, STATS: tl.constexpr,
     BLOCK_K1: tl.constexpr, CH: tl.constexpr, EC: tl.constexpr, SC: tl.constexpr, SPLIT: tl.constexpr,
-    SORT: tl.constexpr, PRE: tl.constexpr,
+    SORT: tl.constexpr,
 ):
     # as _route_rows_kernel (EC, SC: E and the row stride as constants), for bf16 / fp16 logits. The
     # program's R = BLOCK_T * SPLIT row pieces are rows-major (a row's pieces in neighbouring threads: the
@@ -638,27 +639,16 @@ def _route_rows16_kernel(
     v6 = v0
     v7 = v0
     # the first chunk starts the online sums; the others go through a loop that is not unrolled
-    # (unrolled, compile time grew with E: 15 s at E = 128 and 90 s at 256 with Triton 3.6). The loads run
-    # PRE chunks ahead of the chunk being ranked (0-2), so their latency hides behind its instructions.
+    # (unrolled, compile time grew with E: 15 s at E = 128 and 90 s at 256 with Triton 3.6). Loading one or
+    # two chunks ahead was measured too (routing-tune-20261130.json, 'pre'): no faster, the integer
+    # pipe is the limit (min/max and key bit operations issue at half the fp32 rate).
     ok = col0 < EC
     x16 = _load16(ptrs, rmask, ok, MASKED)
-    if PRE >= 1:
-        n1 = _load16(ptrs + CH, rmask & (CPC > 1), (col0 + CH) < EC, MASKED)
-    if PRE >= 2:
-        n2 = _load16(ptrs + 2 * CH, rmask & (CPC > 2), (col0 + 2 * CH) < EC, MASKED)
     m, s, t, v0, v1, v2, v3, v4, v5, v6, v7 = _chunk16(
         x16, ok, RB - col0, m, s, t, v0, v1, v2, v3, v4, v5, v6, v7, K, R, CH, True, MASKED, SORT, BF16)
     for c in tl.range(1, CPC):
         ok = (col0 + c * CH) < EC
-        if PRE == 0:
-            x16 = _load16(ptrs + c * CH, rmask, ok, MASKED)
-        elif PRE == 1:
-            x16 = n1
-            n1 = _load16(ptrs + (c + 1) * CH, rmask & (c + 1 < CPC), (col0 + (c + 1) * CH) < EC, MASKED)
-        else:
-            x16 = n1
-            n1 = n2
-            n2 = _load16(ptrs + (c + 2) * CH, rmask & (c + 2 < CPC), (col0 + (c + 2) * CH) < EC, MASKED)
+        x16 = _load16(ptrs + c * CH, rmask, ok, MASKED)
         m, s, t, v0, v1, v2, v3, v4, v5, v6, v7 = _chunk16(
             x16, ok, RB - c * CH - col0, m, s, t, v0, v1, v2, v3, v4, v5, v6, v7, K, R, CH, False, MASKED, SORT, BF16)
     if SPLIT > 1:
@@ -800,7 +790,6 @@ def _shape_launch(T: int, E: int, K: int, cuda: int, overrides: tuple, elsize: i
             launch = _launch_rows16
             meta["SPLIT"] = max(1, min(cfg["split"], block_e // ch))
             meta["SORT"] = cfg["select"] == "rowsort" and ch == 8 and pow2(K) == 8
-            meta["PRE"] = cfg["pre"]
     else:
         meta["SELECT"] = select
     return launch, (cdiv(T, block_t),), meta, cfg["warps"]
