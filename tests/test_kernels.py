@@ -142,6 +142,8 @@ def test_bad_input():
         route_triton(torch.zeros(2, 16, device=DEV), EntropyAdaptiveK(tuple(range(1, 10)), tuple(range(8))), True)
     with pytest.raises(ValueError, match=r"slots, k_max \+ 1 = 3"):
         route_triton(torch.zeros(2, 16, device=DEV), TopK(2), True, stats=RoutingStats.zeros(3, DEV))
+    with pytest.raises(ValueError, match="stats on meta"):  # the direct launch passes bare addresses
+        route_triton(torch.zeros(2, 16, device=DEV), TopK(2), True, stats=RoutingStats.zeros(2, "meta"))
     with pytest.raises(ValueError, match="k_max"):
         RoutingStats.zeros(0, DEV)
 

@@ -59,9 +59,11 @@ class Launcher:
     Set MOELAB_FAST_LAUNCH=0 to always go through Triton.
 
     The cache key holds everything Triton specialises on (see `_spec`), so a cached kernel only runs
-    arguments it was compiled for. If the launcher's private signature ever differs (another Triton),
-    the first direct call raises TypeError: the fast path is switched off with a warning and
-    `disabled` says why.
+    arguments it was compiled for. Tensors go to the direct call as their addresses (for a tensor,
+    Triton's launcher calls data_ptr() and asks the driver about the address: cuPointerGetAttribute);
+    the caller vouches that they are on the GPU. If the launcher's private signature ever differs
+    (another Triton), the first direct call raises TypeError: the fast path is switched off with a
+    warning and `disabled` says why.
     """
 
     def __init__(self, fn):
@@ -95,13 +97,17 @@ class Launcher:
         hit = self.cache.get(key)
         if hit is None:
             kernel = self.fn[grid](*args, **constexprs, num_warps=num_warps)  # compiles on first use
-            self.cache[key] = (kernel, [constexprs[n] for n in self.names[len(args):]])
+            tensors = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
+            self.cache[key] = (kernel, [constexprs[n] for n in self.names[len(args):]], tensors)
             return kernel
-        kernel, ordered = hit
+        kernel, ordered, tensors = hit
         g = tuple(grid) + (1, 1)
+        a = list(args)
+        for i in tensors:
+            a[i] = a[i].data_ptr()
         try:
             kernel.run(g[0], g[1], g[2], torch._C._cuda_getCurrentRawStream(dev), kernel.function,
-                       kernel.packed_metadata, None, None, None, *args, *ordered)
+                       kernel.packed_metadata, None, None, None, *a, *ordered)
         except TypeError as e:  # another Triton's launcher signature: use the public path from now on
             self.disabled = f"direct launch failed ({e}); using kernel[grid](...)"
             log.warning("moelab.kernels: %s", self.disabled)

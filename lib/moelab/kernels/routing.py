@@ -757,6 +757,9 @@ def route_triton(
         raise ValueError(f"k_max={K}: must be in [1, E={E}]")
     if stats is not None and (stats.k_hist.dim() != 2 or stats.k_hist.shape[1] != K + 1):
         raise ValueError(f"stats.k_hist of shape {tuple(stats.k_hist.shape)}: need [slots, k_max + 1 = {K + 1}]")
+    if stats is not None and not (stats.k_hist.device == stats.entropy_sum.device == stats.tokens.device
+                                  == logits.device):
+        raise ValueError(f"stats on {stats.k_hist.device}, logits on {logits.device}: must be on the same device")
     code, fpar, th, kv, nth, kmin = _policy_args(policy)
     ids, w, k, ent = _plan_buffers(T, K, logits.device)
     if T == 0:
