@@ -4,7 +4,8 @@ Routing (topic `routing-kernel`), bf16 logits [T, E]: moelab's Triton kernel (na
 adaptive-k, adaptive-k with device statistics), moelab's torch reference, a faithful torch
 re-implementation of the proposed TensorRT-LLM AdaptiveKMoeRoutingMethod (with and without its
 host-syncing statistics) and plain softmax + top-k. Eager time (host loop, Python launch included)
-and GPU time per call inside a CUDA graph (inputs rotated past the L2 so large T reads HBM).
+and GPU time per call inside a CUDA graph (inputs rotated past the L2 so large T reads HBM). Host
+(topic `routing-host`): where the eager call's host time goes.
 
 MoE layer (topic `moe-layer`), bf16, Mixtral-like / OLMoE-like / Qwen1.5-MoE-like: moelab's layer
 (router GEMM, Triton routing, padded layout, expert GEMMs as 'auto' picks them; `_triton` / `_cutlass`:
@@ -13,7 +14,7 @@ adaptive-k, against the transformers 5 sparse MoE blocks with experts implementa
 'grouped_mm', on the same weights. Times are medians of CUDA-event timings (triton.testing.do_bench);
 ours also inside a CUDA graph.
 
-    PYTHONPATH=lib python benchmarks/moe_kernels.py [--quick] [--parts tune,routing,tune-gemm,layer] [--tokens 1,16,...]
+    PYTHONPATH=lib python benchmarks/moe_kernels.py [--quick] [--parts tune,routing,host,tune-gemm,layer] [--tokens ...]
 """
 
 from __future__ import annotations
@@ -206,6 +207,43 @@ def bench_routing_one(name, E, k, renorm, tokens, bw_gbs, l2_bytes):
             rows.append(row)
             print(f"routing {name:8s} T={T:6d} {method:26s} eager {row['eager_us']:9.1f} us  "
                   f"graph {row['graph_us'] or float('nan'):8.2f} us", flush=True)
+    return rows
+
+
+def bench_host(tokens=(16, 4096), rounds=7):
+    """Host time per eager call (wall time of a host loop, synchronised at the end) of moelab's adaptive
+    routing call and its parts: the direct launch (`Launcher`, the default), the same call through
+    Triton's public launch path, the four plan allocations alone, and the torch TensorRT-LLM version."""
+    from moelab.kernels import routing as kr
+
+    launchers = (kr._launch, kr._launch_rows, kr._launch_rows16)
+
+    def public(fn):
+        for lau in launchers:
+            lau.disabled = "benchmark: public launch path"
+        try:
+            return fn()
+        finally:
+            for lau in launchers:
+                lau.disabled = ""
+
+    rows = []
+    for name, E, k, renorm in ROUTING_SHAPES:
+        g = torch.Generator(device="cuda").manual_seed(E)
+        ada = adaptive_policy(route_torch(torch.randn(4096, E, device="cuda", generator=g), TopK(k), renorm).entropy, k)
+        for T in tokens:
+            x = torch.randn(T, E, device="cuda", generator=g).to(torch.bfloat16)
+            call = functools.partial(route_triton, x, ada, renorm)
+            fns = {
+                "route_triton": call,
+                "route_triton_public_launch": functools.partial(public, call),
+                "plan_buffers": functools.partial(kr._plan_buffers, T, ada.k_max, x.device),
+                "trtllm_adaptive": functools.partial(trtllm_adaptive, x, ada.k_values, ada.thresholds, ada.k_max),
+            }
+            us = interleaved_eager_us(fns, rounds)
+            for method, t in us.items():
+                rows.append({"shape": name, "E": E, "T": T, "method": method, "eager_us": t, "policy": repr(ada)})
+            print(f"host {name:8s} T={T:5d} " + "  ".join(f"{m} {t:6.1f} us" for m, t in us.items()), flush=True)
     return rows
 
 
@@ -528,7 +566,8 @@ def tuned_experts_table(rows) -> dict:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--parts", default="routing,layer", help="comma list of: tune, routing, tune-gemm, layer")
+    ap.add_argument("--parts", default="routing,layer",
+                    help="comma list of: tune, routing, host, tune-gemm, layer")
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="comma list of T")
     ap.add_argument("--quick", action="store_true", help="fewer shapes (a first check)")
     ap.add_argument("--tune-selects", default="all", choices=("all", "rowwise"),
@@ -567,6 +606,12 @@ def main():
                  "graph_us None: the method cannot be captured (graph_note says why).")
         save = functools.partial(_save, "routing-kernel", notes, common)
         print("wrote", save(bench_routing(tokens, bw, l2, args.quick, save)))
+    if "host" in parts:
+        notes = ("host time per eager call (host loop, synchronised at the end; methods timed in turn over 7 rounds, "
+                 "median) of route_triton with the entropy-adaptive policy on bf16 logits: direct launch (default), "
+                 "Triton's public launch path (moelab Launcher disabled), the four plan allocations alone, and the "
+                 "torch TensorRT-LLM version without statistics.")
+        print("wrote", write_results("routing-host", bench_host(), notes=notes, extra=common))
     if "tune-gemm" in parts:
         rows = tune_experts()
         table = tuned_experts_table(rows)
