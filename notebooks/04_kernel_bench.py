@@ -120,6 +120,29 @@ savefig(fig, "04_routing_eager_time")
 plt.show()
 
 # %% [markdown]
+# Where the eager call's host time goes (`--parts host`): moelab's call with its direct launch, the
+# same call through Triton's public launch path, the four plan allocations alone, and the torch
+# version, all timed in turn in the same host loops.
+
+# %%
+try:
+    host_doc = results.load_results("routing-host", rdir)
+except FileNotFoundError as e:
+    print(e)
+else:
+    host = results.rows_frame(host_doc).pivot_table(index=["shape", "T"], columns="method", values="eager_us")
+    fig, ax = figure("full", aspect=0.3, layout="constrained")
+    host[["route_triton", "route_triton_public_launch", "plan_buffers"]].plot.bar(ax=ax, width=0.8, rot=0)
+    ax.set(ylabel="us per eager call", xlabel="(shape, T)", ylim=(0, 1.4 * host["route_triton_public_launch"].max()))
+    ax.legend(["moelab call (direct launch)", "moelab call (Triton's public launch)", "plan allocations alone"],
+              fontsize=6, ncols=3, loc="upper left")
+    ax.tick_params(axis="x", labelsize=6)
+    ax.set_title(machine_line(host_doc) + f"; torch version {host['trtllm_adaptive'].min():.0f}-"
+                 f"{host['trtllm_adaptive'].max():.0f} us", fontsize=7)
+    savefig(fig, "04_routing_host_time")
+    plt.show()
+
+# %% [markdown]
 # ## 3 · MoE layer time
 # Same weights for every variant. moelab: router GEMM, Triton routing, padded pair layout (no host
 # sync), expert GEMMs as `moelab.experts.set_gemm('auto')` picks them: moelab's Triton grouped GEMMs
