@@ -197,6 +197,13 @@ def test_set_gemm_triton_dispatch(monkeypatch):
         ex.set_layout("padded")
         with pytest.raises(ValueError, match="act_fn"):
             ex.run_experts(x, plan, gu, dn, act_fn=torch.nn.functional.gelu)
+        # the SiLU modules of torch and transformers (a patched HF block passes its experts.act_fn) fuse too
+        from transformers.activations import ACT2FN
+
+        for act in (torch.nn.SiLU(), ACT2FN["silu"]):
+            assert ex.is_silu(act)
+            assert_matches(ex.run_experts(x, plan, gu, dn, act_fn=act), ref)
+        assert calls == [1, 1, 1] and not ex.is_silu(torch.nn.GELU())
     finally:
         ex.set_gemm("auto")
         ex.set_layout("auto")

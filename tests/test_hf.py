@@ -179,3 +179,30 @@ def test_native_topk_reproduces_logits_cuda(family):
         out = m(input_ids=x).logits.float()
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
     assert p.mean_k() == {layer.index: float(layer.native_k) for layer in moe_layers(m)}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on the GPU machine)")
+@pytest.mark.parametrize("family", FAMILIES)
+@torch.no_grad()
+def test_patched_bf16_takes_the_fused_experts_cuda(family, monkeypatch):
+    """bf16 on CUDA at a decode-like size: the patched block hands over transformers' SiLU module
+    (experts.act_fn), which runs the fused Triton experts and matches the unfused path on the same plan."""
+    import moelab.experts as ex
+    import moelab.kernels.grouped as gk
+
+    m = tiny(family).to("cuda", torch.bfloat16)
+    x = ids(seed=5).cuda()
+    calls = []
+    real = gk.fused_experts
+    monkeypatch.setattr(gk, "fused_experts", lambda *a, **k: calls.append(1) or real(*a, **k))
+    with patched(m, [native_policy(layer) for layer in moe_layers(m)]):
+        fused = m(input_ids=x).logits.float()
+        assert len(calls) == len(moe_layers(m))
+        ex.set_gemm("loop")
+        try:
+            unfused = m(input_ids=x).logits.float()
+        finally:
+            ex.set_gemm("auto")
+    assert len(calls) == len(moe_layers(m))
+    torch.testing.assert_close(fused, unfused, rtol=3e-2, atol=3e-2)

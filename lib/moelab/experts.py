@@ -10,7 +10,7 @@ The number of rows in both GEMMs is exactly the number of kept pairs: skipped pa
 Expert GEMMs (`set_gemm`):
 - 'triton': moelab.kernels.grouped.fused_experts, Triton grouped GEMMs with 16-64-row tiles, the gather
   and SwiGLU fused into the gate_up GEMM, then the down GEMM and a per-token combine (padded layouts
-  with slot_row and act_fn F.silu only);
+  with slot_row and a SiLU act_fn only);
 - 'grouped': torch._grouped_mm (CUTLASS, 128-row tiles) between Triton gather / SwiGLU / combine
   steps on padded layouts, torch ops on exact ones;
 - 'loop': a per-expert loop of matmuls (the reference);
@@ -103,7 +103,7 @@ _GEMM_MODE = "auto"  # "auto" | "triton" | "grouped" | "loop"
 def set_gemm(mode: str) -> None:
     """Force the expert GEMM: 'auto' (Triton fused on CUDA padded layouts with at most
     FUSED_MAX_ROWS_PER_EXPERT rows per expert, else grouped where supported), 'triton'
-    (moelab.kernels.grouped; padded layouts with slot_row and F.silu only), 'grouped'
+    (moelab.kernels.grouped; padded layouts with slot_row and a SiLU activation only), 'grouped'
     (torch._grouped_mm) or 'loop'."""
     global _GEMM_MODE
     if mode not in ("auto", "triton", "grouped", "loop"):
@@ -137,6 +137,15 @@ def fused_supported(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, 
         and down.is_contiguous()
         and gate_up.shape[0] <= 256
     )
+
+
+def is_silu(act_fn) -> bool:
+    """F.silu, an nn.SiLU, or transformers' SiLUActivation (its forward is F.silu; ACT2FN['silu'] in
+    transformers 5): the activation the fused SwiGLU kernels compute."""
+    if act_fn is F.silu:
+        return True
+    cls = type(act_fn)
+    return cls is torch.nn.SiLU or (cls.__name__ == "SiLUActivation" and cls.__module__.startswith("transformers."))
 
 
 def grouped_gemm(x_PK: torch.Tensor, w_ENK: torch.Tensor, offsets_E: torch.Tensor) -> torch.Tensor:
@@ -175,11 +184,11 @@ def run_experts(
             f"weights gate_up {tuple(gate_up_EHD.shape)} / down {tuple(down_EDF.shape)} do not match hidden D={D}"
         )
     layout = layout if layout is not None else make_layout(plan)
-    fusable = layout.padded and layout.slot_row is not None and act_fn is F.silu
+    fusable = layout.padded and layout.slot_row is not None and is_silu(act_fn)
     if _GEMM_MODE == "triton" and not fusable:
         raise ValueError(
             f"set_gemm('triton') needs a padded layout with slot_row (set_layout('padded') or "
-            f"layout=pair_layout_padded(plan)) and act_fn F.silu; got padded={layout.padded}, "
+            f"layout=pair_layout_padded(plan)) and a SiLU act_fn (see is_silu); got padded={layout.padded}, "
             f"slot_row={'set' if layout.slot_row is not None else None}, act_fn={getattr(act_fn, '__name__', act_fn)}"
         )
     if fusable and (_GEMM_MODE == "triton" or (_GEMM_MODE == "auto" and fused_supported(
