@@ -210,15 +210,21 @@ def bench_routing_one(name, E, k, renorm, tokens, bw_gbs, l2_bytes):
     return rows
 
 
+def _routed_experts(x, logits, k, renorm, gu, dn):
+    return run_experts(x, route_triton(logits, TopK(k), renorm), gu, dn)
+
+
 def bench_host(tokens=(16, 4096), rounds=7):
     """Host time per eager call (wall time of a host loop, synchronised at the end) of moelab's adaptive
     routing call and its parts: the direct launch (`Launcher`, the default), the same call through
-    Triton's public launch path, the four plan allocations alone, and the torch TensorRT-LLM version."""
+    Triton's public launch path, the four plan allocations alone, and the torch TensorRT-LLM version.
+    Also the routed experts of each layer shape at decode sizes (routing, padded layout, fused Triton
+    experts: seven launches), direct against public launch."""
+    from moelab import kernels
     from moelab.kernels import routing as kr
 
-    launchers = (kr._launch, kr._launch_rows, kr._launch_rows16)
-
     def public(fn):
+        launchers = (kr._launch, kr._launch_rows, kr._launch_rows16, *kernels._LAUNCHERS.values())
         for lau in launchers:
             lau.disabled = "benchmark: public launch path"
         try:
@@ -244,6 +250,23 @@ def bench_host(tokens=(16, 4096), rounds=7):
             for method, t in us.items():
                 rows.append({"shape": name, "E": E, "T": T, "method": method, "eager_us": t, "policy": repr(ada)})
             print(f"host {name:8s} T={T:5d} " + "  ".join(f"{m} {t:6.1f} us" for m, t in us.items()), flush=True)
+    for name, (D, Fd, E, k, renorm, _) in LAYERS.items():
+        g = torch.Generator(device="cuda").manual_seed(D + E)
+        gu = (torch.randn(E, 2 * Fd, D, device="cuda", generator=g) * D**-0.5).to(torch.bfloat16)
+        dn = (torch.randn(E, D, Fd, device="cuda", generator=g) * Fd**-0.5).to(torch.bfloat16)
+        for T in (1, 16):
+            x = torch.randn(T, D, device="cuda", generator=g).to(torch.bfloat16)
+            logits = torch.randn(T, E, device="cuda", generator=g).to(torch.bfloat16)
+            call = functools.partial(_routed_experts, x, logits, k, renorm, gu, dn)
+            fns = {"experts": call, "experts_public_launch": functools.partial(public, call)}
+            us = interleaved_eager_us(fns, rounds)
+            gpu = events_us(call)
+            for method, t in us.items():
+                rows.append({"shape": name, "E": E, "T": T, "method": method, "eager_us": t, "gpu_us": gpu,
+                             "policy": f"TopK({k})"})
+            print(f"host {name:8s} T={T:5d} experts " + "  ".join(f"{m} {t:6.1f} us" for m, t in us.items())
+                  + f"  (events {gpu:.1f} us)", flush=True)
+        del gu, dn
     return rows
 
 
@@ -610,7 +633,9 @@ def main():
         notes = ("host time per eager call (host loop, synchronised at the end; methods timed in turn over 7 rounds, "
                  "median) of route_triton with the entropy-adaptive policy on bf16 logits: direct launch (default), "
                  "Triton's public launch path (moelab Launcher disabled), the four plan allocations alone, and the "
-                 "torch TensorRT-LLM version without statistics.")
+                 "torch TensorRT-LLM version without statistics. experts / experts_public_launch: routing (native "
+                 "top-k) + padded layout + fused Triton experts of each layer shape at T = 1 and 16, random bf16 "
+                 "weights; gpu_us: the same call timed with CUDA events (do_bench median).")
         print("wrote", write_results("routing-host", bench_host(), notes=notes, extra=common))
     if "tune-gemm" in parts:
         rows = tune_experts()

@@ -283,3 +283,33 @@ def test_gpu_matches_reference_at_real_shapes():
             y_g = fused_experts(x, lay, gu, dn, plan)
         graph.replay()
         assert torch.equal(y_g, y)
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_direct_launch_of_layout_row_and_gemm_kernels():
+    """The layout, row and GEMM kernels run through `moelab.kernels.launch`: from the second call of a
+    specialisation on, the compiled launcher directly, with the same results; a misaligned input view
+    gets its own compiled kernel instead of one that assumes alignment."""
+    from moelab import kernels
+    from moelab.kernels.experts import gather_rows
+
+    x, gu, dn, logits = layer(16, 256, 128, 8, torch.bfloat16, seed=2)
+    plan = route(logits, TopK(2), renormalize=True)
+    runs = []
+    for _ in range(3):
+        lay = pair_layout_padded(plan)
+        runs.append((lay.token_idx.clone(), lay.slot_row.clone(), fused_experts(x, lay, gu, dn, plan)))
+    for lay_tok, lay_slot, y in runs[1:]:
+        assert torch.equal(lay_tok, runs[0][0]) and torch.equal(lay_slot, runs[0][1]) and torch.equal(y, runs[0][2])
+    used = {fn.__name__: lau.direct_calls for fn, lau in kernels._LAUNCHERS.items()}
+    for name in ("_count_kernel", "_scatter_kernel", "_expert_gemm_kernel", "_combine_kernel"):
+        assert used.get(name, 0) >= 2, (name, used)
+    assert not any(lau.disabled for lau in kernels._LAUNCHERS.values())
+    big = torch.randn(17 * 256 + 1, device=DEV).to(torch.bfloat16)
+    lay = pair_layout_padded(plan)
+    for view in (big[1:].view(17, 256)[:16], big[:16 * 256].view(16, 256)):
+        for _ in range(2):  # compile, then the direct path
+            rows = gather_rows(view, lay.token_idx, lay.offsets)
+            P = int(lay.offsets[-1])
+            assert torch.equal(rows[:P], view[lay.token_idx[:P]])

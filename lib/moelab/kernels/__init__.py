@@ -75,15 +75,16 @@ class Launcher:
         self.direct_calls = 0
         self._pick: dict = {}  # varying indices -> itemgetter
 
-    def __call__(self, grid: tuple, args: tuple, constexprs: dict, num_warps: int, varying: tuple | None = None):
-        """kernel[grid](*args, **constexprs, num_warps=num_warps).
+    def __call__(self, grid: tuple, args: tuple, constexprs: dict, num_warps: int, varying: tuple | None = None,
+                 num_stages: int | None = None):
+        """kernel[grid](*args, **constexprs, num_warps=num_warps[, num_stages=num_stages]).
 
         varying: the indices of the arguments whose specialisation can change from call to call (the
         caller vouches that the others keep theirs: fresh allocations are always 16-byte aligned); None:
         all of them. Fewer indices, less host time per call."""
         t0 = args[0]
         if self.disabled or self.interpret or not t0.is_cuda:
-            return self.fn[grid](*args, **constexprs, num_warps=num_warps)
+            return self._public(grid, args, constexprs, num_warps, num_stages)
         dev = t0.get_device()
         if varying is None:
             spec = tuple(map(_spec, args))
@@ -93,10 +94,10 @@ class Launcher:
                 get = operator.itemgetter(*varying)
                 pick = self._pick[varying] = get if len(varying) > 1 else (lambda a, g=get: (g(a),))
             spec = tuple(map(_spec, pick(args)))
-        key = (dev, num_warps, varying, tuple(constexprs.values()), spec)
+        key = (dev, num_warps, num_stages, varying, tuple(constexprs.values()), spec)
         hit = self.cache.get(key)
         if hit is None:
-            kernel = self.fn[grid](*args, **constexprs, num_warps=num_warps)  # compiles on first use
+            kernel = self._public(grid, args, constexprs, num_warps, num_stages)  # compiles on first use
             tensors = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
             self.cache[key] = (kernel, [constexprs[n] for n in self.names[len(args):]], tensors)
             return kernel
@@ -111,6 +112,24 @@ class Launcher:
         except TypeError as e:  # another Triton's launcher signature: use the public path from now on
             self.disabled = f"direct launch failed ({e}); using kernel[grid](...)"
             log.warning("moelab.kernels: %s", self.disabled)
-            return self.fn[grid](*args, **constexprs, num_warps=num_warps)
+            return self._public(grid, args, constexprs, num_warps, num_stages)
         self.direct_calls += 1
         return kernel
+
+    def _public(self, grid, args, constexprs, num_warps, num_stages):
+        if num_stages is None:
+            return self.fn[grid](*args, **constexprs, num_warps=num_warps)
+        return self.fn[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
+
+
+_LAUNCHERS: dict = {}
+
+
+def launch(fn, grid: tuple, args: tuple, constexprs: dict, num_warps: int = 4, num_stages: int | None = None):
+    """fn[grid](*args, **constexprs, num_warps=..., num_stages=...) through one `Launcher` per kernel, every
+    argument's specialisation checked (for the layout, row and GEMM kernels: the decode path launches
+    five of them per MoE layer, where Triton's public launch path costs more host time than the GPU work)."""
+    lau = _LAUNCHERS.get(fn)
+    if lau is None:
+        lau = _LAUNCHERS[fn] = Launcher(fn)
+    return lau(grid, args, constexprs, num_warps, None, num_stages)

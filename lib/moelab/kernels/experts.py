@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moelab.kernels import cdiv, on_device_of, pow2
+from moelab.kernels import cdiv, launch, on_device_of, pow2
 from moelab.routing import RoutingPlan
 
 __all__ = ["gather_rows", "swiglu_rows", "combine_rows"]
@@ -84,9 +84,9 @@ def gather_rows(x_TD: torch.Tensor, token_idx: torch.Tensor, offsets: torch.Tens
     if N and D:
         block_d = min(256, pow2(D))
         with on_device_of(x_TD):
-            _gather_kernel[(cdiv(N, _BLOCK_R), cdiv(D, block_d))](
-                x_TD.contiguous(), token_idx, offsets, out, D, offsets.shape[0], BLOCK_R=_BLOCK_R, BLOCK_D=block_d
-            )
+            launch(_gather_kernel, (cdiv(N, _BLOCK_R), cdiv(D, block_d)),
+                   (x_TD.contiguous(), token_idx, offsets, out, D, offsets.shape[0]),
+                   dict(BLOCK_R=_BLOCK_R, BLOCK_D=block_d))
     return out
 
 
@@ -100,9 +100,8 @@ def swiglu_rows(h_PH: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     if N and Fd:
         block_f = min(256, pow2(Fd))
         with on_device_of(h_PH):
-            _swiglu_kernel[(cdiv(N, _BLOCK_R), cdiv(Fd, block_f))](
-                h_PH.contiguous(), offsets, out, Fd, offsets.shape[0], BLOCK_R=_BLOCK_R, BLOCK_F=block_f
-            )
+            launch(_swiglu_kernel, (cdiv(N, _BLOCK_R), cdiv(Fd, block_f)),
+                   (h_PH.contiguous(), offsets, out, Fd, offsets.shape[0]), dict(BLOCK_R=_BLOCK_R, BLOCK_F=block_f))
     return out
 
 
@@ -115,7 +114,6 @@ def combine_rows(y_PD: torch.Tensor, slot_row: torch.Tensor, plan: RoutingPlan, 
         block_d = min(128, pow2(D))
         block_t = 16
         with on_device_of(y_PD):
-            _combine_kernel[(cdiv(T, block_t), cdiv(D, block_d))](
-                y_PD, slot_row, plan.weights.contiguous(), out, T, D, K=K, BLOCK_T=block_t, BLOCK_D=block_d
-            )
+            launch(_combine_kernel, (cdiv(T, block_t), cdiv(D, block_d)),
+                   (y_PD, slot_row, plan.weights.contiguous(), out, T, D), dict(K=K, BLOCK_T=block_t, BLOCK_D=block_d))
     return out

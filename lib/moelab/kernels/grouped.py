@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from moelab.experts import PairLayout
-from moelab.kernels import cdiv, on_device_of, pow2
+from moelab.kernels import cdiv, launch, on_device_of, pow2
 from moelab.kernels.experts import combine_rows
 from moelab.routing import RoutingPlan
 
@@ -219,7 +219,7 @@ def tile_map(offsets_E: torch.Tensor, N: int, block_m: int) -> torch.Tensor:
     out = torch.empty(n_tiles, 3, dtype=torch.int32, device=offsets_E.device)
     if n_tiles:
         with on_device_of(offsets_E):
-            _tile_map_kernel[(n_tiles,)](offsets_E, out, E, BLOCK_M=block_m, BLOCK_E=pow2(max(E, 2)))
+            launch(_tile_map_kernel, (n_tiles,), (offsets_E, out, E), dict(BLOCK_M=block_m, BLOCK_E=pow2(max(E, 2))))
     return out
 
 
@@ -232,12 +232,11 @@ def _launch_gemm(a: torch.Tensor, tok: torch.Tensor | None, offsets_E: torch.Ten
     num_m = max_tiles(rows, E, bm)
     grid = (num_m * cdiv(n_out, bn),)
     if grid[0]:
-        _expert_gemm_kernel[grid](
-            a, offsets_E if tok is None else tok, offsets_E, w, out, KD, n_out, E, num_m,
-            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_E=pow2(max(E, 2)), EVEN_K=KD % bk == 0,
-            PRECISION=_precision(a.dtype), GROUP_M=cfg.get("GROUP_M", 1), GATED=tok is not None,
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-        )
+        rows_from = offsets_E if tok is None else tok
+        launch(_expert_gemm_kernel, grid, (a, rows_from, offsets_E, w, out, KD, n_out, E, num_m),
+               dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_E=pow2(max(E, 2)), EVEN_K=KD % bk == 0,
+                    PRECISION=_precision(a.dtype), GROUP_M=cfg.get("GROUP_M", 1), GATED=tok is not None),
+               cfg["num_warps"], cfg["num_stages"])
     return out
 
 

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from moelab.experts import PairLayout
-from moelab.kernels import cdiv, on_device_of, pow2
+from moelab.kernels import cdiv, launch, on_device_of, pow2
 from moelab.routing import RoutingPlan
 
 __all__ = ["pair_layout_padded"]
@@ -110,11 +110,9 @@ def pair_layout_padded(plan: RoutingPlan) -> PairLayout:
     nb = cdiv(T, block_t)
     counts = torch.empty(nb, E, dtype=torch.int32, device=dev)
     with on_device_of(ids):
-        _count_kernel[(nb,)](ids, counts, T, E, K=K, BLOCK_T=block_t, BLOCK_E=block_e)
+        launch(_count_kernel, (nb,), (ids, counts, T, E), dict(K=K, BLOCK_T=block_t, BLOCK_E=block_e))
         cum = torch.cumsum(counts, 0, dtype=torch.int32)
         offsets = torch.cumsum(cum[-1], 0, dtype=torch.int32)
-        _scatter_kernel[(nb,)](
-            ids, weights, counts, cum, offsets, tok, exp, w, slot_row, T, E, nb, N,
-            K=K, BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_Q=pow2(block_t * K),
-        )
+        launch(_scatter_kernel, (nb,), (ids, weights, counts, cum, offsets, tok, exp, w, slot_row, T, E, nb, N),
+               dict(K=K, BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_Q=pow2(block_t * K)))
     return PairLayout(tok, exp, w, offsets, padded=True, slot_row=slot_row)
