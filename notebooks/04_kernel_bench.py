@@ -130,15 +130,28 @@ try:
 except FileNotFoundError as e:
     print(e)
 else:
-    host = results.rows_frame(host_doc).pivot_table(index=["shape", "T"], columns="method", values="eager_us")
-    fig, ax = figure("full", aspect=0.3, layout="constrained")
-    host[["route_triton", "route_triton_public_launch", "plan_buffers"]].plot.bar(ax=ax, width=0.8, rot=0)
-    ax.set(ylabel="us per eager call", xlabel="(shape, T)", ylim=(0, 1.4 * host["route_triton_public_launch"].max()))
+    host_all = results.rows_frame(host_doc)
+    host = host_all.pivot_table(index=["shape", "T"], columns="method", values="eager_us")
+    host.index = [f"{sh}\nT={t}" for sh, t in host.index]
+    parts = ["route_triton", "route_triton_public_launch", "plan_buffers"]
+    host_r = host[parts].dropna()
+    decode = host[["experts", "experts_public_launch"]].dropna() if "experts" in host else None
+    fig, axes = figure("full", aspect=0.35, ncols=2 if decode is not None else 1, squeeze=False,
+                       layout="constrained", width_ratios=[2, 1] if decode is not None else None)
+    ax = axes[0, 0]
+    host_r.plot.bar(ax=ax, width=0.8, rot=0)
+    ax.set(ylabel="us per eager call", xlabel="routing call", ylim=(0, 1.4 * host_r.values.max()))
     ax.legend(["moelab call (direct launch)", "moelab call (Triton's public launch)", "plan allocations alone"],
-              fontsize=6, ncols=3, loc="upper left")
+              fontsize=6, loc="upper left")
     ax.tick_params(axis="x", labelsize=6)
     ax.set_title(machine_line(host_doc) + f"; torch version {host['trtllm_adaptive'].min():.0f}-"
                  f"{host['trtllm_adaptive'].max():.0f} us", fontsize=7)
+    if decode is not None:
+        ax = axes[0, 1]
+        decode.plot.bar(ax=ax, width=0.8, rot=0)
+        ax.set(ylabel="us per eager call", xlabel="routing + layout + fused experts")
+        ax.legend(["direct launch", "Triton's public launch"], fontsize=6)
+        ax.tick_params(axis="x", labelsize=6)
     savefig(fig, "04_routing_host_time")
     plt.show()
 
