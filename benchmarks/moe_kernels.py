@@ -5,16 +5,20 @@ adaptive-k, adaptive-k with device statistics), moelab's torch reference, a fait
 re-implementation of the proposed TensorRT-LLM AdaptiveKMoeRoutingMethod (with and without its
 host-syncing statistics) and plain softmax + top-k. Eager time (host loop, Python launch included)
 and GPU time per call inside a CUDA graph (inputs rotated past the L2 so large T reads HBM). Host
-(topic `routing-host`): where the eager call's host time goes.
+(topic `routing-host`): where the eager call's host time goes. `memory_floor`: a kernel that only reads
+the logits and writes a plan of the same size, the floor a routing kernel of this shape cannot beat.
 
 MoE layer (topic `moe-layer`), bf16, Mixtral-like / OLMoE-like / Qwen1.5-MoE-like: moelab's layer
 (router GEMM, Triton routing, padded layout, expert GEMMs as 'auto' picks them; `_triton` / `_cutlass`:
 pinned to moelab's Triton grouped GEMMs / torch._grouped_mm) with native top-k and with entropy
 adaptive-k, against the transformers 5 sparse MoE blocks with experts implementation 'eager' and
 'grouped_mm', on the same weights. Times are medians of CUDA-event timings (triton.testing.do_bench);
-ours also inside a CUDA graph.
+ours also inside a CUDA graph. CUTLASS tiles (topic `cutlass-tiles`): torch._grouped_mm's expert GEMMs
+with its 128 x 256 tiles against its 64 x 128 ones, which it only picks at <= 128 rows per group (forced
+here by empty groups between the experts).
 
-    PYTHONPATH=lib python benchmarks/moe_kernels.py [--quick] [--parts tune,routing,host,tune-gemm,layer] [--tokens ...]
+    PYTHONPATH=lib python benchmarks/moe_kernels.py [--quick] [--parts tune,routing,host,tune-gemm,layer,cutlass-tiles]
+        [--tokens ...]
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ import time
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 from moelab.experts import get_gemm, run_experts, set_gemm
 from moelab.kernels.layout import pair_layout_padded
@@ -72,6 +78,40 @@ def softmax_topk(logits, k, renorm):
     if renorm:
         v = v / v.sum(-1, keepdim=True)
     return i, v
+
+
+@triton.jit
+def _memory_floor_kernel(x_ptr, ids_ptr, w_ptr, k_ptr, ent_ptr, T, E,
+                         K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Read a [BLOCK_T, E] tile of logits once, write ids / weights [BLOCK_T, K] and k / entropy [BLOCK_T]
+    of trivial values (row max and sum): a routing call's memory traffic without its work."""
+    rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    cols = tl.arange(0, BLOCK_E)
+    ok = rows < T
+    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * E + cols[None, :], mask=ok[:, None] & (cols < E)[None, :],
+                other=0.0).to(tl.float32)
+    mx = tl.max(x, axis=1)
+    sm = tl.sum(x, axis=1)
+    kk = tl.arange(0, BLOCK_K)
+    out = rows[:, None] * K + kk[None, :]
+    mask = ok[:, None] & (kk < K)[None, :]
+    tl.store(ids_ptr + out, mx.to(tl.int32)[:, None] + kk[None, :], mask=mask)
+    tl.store(w_ptr + out, sm[:, None] + kk[None, :].to(tl.float32), mask=mask)
+    tl.store(k_ptr + rows, mx.to(tl.int32), mask=ok)
+    tl.store(ent_ptr + rows, sm, mask=ok)
+
+
+def memory_floor(logits, K):
+    """Plan-sized outputs from one read of the logits (contiguous [T, E]): no softmax, no selection. 16 rows
+    per program, 2 warps up to E = 64 and 4 above: the fastest of 16-128 rows x 2-8 warps on the H200."""
+    T, E = logits.shape
+    ids, w = torch.empty(T, K, dtype=torch.int32, device=logits.device), torch.empty(T, K, device=logits.device)
+    k, ent = torch.empty(T, dtype=torch.int32, device=logits.device), torch.empty(T, device=logits.device)
+    if T:
+        _memory_floor_kernel[(triton.cdiv(T, 16),)](
+            logits, ids, w, k, ent, T, E, K=K, BLOCK_K=triton.next_power_of_2(K), BLOCK_T=16,
+            BLOCK_E=triton.next_power_of_2(E), num_warps=2 if E <= 64 else 4)
+    return ids, w, k, ent
 
 
 # ------------------------------------------------------------------ timing
@@ -170,6 +210,7 @@ def routing_methods(k, renorm, ada, stats, trt_stats):
             ada.k_max,
         ),
         "torch_softmax_topk": (lambda x: softmax_topk(x, k, renorm), k),
+        "memory_floor": (lambda x: memory_floor(x, k), k),  # reference: the traffic of a top-k plan, no work
     }
 
 
@@ -430,6 +471,57 @@ def bench_layer(tokens, quick, save):
     return rows
 
 
+def small_tile_operands(w_ENK, offsets_E, rows):
+    """torch._grouped_mm operands that make its dispatch (aten GroupMM.cu: 64 x 128 tiles when rows / groups
+    <= 128, else 128 x 256) take the small tiles on the same work: S - 1 empty groups after each expert but
+    the last, their weights a view that steps S times per expert (never read: no rows)."""
+    E, N, K = w_ENK.shape
+    S = 1
+    while rows // (S * (E - 1) + 1) > 128:
+        S *= 2
+    G = S * (E - 1) + 1
+    if (N * K) % (8 * S) or G > 1024:  # 16-byte aligned group bases; aten prepares groups in one block
+        return None
+    b = w_ENK.transpose(1, 2).as_strided((G, K, N), (N * K // S, 1, K))
+    return b, offsets_E.repeat_interleave(S)[:G], G
+
+
+@torch.no_grad()
+def bench_cutlass_tiles(tokens=(4096, 16384)):
+    """Expert GEMMs of each layer shape through torch._grouped_mm with its large and its small tiles, on the
+    padded layouts of native top-k and adaptive plans (same rows, same weights; outputs compared)."""
+    rows_out = []
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for name, (D, Fd, E, k, renorm, _) in LAYERS.items():
+        gu = (torch.randn(E, 2 * Fd, D, device="cuda", generator=g) * D**-0.5).bfloat16()
+        dn = (torch.randn(E, D, Fd, device="cuda", generator=g) * Fd**-0.5).bfloat16()
+        wr = (torch.randn(E, D, device="cuda", generator=g) * D**-0.5).bfloat16()
+        for T in tokens:
+            logits = F.linear(torch.randn(T, D, device="cuda", generator=g).bfloat16(), wr)
+            ada = adaptive_policy(route_triton(logits, TopK(k), renorm).entropy, k)
+            for pol in (TopK(k), ada):
+                lay = pair_layout_padded(route_triton(logits, pol, renorm))
+                rows, kept = lay.num_pairs, int(lay.offsets[-1])
+                for gemm, w, width in (("gate_up", gu, D), ("down", dn, Fd)):
+                    a = torch.randn(rows, width, device="cuda", generator=g).bfloat16()
+                    ops = small_tile_operands(w, lay.offsets, rows)
+                    if ops is None:
+                        continue
+                    b, offs, groups = ops
+                    large = functools.partial(torch._grouped_mm, a, w.transpose(1, 2), offs=lay.offsets)
+                    small = functools.partial(torch._grouped_mm, a, b, offs=offs)
+                    same = torch.equal(small()[:kept], large()[:kept])
+                    row = {"shape": name, "T": T, "policy": repr(pol), "gemm": gemm, "E": E, "kept_pairs": kept,
+                           "rows": rows, "groups_small": groups, "rows_per_group_small": rows // groups,
+                           "same_output": same,
+                           "large_tiles_us": events_us(large), "small_tiles_us": events_us(small)}
+                    rows_out.append(row)
+                    print(f"cutlass {name:8s} T={T:6d} {gemm:8s} kept {kept:6d}/{rows}: 128x256 "
+                          f"{row['large_tiles_us']:8.1f} us, 64x128 {row['small_tiles_us']:8.1f} us  same={same}",
+                          flush=True)
+    return rows_out
+
+
 TUNE_TOKENS = (16, 512, 4096, 65536)
 TUNE_SHAPES = {8: 2, 60: 4, 64: 8, 128: 8}  # E: native k of the routing shapes
 
@@ -590,7 +682,7 @@ def tuned_experts_table(rows) -> dict:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--parts", default="routing,layer",
-                    help="comma list of: tune, routing, host, tune-gemm, layer")
+                    help="comma list of: tune, routing, host, tune-gemm, layer, cutlass-tiles")
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="comma list of T")
     ap.add_argument("--quick", action="store_true", help="fewer shapes (a first check)")
     ap.add_argument("--tune-selects", default="all", choices=("all", "rowwise"),
@@ -652,6 +744,14 @@ def main():
 
         gk.TUNED[torch.cuda.get_device_name(0)] = table  # the layer part below runs with it
         gk._launch_config.cache_clear()
+    if "cutlass-tiles" in parts:
+        notes = ("torch._grouped_mm expert GEMMs (bf16, random weights N(0, 1/fan_in), random rows) on the padded "
+                 "layout of native top-k and entropy-adaptive plans (terciles policy, as in the layer part) at "
+                 "T = 4096 and 16384. large_tiles_us: as called by moelab (aten picks CUTLASS 128 x 256 tiles at "
+                 "> 128 rows per group); small_tiles_us: the same GEMM with empty groups between the experts so "
+                 "that rows / groups <= 128 and aten picks its 64 x 128 tiles. CUDA-event medians (do_bench). "
+                 "same_output: the kept rows are bit-identical.")
+        print("wrote", write_results("cutlass-tiles", bench_cutlass_tiles(), notes=notes, extra=common))
     if "layer" in parts:
         notes = ("bf16 MoE layer on random weights N(0, 1/fan_in) and random inputs; same weights for all variants. "
                  "time_us: do_bench median (CUDA events, L2 flushed between calls), eager launch. gemm_tiles_128: "

@@ -66,8 +66,10 @@ print("command:", routing_doc["command"])
 # %% [markdown]
 # ## 1 · Routing: GPU time per call inside a CUDA graph
 # One graph holds at least 20 calls, cycling over input sets larger than three times the L2, so
-# large T reads HBM. The dotted line is the HBM bound: logits read once and the plan written once,
-# at the copy bandwidth measured in the same run. Methods that cannot be captured (host syncs,
+# large T reads HBM. The dotted grey line is the HBM bound: logits read once and the plan written once,
+# at the copy bandwidth measured in the same run. The memory-only kernel reads the logits and writes a
+# plan of the same size with no softmax or selection: what moving the same bytes costs at this size,
+# launch and ramp included (at T = 65536, how much of the bound a kernel of a few microseconds reaches). Methods that cannot be captured (host syncs,
 # host-to-device copies per call) have no graph time.
 
 # %%
@@ -77,6 +79,7 @@ METHODS = {
     "triton_adaptive_stats": ("moelab Triton, adaptive-k + stats", "--", "s"),
     "trtllm_adaptive": ("TRT-LLM proposal (torch)", "-", "^"),
     "torch_softmax_topk": ("torch softmax + top-k", "-", "v"),
+    "memory_floor": ("memory-only kernel (floor)", ":", "x"),  # in results from 2026-11-30 on
 }
 shapes = list(dict.fromkeys(routing["shape"]))
 fig, axes = figure("full", aspect=0.3 * ((len(shapes) + 1) // 2), ncols=2, nrows=(len(shapes) + 1) // 2,

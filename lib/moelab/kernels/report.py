@@ -42,7 +42,13 @@ def routing_targets(doc: dict) -> pd.DataFrame:
                 out.append(_row(f"graph time {method}", shape, T, us, GRAPH_LIMIT_US, us <= GRAPH_LIMIT_US, "us"))
             elif E >= 64:
                 frac = by.loc[method, "hbm_bound_us"] / us
-                out.append(_row(f"fraction of HBM bound {method}", shape, T, frac, HBM_FRACTION,
+                # the memory-only reference kernel (results from 2026-11-30 on): what a kernel that does
+                # no work reaches at this size, launch and ramp included
+                floor = ""
+                if "memory_floor" in by.index:
+                    ref = by.loc["memory_floor"]
+                    floor = f" (memory-only kernel {ref['hbm_bound_us'] / ref['graph_us']:.2f})"
+                out.append(_row(f"fraction of HBM bound {method}{floor}", shape, T, frac, HBM_FRACTION,
                                 frac >= HBM_FRACTION, "x"))
         pairs = (("triton_adaptive", "trtllm_adaptive"), ("triton_adaptive_stats", "trtllm_adaptive_stats"))
         for mine, theirs in pairs:
