@@ -81,7 +81,7 @@ def softmax_topk(logits, k, renorm):
 
 
 @triton.jit
-def _memory_floor_kernel(x_ptr, ids_ptr, w_ptr, k_ptr, ent_ptr, T, E,
+def _memory_floor_kernel(x_ptr, ids_ptr, w_ptr, k_ptr, ent_ptr, T, E: tl.constexpr,
                          K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
     """Read a [BLOCK_T, E] tile of logits once, write ids / weights [BLOCK_T, K] and k / entropy [BLOCK_T]
     of trivial values (row max and sum): a routing call's memory traffic without its work."""
@@ -102,15 +102,19 @@ def _memory_floor_kernel(x_ptr, ids_ptr, w_ptr, k_ptr, ent_ptr, T, E,
 
 
 def memory_floor(logits, K):
-    """Plan-sized outputs from one read of the logits (contiguous [T, E]): no softmax, no selection. 16 rows
-    per program, 2 warps up to E = 64 and 4 above: the fastest of 16-128 rows x 2-8 warps on the H200."""
+    """Plan-sized outputs from one read of the logits (contiguous [T, E]; E a constant, so rows load in the
+    widest vectors their alignment allows): no softmax, no selection. About 1024 logits and at least 16 rows
+    per program, 2 warps up to E = 64 and 4 above (at E = 64 and 128, the fastest of 16-128 rows x 2-8
+    warps on the H200)."""
     T, E = logits.shape
     ids, w = torch.empty(T, K, dtype=torch.int32, device=logits.device), torch.empty(T, K, device=logits.device)
     k, ent = torch.empty(T, dtype=torch.int32, device=logits.device), torch.empty(T, device=logits.device)
     if T:
-        _memory_floor_kernel[(triton.cdiv(T, 16),)](
-            logits, ids, w, k, ent, T, E, K=K, BLOCK_K=triton.next_power_of_2(K), BLOCK_T=16,
-            BLOCK_E=triton.next_power_of_2(E), num_warps=2 if E <= 64 else 4)
+        block_e = triton.next_power_of_2(E)
+        block_t = max(16, 1024 // block_e)
+        _memory_floor_kernel[(triton.cdiv(T, block_t),)](
+            logits, ids, w, k, ent, T, E=E, K=K, BLOCK_K=triton.next_power_of_2(K), BLOCK_T=block_t,
+            BLOCK_E=block_e, num_warps=2 if block_e <= 64 else 4)
     return ids, w, k, ent
 
 
