@@ -28,7 +28,7 @@ run_benchmark: bool = False  # on a GPU: run benchmarks/moe_kernels.py first (ab
 parts: str = "routing,layer"  # benchmark parts to run: routing, layer (and tune: launch shapes of the kernel)
 tokens: str = "1,16,64,512,4096,65536"  # token counts T of the benchmark (the set)
 quick: bool = False  # benchmark fewer shapes (routing at E 64 and 128; the OLMoE-like layer only)
-results_dir: str = ""  # read results from this folder instead of data/results (e.g. a GPU run's output)
+results_dir: str = ""  # read results from this folder (e.g. a GPU run's output); topics it lacks: data/results
 interactive: bool = False  # show ipywidgets explorers (never in headless runs)
 
 # %%
@@ -55,8 +55,8 @@ if run_benchmark:
     subprocess.run(cmd, check=True, env=env)
 
 rdir = Path(results_dir) if results_dir else None
-routing_doc = results.load_results("routing-kernel", rdir)
-layer_doc = results.load_results("moe-layer", rdir)
+routing_doc = results.load_results("routing-kernel", rdir, fallback=True)  # a part not run: the committed file
+layer_doc = results.load_results("moe-layer", rdir, fallback=True)
 routing = results.rows_frame(routing_doc)
 layer = results.rows_frame(layer_doc)
 print("routing:", machine_line(routing_doc))
@@ -129,7 +129,7 @@ plt.show()
 
 # %%
 try:
-    host_doc = results.load_results("routing-host", rdir)
+    host_doc = results.load_results("routing-host", rdir, fallback=True)
 except FileNotFoundError as e:
     print(e)
 else:

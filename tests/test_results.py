@@ -1,0 +1,19 @@
+"""Results files: newest by date, and the fallback to the committed results for topics a run did not write."""
+
+import json
+
+import pytest
+
+from moelab import results
+
+
+def test_load_results_newest_and_fallback(tmp_path, capsys):
+    for day, value in (("20261128", 1), ("20261130", 2)):
+        (tmp_path / f"routing-kernel-{day}.json").write_text(json.dumps({"rows": [{"v": value}]}))
+    assert results.load_results("routing-kernel", tmp_path)["rows"] == [{"v": 2}]  # the newest date
+    with pytest.raises(FileNotFoundError, match="'moe-layer'"):
+        results.load_results("moe-layer", tmp_path)  # no silent substitution unless asked
+    doc = results.load_results("moe-layer", tmp_path, fallback=True)
+    assert doc == results.load_results("moe-layer")  # the committed file
+    assert "using the committed ones" in capsys.readouterr().out
+    assert results.load_results("routing-kernel", tmp_path, fallback=True)["rows"] == [{"v": 2}]
