@@ -494,6 +494,10 @@ def small_tile_operands(w_ENK, offsets_E, rows):
 def bench_cutlass_tiles(tokens=(4096, 16384)):
     """Expert GEMMs of each layer shape through torch._grouped_mm with its large and its small tiles, on the
     padded layouts of native top-k and adaptive plans (same rows, same weights; outputs compared)."""
+    major, minor = torch.cuda.get_device_capability()
+    if major < 9:
+        raise SystemExit(f"cutlass-tiles: compute capability {major}.{minor}; torch._grouped_mm's CUTLASS kernels "
+                         "need 9.0 or above")
     rows_out = []
     g = torch.Generator(device="cuda").manual_seed(0)
     for name, (D, Fd, E, k, renorm, _) in LAYERS.items():
