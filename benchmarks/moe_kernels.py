@@ -6,7 +6,7 @@ re-implementation of the proposed TensorRT-LLM AdaptiveKMoeRoutingMethod (with a
 host-syncing statistics) and plain softmax + top-k. Eager time (host loop, Python launch included)
 and GPU time per call inside a CUDA graph (inputs rotated past the L2 so large T reads HBM). Host
 (topic `routing-host`): where the eager call's host time goes. `memory_floor`: a kernel that only reads
-the logits and writes a plan of the same size, the floor a routing kernel of this shape cannot beat.
+the logits and writes a plan of the same size, a reference for what moving those bytes costs.
 
 MoE layer (topic `moe-layer`), bf16, Mixtral-like / OLMoE-like / Qwen1.5-MoE-like: moelab's layer
 (router GEMM, Triton routing, padded layout, expert GEMMs as 'auto' picks them; `_triton` / `_cutlass`:
@@ -104,8 +104,7 @@ def _memory_floor_kernel(x_ptr, ids_ptr, w_ptr, k_ptr, ent_ptr, T, E: tl.constex
 def memory_floor(logits, K):
     """Plan-sized outputs from one read of the logits (contiguous [T, E]; E a constant, so rows load in the
     widest vectors their alignment allows): no softmax, no selection. About 1024 logits and at least 16 rows
-    per program, 2 warps up to E = 64 and 4 above (at E = 64 and 128, the fastest of 16-128 rows x 2-8
-    warps on the H200)."""
+    per program, 2 warps up to E = 64 and 4 above."""
     T, E = logits.shape
     ids, w = torch.empty(T, K, dtype=torch.int32, device=logits.device), torch.empty(T, K, device=logits.device)
     k, ent = torch.empty(T, dtype=torch.int32, device=logits.device), torch.empty(T, device=logits.device)
