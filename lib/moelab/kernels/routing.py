@@ -614,8 +614,7 @@ def _route_rows16_kernel(
 ):
     # as _route_rows_kernel (EC, SC: E and the row stride as constants), for bf16 / fp16 logits. The
     # program's R = BLOCK_T * SPLIT row pieces are rows-major (a row's pieces in neighbouring threads: the
-    # merge is a warp shuffle); piece s of a row scans CPC chunks of CH columns, chunk c at columns
-    # (c * SPLIT + s) * CH: the pieces of a row read neighbouring 16 bytes, whole 32-byte sectors per load
+    # merge is a warp shuffle); piece s of a row scans columns [s * CPS, (s + 1) * CPS), CPC chunks of CH
     R: tl.constexpr = BLOCK_T * SPLIT
     CPC: tl.constexpr = (EC + CH * SPLIT - 1) // (CH * SPLIT)
     CPS: tl.constexpr = CPC * CH
@@ -625,7 +624,7 @@ def _route_rows16_kernel(
     pid = tl.program_id(0)
     q = tl.arange(0, R)
     rq = pid * BLOCK_T + q // SPLIT
-    col0 = (q % SPLIT)[:, None] * CH + tl.arange(0, CH)[None, :]  # [R, CH], chunk 0
+    col0 = (q % SPLIT)[:, None] * CPS + tl.arange(0, CH)[None, :]  # [R, CH]
     ptrs = logits_ptr + rq[:, None].to(tl.int64) * SC + col0
     rmask = (rq < T)[:, None]
     m = tl.full((R,), float("-inf"), tl.float32)
@@ -648,11 +647,10 @@ def _route_rows16_kernel(
     m, s, t, v0, v1, v2, v3, v4, v5, v6, v7 = _chunk16(
         x16, ok, RB - col0, m, s, t, v0, v1, v2, v3, v4, v5, v6, v7, K, R, CH, True, MASKED, SORT, BF16)
     for c in tl.range(1, CPC):
-        ok = (col0 + c * CH * SPLIT) < EC
-        x16 = _load16(ptrs + c * CH * SPLIT, rmask, ok, MASKED)
+        ok = (col0 + c * CH) < EC
+        x16 = _load16(ptrs + c * CH, rmask, ok, MASKED)
         m, s, t, v0, v1, v2, v3, v4, v5, v6, v7 = _chunk16(
-            x16, ok, RB - c * CH * SPLIT - col0, m, s, t, v0, v1, v2, v3, v4, v5, v6, v7,
-            K, R, CH, False, MASKED, SORT, BF16)
+            x16, ok, RB - c * CH - col0, m, s, t, v0, v1, v2, v3, v4, v5, v6, v7, K, R, CH, False, MASKED, SORT, BF16)
     if SPLIT > 1:
         m, s, t, v0, v1, v2, v3, v4, v5, v6, v7 = tl.reduce(
             (tl.reshape(m, [BLOCK_T, SPLIT]), tl.reshape(s, [BLOCK_T, SPLIT]), tl.reshape(t, [BLOCK_T, SPLIT]),
