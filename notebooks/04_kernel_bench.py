@@ -102,6 +102,32 @@ savefig(fig, "04_routing_graph_time")
 plt.show()
 
 # %% [markdown]
+# Where the time goes at T = 65536 (`benchmarks/routing_ablation.py`, run on its own): the kernel
+# recompiled without its chunk selection, without exp, without both, beside the memory-only kernel.
+# The dashed line is the target, half the HBM bound.
+
+# %%
+try:
+    abl_doc = results.load_results("routing-ablation", rdir, fallback=True)
+except FileNotFoundError as e:
+    print(e)
+else:
+    abl = results.rows_frame(abl_doc)
+    variants = ["memory_floor", "neither", "no_selection", "no_exp", "full"]
+    fig, axes = figure("full", aspect=0.28, ncols=abl["E"].nunique(), squeeze=False, layout="constrained")
+    for ax, (E, d) in zip(axes.flat, abl.groupby("E")):
+        d = d.set_index("variant").loc[variants]
+        ax.barh(variants, d["graph_us"], color=["grey"] + ["C0"] * 3 + ["C1"])
+        ax.axvline(2 * d["hbm_bound_us"].iloc[0], ls="--", color="black", lw=0.8)
+        for y, (us, frac) in enumerate(zip(d["graph_us"], d["frac_of_hbm_bound"])):
+            ax.text(us, y, f" {us:.2f} us ({frac:.0%})", va="center", fontsize=6)
+        ax.set(title=f"E={E}, k={d['k'].iloc[0]}, T={d['T'].iloc[0]}", xlabel="us per call (graph)",
+               xlim=(0, d["graph_us"].max() * 1.35))
+    fig.suptitle(machine_line(abl_doc), fontsize=7)
+    savefig(fig, "04_routing_ablation")
+    plt.show()
+
+# %% [markdown]
 # ## 2 · Routing: eager call, Python launch included
 # A host loop of calls, synchronised at the end. The TRT-LLM proposal's statistics call `.item()`
 # per k value and for the entropy sum: each is a host sync.
