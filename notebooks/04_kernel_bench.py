@@ -107,11 +107,8 @@ plt.show()
 # The dashed line is the target, half the HBM bound.
 
 # %%
-try:
-    abl_doc = results.load_results("routing-ablation", rdir, fallback=True)
-except FileNotFoundError as e:
-    print(e)
-else:
+abl_doc = results.load_optional("routing-ablation", rdir)
+if abl_doc is not None:
     abl = results.rows_frame(abl_doc)
     variants = ["memory_floor", "neither", "no_selection", "no_exp", "full"]
     fig, axes = figure("full", aspect=0.28, ncols=abl["E"].nunique(), squeeze=False, layout="constrained")
@@ -154,11 +151,8 @@ plt.show()
 # version, all timed in turn in the same host loops.
 
 # %%
-try:
-    host_doc = results.load_results("routing-host", rdir, fallback=True)
-except FileNotFoundError as e:
-    print(e)
-else:
+host_doc = results.load_optional("routing-host", rdir)
+if host_doc is not None:
     host_all = results.rows_frame(host_doc)
     host = host_all.pivot_table(index=["shape", "T"], columns="method", values="eager_us")
     host.index = [f"{sh}\nT={t}" for sh, t in host.index]

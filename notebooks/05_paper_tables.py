@@ -129,12 +129,7 @@ beside
 # ## 3 · The committed GPU run (full WikiText-2 test)
 
 # %%
-gpu = None
-if show_gpu_results:
-    try:
-        gpu = results.load_results("paper-tables")
-    except FileNotFoundError as e:
-        print(f"no GPU results yet: {e}")
+gpu = results.load_optional("paper-tables") if show_gpu_results else None
 if gpu is not None:
     m = gpu["machine"]
     print(f"results: created {gpu['created']} at commit {gpu['commit']} on {m['device']} "

@@ -17,3 +17,9 @@ def test_load_results_newest_and_fallback(tmp_path, capsys):
     assert doc == results.load_results("moe-layer")  # the committed file
     assert "using the committed ones" in capsys.readouterr().out
     assert results.load_results("routing-kernel", tmp_path, fallback=True)["rows"] == [{"v": 2}]
+
+
+def test_load_optional_says_why_there_is_nothing(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(results, "REPO", tmp_path)  # no committed results either
+    assert results.load_optional("routing-ablation", tmp_path / "run") is None
+    assert "no results for topic 'routing-ablation'" in capsys.readouterr().out

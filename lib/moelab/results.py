@@ -146,6 +146,16 @@ def load_results(topic: str, directory: Path | None = None, fallback: bool = Fal
     return json.loads(files[-1].read_text())
 
 
+def load_optional(topic: str, directory: Path | None = None) -> dict | None:
+    """load_results(topic, directory, fallback=True), or None with the reason printed: for a notebook
+    section that plots a topic only where it has been measured."""
+    try:
+        return load_results(topic, directory, fallback=True)
+    except FileNotFoundError as e:
+        print(e)
+        return None
+
+
 def rows_frame(doc: dict):
     """A results document's rows as a pandas frame."""
     import pandas as pd
