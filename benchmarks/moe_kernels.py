@@ -325,8 +325,9 @@ def bench_routing(tokens, bw_gbs, l2_bytes, quick, save):
 # ------------------------------------------------------------------ MoE layer
 
 
-def hf_block(name, D, Fd, E, k, shared, dev):
-    """The transformers 5 sparse MoE block of the family, built on the device in bf16."""
+def hf_block(name, D, Fd, E, k, shared, dev, seed=0):
+    """The transformers 5 sparse MoE block of the family, built on the device in bf16, weights N(0, 1/fan_in)
+    from `seed` (the same weights, router included, in every run)."""
     if name == "mixtral":
         from transformers import MixtralConfig
         from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock as Block
@@ -349,8 +350,9 @@ def hf_block(name, D, Fd, E, k, shared, dev):
     try:
         with torch.device(dev), torch.no_grad():
             block = Block(cfg)
+            g = torch.Generator(device=dev).manual_seed(seed)
             for p in block.parameters():
-                p.normal_(0, p.shape[-1] ** -0.5)
+                p.normal_(0, p.shape[-1] ** -0.5, generator=g)
     finally:
         torch.set_default_dtype(old)
     return block.eval(), cfg
@@ -761,7 +763,8 @@ def main():
                  "same_output: the kept rows are bit-identical.")
         print("wrote", write_results("cutlass-tiles", bench_cutlass_tiles(), notes=notes, extra=common))
     if "layer" in parts:
-        notes = ("bf16 MoE layer on random weights N(0, 1/fan_in) and random inputs; same weights for all variants. "
+        notes = ("bf16 MoE layer on random weights N(0, 1/fan_in) (seed 0, since 2026-11-30) and random inputs; "
+                 "same weights for all variants. "
                  "time_us: do_bench median (CUDA events, L2 flushed between calls), eager launch. gemm_tiles_128: "
                  "sum over experts of ceil(pairs / 128), the row tiles of a grouped GEMM with 128-row tiles. "
                  "graph_us: ours captured in a CUDA graph (T <= 4096). "
