@@ -118,8 +118,8 @@ def get_gemm() -> str:
 
 # 'auto' takes the Triton experts up to this many padded rows (T * k_max) per expert and CUTLASS above:
 # on the H200 (data/results/moe-layer-20261130.json, experts-tune-20261130.json) the Triton layer was
-# faster at T = 16 and 64 (4-16 rows per expert; e.g. Mixtral-like T = 16: 0.67 against 1.03 ms,
-# OLMoE-like T = 64 in a graph: 0.24 against 0.34 ms) and CUTLASS at T = 512 and 4096 (34+ rows per
+# faster at T = 16 and 64 (4-16 rows per expert; e.g. Mixtral-like T = 16: 0.69 against 1.08 ms,
+# OLMoE-like T = 64 in a graph: 0.24 against 0.33 ms) and CUTLASS at T = 512 and 4096 (34+ rows per
 # expert; its GEMMs 10-30% faster than the best Triton configuration measured at T = 4096).
 FUSED_MAX_ROWS_PER_EXPERT = 32
 
