@@ -221,6 +221,26 @@ def test_launch_config_overrides(monkeypatch):
     assert kr._select(9, "rowwise", 64) == kr._select(8, "rowwise", 128) == kr._select(9, "rowwise", 64, 2) == 0
 
 
+def test_launch_spec_separates_what_triton_specialises_on():
+    """The direct launch's cache key (`_spec`): ints by == 1, % 16 and 32 / 64 bits, bools apart from ints,
+    tensors by dtype and 16-byte alignment, int subclasses as ints, floats not at all."""
+    import enum
+
+    from moelab.kernels import _spec
+
+    class N(enum.IntEnum):
+        SIXTEEN = 16
+
+    assert len({_spec(1), _spec(2), _spec(16), _spec(2**31), _spec(2**31 + 1)}) == 5
+    assert _spec(2**31) == _spec(-(2**31) - 16) != _spec(-(2**31))  # 64-bit either side, -2^31 fits 32
+    assert _spec(3) == _spec(5) and _spec(32) == _spec(48) and _spec(N.SIXTEEN) == _spec(16)
+    assert _spec(True) != _spec(1) and _spec(False) != _spec(0)
+    assert _spec(0.5) == _spec(2.0) and _spec(None) != _spec(0.5)
+    t = torch.zeros(16, dtype=torch.bfloat16)
+    assert _spec(t) == (torch.bfloat16, True) and _spec(t[1:]) == (torch.bfloat16, False)
+    assert _spec(t.float()) != _spec(t)
+
+
 @pytest.mark.parametrize("split", [1, 2, 4, 8])
 @pytest.mark.parametrize("sel", ["rowwise", "rowsort"])
 def test_rows16_split_rows(split, sel, monkeypatch):
