@@ -43,7 +43,7 @@ def on_device_of(t: torch.Tensor):
 def _spec(a):
     """What Triton specialises a kernel argument on: dtype and 16-byte alignment of tensors; ints equal
     to 1, divisible by 16, and 32- or 64-bit; floats and None not at all. Plain ints are tested first:
-    isinstance(x, torch.Tensor) goes through the tensor metaclass and costs about 0.3 us a call."""
+    isinstance(x, torch.Tensor) goes through the tensor metaclass's Python-level instance check."""
     if type(a) is int:
         return (a == 1, a % 16 == 0, -(2**31) <= a < 2**31)
     if isinstance(a, torch.Tensor):
