@@ -1,0 +1,150 @@
+"""Where the MoE layer's time goes, stage by stage, with native top-k and with adaptive-k plans.
+
+The layer-time target of issue 5 asks that the adaptive layer take at most 1.1 x (kept / native pairs)
+of the native layer's time. This times each step of moelab's layer (torch._grouped_mm expert path, as
+`set_gemm('grouped')` runs it) on its own, on the plans of the layer benchmark (same shapes, seeded
+weights, same policies), so the part of the layer that does not shrink with the kept pairs shows:
+
+  router    F.linear(x, w_router)                 [T, E]
+  routing   route_triton                          plan
+  layout    pair_layout_padded                    expert-sorted rows, T * k_max
+  gather    gather_rows                           x rows of the kept pairs
+  gate_up   torch._grouped_mm                     [P, 2F]
+  swiglu    swiglu_rows                           [P, F]
+  down      torch._grouped_mm                     [P, D]
+  combine   combine_rows                          [T, D]
+  shared    the shared expert and its gate (qwen15)
+  layer     the whole layer, one call
+
+and two references per expert GEMM: `dense_*`, one plain GEMM of the same P rows against one expert's
+weights (what the GEMM costs without grouping: no per-expert tile rounding, weights read once), and
+`weights_read_us`, all experts' weights read once at the measured copy bandwidth (what grouping costs
+at least, whatever P is). Times: CUDA-event medians (triton.testing.do_bench, L2 flushed). Topic
+`layer-stages`.
+
+    PYTHONPATH=lib python benchmarks/layer_stages.py [--tokens 4096] [--shapes mixtral,olmoe,qwen15]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from moelab.kernels.experts import combine_rows, gather_rows, swiglu_rows
+from moelab.kernels.layout import pair_layout_padded
+from moelab.kernels.routing import route_triton
+from moelab.results import write_results
+from moelab.routing import EntropyAdaptiveK, TopK, route_torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from moe_kernels import (  # noqa: E402
+    LAYERS,
+    adaptive_policy,
+    copy_bandwidth_gbs,
+    events_us,
+    gemm_tiles,
+    hf_block,
+    moelab_layer,
+)
+
+STAGES = ("router", "routing", "layout", "gather", "gate_up", "swiglu", "down", "combine", "shared")
+
+
+def policies(block, k, renorm, D):
+    """The layer benchmark's policies: native top-k, the terciles adaptive-k, and (k/2, k) at the median."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    xc = torch.randn(4096, D, device="cuda", generator=g).to(torch.bfloat16)
+    ent = route_torch(F.linear(xc, block.gate.weight), TopK(k), renorm).entropy
+    return g, {"native": TopK(k), "adaptive": adaptive_policy(ent, k),
+               "adaptive_q50": EntropyAdaptiveK((max(1, k // 2), k), (float(ent.quantile(0.5)),))}
+
+
+def stage_calls(x, block, layer, pol, renorm, shared):
+    """(stage name -> call, the plan, its kept pairs P) for one policy: every stage's inputs made once."""
+    gu, dn, wr = block.experts.gate_up_proj, block.experts.down_proj, block.gate.weight
+    logits = F.linear(x, wr)
+    plan = route_triton(logits, pol, renorm)
+    lay = pair_layout_padded(plan)
+    offs = lay.offsets
+    P = int(offs[-1])
+    x_PD = gather_rows(x, lay.token_idx, offs)
+    h_PH = torch._grouped_mm(x_PD, gu.transpose(1, 2), offs=offs)
+    a_PF = swiglu_rows(h_PH, offs)
+    y_PD = torch._grouped_mm(a_PF, dn.transpose(1, 2), offs=offs)
+    calls = {
+        "router": lambda: F.linear(x, wr),
+        "routing": lambda: route_triton(logits, pol, renorm),
+        "layout": lambda: pair_layout_padded(plan),
+        "gather": lambda: gather_rows(x, lay.token_idx, offs),
+        "gate_up": lambda: torch._grouped_mm(x_PD, gu.transpose(1, 2), offs=offs),
+        "swiglu": lambda: swiglu_rows(h_PH, offs),
+        "down": lambda: torch._grouped_mm(a_PF, dn.transpose(1, 2), offs=offs),
+        "combine": lambda: combine_rows(y_PD, lay.slot_row, plan, x.dtype),
+    }
+    if shared:
+        calls["shared"] = lambda: torch.sigmoid(block.shared_expert_gate(x)) * block.shared_expert(x)
+    calls["layer"] = lambda: layer(x, pol)
+    # references for the expert GEMMs: the same P rows through one expert's weights, one dense GEMM
+    calls["dense_gate_up"] = lambda: x_PD[:P] @ gu[0].T
+    calls["dense_down"] = lambda: a_PF[:P] @ dn[0].T
+    return calls, plan, P
+
+
+@torch.no_grad()
+def stages_one(name, T, bw):
+    D, Fd, E, k, renorm, shared = LAYERS[name]
+    block, _ = hf_block(name, D, Fd, E, k, shared, "cuda")
+    g, pols = policies(block, k, renorm, D)
+    x = torch.randn(T, D, device="cuda", generator=g).to(torch.bfloat16)
+    layer = moelab_layer(block, renorm, shared, gemm="grouped")
+    gu, dn = block.experts.gate_up_proj, block.experts.down_proj
+    weights_us = {"gate_up": gu.numel() * gu.element_size() / (bw * 1e9) * 1e6,
+                  "down": dn.numel() * dn.element_size() / (bw * 1e9) * 1e6}
+    rows = []
+    for plan_name, pol in pols.items():
+        calls, plan, P = stage_calls(x, block, layer, pol, renorm, shared)
+        base = {"shape": name, "D": D, "F": Fd, "E": E, "native_k": k, "T": T, "plan": plan_name,
+                "policy": repr(pol), "kept_pairs": P, "native_pairs": T * k,
+                "gemm_tiles_128": gemm_tiles(plan, 128)}
+        for stage, fn in calls.items():
+            us = events_us(fn)
+            row = {**base, "stage": stage, "time_us": us}
+            if stage in weights_us:
+                row["weights_read_us"] = weights_us[stage]
+            rows.append(row)
+            print(f"stages {name:8s} T={T:5d} {plan_name:13s} {stage:14s} {us:9.1f} us", flush=True)
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", default="4096", help="comma list of T")
+    ap.add_argument("--shapes", default=",".join(LAYERS), help=f"comma list of: {', '.join(LAYERS)}")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("needs CUDA: this times GPU kernels (notebook 04 plots committed results on a CPU)")
+    shapes = args.shapes.split(",")
+    bad = [s for s in shapes if s not in LAYERS]
+    if bad:
+        raise SystemExit(f"--shapes {','.join(bad)}: must be among {', '.join(LAYERS)}")
+    bw = copy_bandwidth_gbs()
+    rows = []
+    for name in shapes:
+        for T in (int(t) for t in args.tokens.split(",")):
+            rows += stages_one(name, T, bw)
+            torch.cuda.empty_cache()  # the shape's weights go before the next is built
+    notes = ("bf16, the layer benchmark's seeded weights and policies (native top-k; adaptive: (k/4, k/2, k) at the "
+             "entropy terciles; adaptive_q50: (k/2, k) at the median). Each stage of moelab's layer with "
+             "torch._grouped_mm experts timed alone (CUDA-event median, do_bench, L2 flushed); layer: the whole "
+             "layer in one call. dense_gate_up / dense_down: the same kept rows through one expert's weights in "
+             "one GEMM. weights_read_us: all experts' weights of that GEMM read once at the measured copy "
+             "bandwidth.")
+    print("wrote", write_results("layer-stages", rows, notes=notes, extra={"copy_bandwidth_gbs": bw}))
+
+
+if __name__ == "__main__":
+    main()
