@@ -240,6 +240,51 @@ save_table(saving.round(3), "04_adaptive_saving", caption=machine_line(layer_doc
 saving.round(3)
 
 # %% [markdown]
+# Where the layer's time goes at T = 4096 (`benchmarks/layer_stages.py`, run on its own): each step
+# of the layer timed alone (torch._grouped_mm experts), with native top-k and adaptive-k plans. Right:
+# each expert GEMM's adaptive / native time beside the same kept rows through one dense GEMM and the
+# fraction of pairs kept. A grouped GEMM that shrank like the dense one would turn the pairs saved
+# into time saved; the weights of every used expert are read whatever the rows.
+
+# %%
+stages_doc = results.load_optional("layer-stages", rdir)
+if stages_doc is not None:
+    st = results.rows_frame(stages_doc)
+    st = st[st["T"] == st["T"].max()]
+    order = ["router", "routing", "layout", "gather", "gate_up", "swiglu", "down", "combine", "shared"]
+    sshapes = list(dict.fromkeys(st["shape"]))
+    fig, axes = figure("full", aspect=0.22 * len(sshapes), nrows=len(sshapes), ncols=2, squeeze=False,
+                       layout="constrained")
+    for (ax, ax2), shape in zip(axes, sshapes):
+        d = st[st["shape"] == shape].pivot_table(index="plan", columns="stage", values="time_us")
+        d = d.loc[[p for p in ("native", "adaptive_q50", "adaptive") if p in d.index]]
+        left = pd.Series(0.0, index=d.index)
+        for i, stage in enumerate(s for s in order if s in d.columns):
+            ax.barh(d.index, d[stage], left=left, color=f"C{i}", label=stage)
+            left += d[stage]
+        ax.scatter(d["layer"], d.index, marker="|", s=200, color="black", zorder=3, label="layer, one call")
+        ax.set(title=f"{shape}, T={st['T'].max()}", xlabel="us (CUDA events)")
+        kept = st[st["shape"] == shape].groupby("plan")["kept_pairs"].first()
+        native = kept["native"]
+        rows = []
+        for plan in [p for p in d.index if p != "native"]:
+            for gemm in ("gate_up", "down"):
+                rows.append({"plan": plan, "gemm": gemm, "grouped": d.loc[plan, gemm] / d.loc["native", gemm],
+                             "dense": d.loc[plan, f"dense_{gemm}"] / d.loc["native", f"dense_{gemm}"],
+                             "kept pairs": kept[plan] / native})
+        r = pd.DataFrame(rows).set_index(["plan", "gemm"])
+        r.plot.barh(ax=ax2, width=0.8, color=["C1", "C0", "grey"])
+        ax2.set(title="adaptive / native", xlim=(0, 1.35), ylabel="")
+        ax2.legend(fontsize=6) if shape == sshapes[0] else ax2.get_legend().remove()
+    handles, labels = axes[-1, 0].get_legend_handles_labels()  # the last shape's stages (qwen15: + shared)
+    fig.legend(handles, labels, loc="outside lower center", ncols=6, fontsize=6)
+    fig.suptitle(machine_line(stages_doc), fontsize=7)
+    savefig(fig, "04_layer_stages")
+    plt.show()
+    share = st.pivot_table(index=["shape", "plan"], columns="stage", values="time_us")
+    save_table(share.round(1), "04_layer_stages", caption=machine_line(stages_doc))
+
+# %% [markdown]
 # ## 5 · The targets, met or not
 # Checked by `moelab.kernels.report` on the results above; `met` is False where the target is missed.
 
