@@ -720,8 +720,7 @@ def main():
         from moelab.kernels import routing as kr
 
         kr.TUNED[torch.cuda.get_device_name(0)] = table  # the routing part below runs with it
-        kr._launch_config.cache_clear()
-        kr._shape_launch.cache_clear()
+        kr.clear_launch_caches()
     if "routing" in parts:
         notes = ("bf16 router logits, random normal. eager_us: host loop per call, Python launch included, all methods "
                  "timed in turn over 5 rounds (median). "

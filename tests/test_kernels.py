@@ -241,6 +241,31 @@ def test_launch_spec_separates_what_triton_specialises_on():
     assert _spec(t.float()) != _spec(t)
 
 
+def test_prepared_call_keyed_on_what_the_launch_derives_from(monkeypatch):
+    """route_triton derives a call's launch once per (dtype, alignment, shape, policy, renormalisation,
+    overrides): an equal policy (another object) reuses it; a change in any of them prepares its own, and
+    every plan still matches the torch reference. Calls with statistics are prepared each time."""
+    monkeypatch.setattr(kr, "_PREPARED", {})
+    rng = torch.Generator().manual_seed(5)
+    big = torch.randn(9 * 16 + 8, generator=rng).to(DEV)
+    x = big[:144].view(9, 16)
+    assert_same_plan(x, TopK(3), False)
+    assert len(kr._PREPARED) == 1
+    assert_same_plan(x, TopK(3), False)  # an equal policy, another object
+    assert len(kr._PREPARED) == 1
+    assert_same_plan(x, TopK(4), False)
+    assert_same_plan(x, TopK(3), True)
+    assert_same_plan(x[:5], TopK(3), False)
+    assert_same_plan(x.to(torch.bfloat16), TopK(3), False)
+    assert_same_plan(big[1:145].view(9, 16), TopK(3), False)  # 4-byte aligned, not 16
+    assert len(kr._PREPARED) == 6
+    monkeypatch.setitem(kr.LAUNCH, "select", "split")
+    assert_same_plan(x, TopK(3), False)
+    assert len(kr._PREPARED) == 7
+    assert_same_plan(x, EntropyAdaptiveK((1, 3), (2.0,)), False, RoutingStats.zeros(3, DEV))
+    assert len(kr._PREPARED) == 7
+
+
 @pytest.mark.parametrize("split", [1, 2, 4, 8])
 @pytest.mark.parametrize("sel", ["rowwise", "rowsort"])
 def test_rows16_split_rows(split, sel, monkeypatch):

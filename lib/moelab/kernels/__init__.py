@@ -77,6 +77,7 @@ class Launcher:
         self.interpret = os.environ.get("TRITON_INTERPRET") == "1"  # read once: os.environ costs ~1 us a call
         self.direct_calls = 0
         self._pick: dict = {}  # varying indices -> itemgetter
+        self.by_key: dict = {}  # a caller's own key -> cache entry (`keyed`)
 
     def __call__(self, grid: tuple, args: tuple, constexprs: dict, num_warps: int, varying: tuple | None = None,
                  num_stages: int | None = None):
@@ -85,10 +86,32 @@ class Launcher:
         varying: the indices of the arguments whose specialisation can change from call to call (the
         caller vouches that the others keep theirs: fresh allocations are always 16-byte aligned); None:
         all of them. Fewer indices, less host time per call."""
-        t0 = args[0]
-        if self.disabled or self.interpret or not t0.is_cuda:
+        if self.disabled or self.interpret or not args[0].is_cuda:
             return self._public(grid, args, constexprs, num_warps, num_stages)
-        dev = t0.get_device()
+        key = self._key(args, constexprs, num_warps, num_stages, varying)
+        hit = self.cache.get(key)
+        if hit is None:
+            kernel = self._public(grid, args, constexprs, num_warps, num_stages)  # compiles on first use
+            tensors = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
+            self.cache[key] = (kernel, [constexprs[n] for n in self.names[len(args):]], tensors)
+            return kernel
+        return self._direct(hit, grid, args, constexprs, num_warps, num_stages)
+
+    def keyed(self, key, grid: tuple, args: tuple, constexprs: dict, num_warps: int, varying: tuple | None = None):
+        """As __call__, for a caller whose own hashable `key` fixes the constexprs, num_warps and every
+        argument's specialisation (route_triton: dtype, alignment, shape, policy): one dict lookup instead
+        of the specialisation check. The first call of a key goes through __call__."""
+        hit = self.by_key.get(key)
+        if hit is not None and not self.disabled:
+            return self._direct(hit, grid, args, constexprs, num_warps, None)
+        kernel = self(grid, args, constexprs, num_warps, varying)
+        if not (self.disabled or self.interpret or not args[0].is_cuda):
+            if len(self.by_key) >= 4096:  # keys hold T: bounded, whatever token counts come
+                self.by_key.clear()
+            self.by_key[key] = self.cache[self._key(args, constexprs, num_warps, None, varying)]
+        return kernel
+
+    def _key(self, args, constexprs, num_warps, num_stages, varying):
         if varying is None:
             spec = tuple(map(_spec, args))
         else:
@@ -97,20 +120,17 @@ class Launcher:
                 get = operator.itemgetter(*varying)
                 pick = self._pick[varying] = get if len(varying) > 1 else (lambda a, g=get: (g(a),))
             spec = tuple(map(_spec, pick(args)))
-        key = (dev, num_warps, num_stages, varying, tuple(constexprs.values()), spec)
-        hit = self.cache.get(key)
-        if hit is None:
-            kernel = self._public(grid, args, constexprs, num_warps, num_stages)  # compiles on first use
-            tensors = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
-            self.cache[key] = (kernel, [constexprs[n] for n in self.names[len(args):]], tensors)
-            return kernel
+        return (args[0].get_device(), num_warps, num_stages, varying, tuple(constexprs.values()), spec)
+
+    def _direct(self, hit, grid, args, constexprs, num_warps, num_stages):
+        """The compiled kernel's launcher called with the tensors' addresses."""
         kernel, ordered, tensors = hit
         g = tuple(grid) + (1, 1)
         a = list(args)
         for i in tensors:
             a[i] = a[i].data_ptr()
         try:
-            kernel.run(g[0], g[1], g[2], torch._C._cuda_getCurrentRawStream(dev), kernel.function,
+            kernel.run(g[0], g[1], g[2], torch._C._cuda_getCurrentRawStream(args[0].get_device()), kernel.function,
                        kernel.packed_metadata, None, None, None, *a, *ordered)
         except TypeError as e:  # another Triton's launcher signature: use the public path from now on
             self.disabled = f"direct launch failed ({e}); using kernel[grid](...)"

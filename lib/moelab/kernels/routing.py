@@ -760,21 +760,59 @@ def route_triton(
     if stats is not None and not (stats.k_hist.device == stats.entropy_sum.device == stats.tokens.device
                                   == logits.device):
         raise ValueError(f"stats on {stats.k_hist.device}, logits on {logits.device}: must be on the same device")
-    code, fpar, th, kv, nth, kmin = _policy_args(policy)
-    ids, w, k, ent = _plan_buffers(T, K, logits.device)
     if T == 0:
-        return RoutingPlan(ids, w, k, ent, E)
+        _policy_args(policy)  # a bad policy fails on an empty batch too
+        return RoutingPlan(*_plan_buffers(0, K, logits.device), E)
     if logits.stride(1) != 1:
         logits = logits.contiguous()
+    # without statistics, everything the launch derives from (shape, dtype, alignment, policy, overrides) is
+    # the key of a prepared call: on a hit, no further derivation and no specialisation check per call
+    key = None
+    if stats is None:
+        key = (logits.dtype, logits.data_ptr() % 16 == 0, T, E, logits.stride(0), logits.get_device(), policy,
+               renormalize, tuple(LAUNCH.values()))
+        try:
+            prep = _PREPARED.get(key)
+        except TypeError:  # a policy with unhashable fields: prepared anew each call
+            key = prep = None
+    if key is None or prep is None:
+        prep = _prepare(logits, T, E, K, policy, renormalize, stats)
+        if key is not None:
+            if len(_PREPARED) >= 4096:  # keys hold T: bounded, whatever token counts come
+                _PREPARED.clear()
+            _PREPARED[key] = prep
+    launch, grid, scalars, meta, warps = prep
+    ids, w, k, ent = _plan_buffers(T, K, logits.device)
     st = stats
+    args = (logits, ids, w, k, ent, st.k_hist if st else k, st.entropy_sum if st else ent, st.tokens if st else k,
+            T, E, logits.stride(0), *scalars)
+    with on_device_of(logits):
+        if key is None:
+            launch(grid, args, meta, warps, _VARYING_STATS if st else _VARYING)
+        else:
+            launch.keyed(key, grid, args, meta, warps, _VARYING)
+    return RoutingPlan(ids, w, k, ent, E)
+
+
+_PREPARED: dict = {}  # route_triton's call key -> _prepare(...)
+
+
+def _prepare(logits, T: int, E: int, K: int, policy: Policy, renormalize: bool, stats: RoutingStats | None):
+    """(launcher, grid, the policy's scalar arguments, constexprs, warps) of a routing call."""
+    code, fpar, th, kv, nth, kmin = _policy_args(policy)
     launch, grid, shape_meta, warps = _shape_launch(
         T, E, K, logits.get_device(), tuple(LAUNCH.values()), logits.element_size(), logits.stride(0))
-    args = (logits, ids, w, k, ent, st.k_hist if st else k, st.entropy_sum if st else ent, st.tokens if st else k,
-            T, E, logits.stride(0), fpar, *th, kv, kmin, st.k_hist.shape[0] if st else 1)
-    meta = dict(shape_meta, POLICY=code, NTH=nth, RENORM=bool(renormalize), STATS=st is not None)
-    with on_device_of(logits):
-        launch(grid, args, meta, warps, _VARYING if st is None else _VARYING_STATS)
-    return RoutingPlan(ids, w, k, ent, E)
+    meta = dict(shape_meta, POLICY=code, NTH=nth, RENORM=bool(renormalize), STATS=stats is not None)
+    return launch, grid, (fpar, *th, kv, kmin, stats.k_hist.shape[0] if stats else 1), meta, warps
+
+
+def clear_launch_caches() -> None:
+    """Forget every derived launch (after TUNED or DEFAULT change at run time; LAUNCH is in the keys)."""
+    _launch_config.cache_clear()
+    _shape_launch.cache_clear()
+    _PREPARED.clear()
+    for lau in (_launch, _launch_rows, _launch_rows16):
+        lau.by_key.clear()
 
 
 @functools.lru_cache(maxsize=4096)  # host time: derived once per shape
