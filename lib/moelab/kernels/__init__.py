@@ -77,7 +77,6 @@ class Launcher:
         self.interpret = os.environ.get("TRITON_INTERPRET") == "1"  # read once: os.environ costs ~1 us a call
         self.direct_calls = 0
         self._pick: dict = {}  # varying indices -> itemgetter
-        self.by_key: dict = {}  # a caller's own key -> cache entry (`keyed`)
 
     def __call__(self, grid: tuple, args: tuple, constexprs: dict, num_warps: int, varying: tuple | None = None,
                  num_stages: int | None = None):
@@ -97,19 +96,20 @@ class Launcher:
             return kernel
         return self._direct(hit, grid, args, constexprs, num_warps, num_stages)
 
-    def keyed(self, key, grid: tuple, args: tuple, constexprs: dict, num_warps: int, varying: tuple | None = None):
-        """As __call__, for a caller whose own hashable `key` fixes the constexprs, num_warps and every
-        argument's specialisation (route_triton: dtype, alignment, shape, policy): one dict lookup instead
-        of the specialisation check. The first call of a key goes through __call__."""
-        hit = self.by_key.get(key)
-        if hit is not None and not self.disabled:
-            return self._direct(hit, grid, args, constexprs, num_warps, None)
-        kernel = self(grid, args, constexprs, num_warps, varying)
-        if not (self.disabled or self.interpret or not args[0].is_cuda):
-            if len(self.by_key) >= 4096:  # keys hold T: bounded, whatever token counts come
-                self.by_key.clear()
-            self.by_key[key] = self.cache[self._key(args, constexprs, num_warps, None, varying)]
-        return kernel
+    def entry(self, args: tuple, constexprs: dict, num_warps: int, varying: tuple | None = None,
+              num_stages: int | None = None):
+        """The cached compiled kernel for these arguments once a call has compiled it; None where the
+        direct path is off. For a caller that keeps it under its own key (route_triton) and launches it
+        with `run`, with no specialisation check per call."""
+        if self.disabled or self.interpret or not args[0].is_cuda:
+            return None
+        return self.cache.get(self._key(args, constexprs, num_warps, num_stages, varying))
+
+    def run(self, entry, grid: tuple, args: tuple, constexprs: dict, num_warps: int, num_stages: int | None = None):
+        """Launch an `entry` directly; the caller vouches that `args` specialise as those it was found for."""
+        if self.disabled:
+            return self._public(grid, args, constexprs, num_warps, num_stages)
+        return self._direct(entry, grid, args, constexprs, num_warps, num_stages)
 
     def _key(self, args, constexprs, num_warps, num_stages, varying):
         if varying is None:

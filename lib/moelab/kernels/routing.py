@@ -781,29 +781,32 @@ def route_triton(
             if len(_PREPARED) >= 4096:  # keys hold T: bounded, whatever token counts come
                 _PREPARED.clear()
             _PREPARED[key] = prep
-    launch, grid, scalars, meta, warps = prep
+    launch, grid, scalars, meta, warps, entry = prep
     ids, w, k, ent = _plan_buffers(T, K, logits.device)
     st = stats
     args = (logits, ids, w, k, ent, st.k_hist if st else k, st.entropy_sum if st else ent, st.tokens if st else k,
             T, E, logits.stride(0), *scalars)
     with on_device_of(logits):
-        if key is None:
-            launch(grid, args, meta, warps, _VARYING_STATS if st else _VARYING)
+        if entry is not None:
+            launch.run(entry, grid, args, meta, warps)
         else:
-            launch.keyed(key, grid, args, meta, warps, _VARYING)
+            launch(grid, args, meta, warps, _VARYING_STATS if st else _VARYING)
+            if key is not None:  # the compiled kernel, launched directly by later calls of this key
+                prep[5] = launch.entry(args, meta, warps, _VARYING)
     return RoutingPlan(ids, w, k, ent, E)
 
 
-_PREPARED: dict = {}  # route_triton's call key -> _prepare(...)
+_PREPARED: dict = {}  # route_triton's call key -> _prepare(...), with the compiled kernel once known
 
 
 def _prepare(logits, T: int, E: int, K: int, policy: Policy, renormalize: bool, stats: RoutingStats | None):
-    """(launcher, grid, the policy's scalar arguments, constexprs, warps) of a routing call."""
+    """[launcher, grid, the policy's scalar arguments, constexprs, warps, None]: a routing call's launch; the
+    last slot takes the launcher's compiled entry after the first call."""
     code, fpar, th, kv, nth, kmin = _policy_args(policy)
     launch, grid, shape_meta, warps = _shape_launch(
         T, E, K, logits.get_device(), tuple(LAUNCH.values()), logits.element_size(), logits.stride(0))
     meta = dict(shape_meta, POLICY=code, NTH=nth, RENORM=bool(renormalize), STATS=stats is not None)
-    return launch, grid, (fpar, *th, kv, kmin, stats.k_hist.shape[0] if stats else 1), meta, warps
+    return [launch, grid, (fpar, *th, kv, kmin, stats.k_hist.shape[0] if stats else 1), meta, warps, None]
 
 
 def clear_launch_caches() -> None:
@@ -811,8 +814,6 @@ def clear_launch_caches() -> None:
     _launch_config.cache_clear()
     _shape_launch.cache_clear()
     _PREPARED.clear()
-    for lau in (_launch, _launch_rows, _launch_rows16):
-        lau.by_key.clear()
 
 
 @functools.lru_cache(maxsize=4096)  # host time: derived once per shape
