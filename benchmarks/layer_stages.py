@@ -51,8 +51,6 @@ from moe_kernels import (  # noqa: E402
     moelab_layer,
 )
 
-STAGES = ("router", "routing", "layout", "gather", "gate_up", "swiglu", "down", "combine", "shared")
-
 
 def policies(block, k, renorm, D):
     """The layer benchmark's policies: native top-k, the terciles adaptive-k, and (k/2, k) at the median."""

@@ -57,8 +57,8 @@ def _spec(a):
 
 class Launcher:
     """Launch a @triton.jit kernel; from the second call of a specialisation on, call the compiled
-    kernel's launcher directly and skip Triton's argument binding (on the H200 machine's host the
-    public launch took 35 us, the compiled launcher alone 10 us: more than the kernel itself).
+    kernel's launcher directly and skip Triton's argument binding (data/results/routing-host-*.json: on
+    the H200 machine's host the routing call takes about twice the host time through the public path).
     Set MOELAB_FAST_LAUNCH=0 to always go through Triton.
 
     The cache key holds everything Triton specialises on (see `_spec`), so a cached kernel only runs
