@@ -42,7 +42,7 @@ import pandas as pd
 import torch
 
 from moelab import results
-from moelab.kernels.report import layer_targets, machine_line, routing_targets
+from moelab.kernels.report import STAGES, gemm_scaling, layer_targets, machine_line, routing_targets, stage_table
 from moelab.plots import figure, save_table, savefig
 
 REPO = results.REPO
@@ -249,40 +249,28 @@ saving.round(3)
 # %%
 stages_doc = results.load_optional("layer-stages", rdir)
 if stages_doc is not None:
-    st = results.rows_frame(stages_doc)
-    st = st[st["T"] == st["T"].max()]
-    order = ["router", "routing", "layout", "gather", "gate_up", "swiglu", "down", "combine", "shared"]
-    sshapes = list(dict.fromkeys(st["shape"]))
+    stages, scaling = stage_table(stages_doc), gemm_scaling(stages_doc)
+    sshapes = list(dict.fromkeys(stages.index.get_level_values("shape")))
     fig, axes = figure("full", aspect=0.22 * len(sshapes), nrows=len(sshapes), ncols=2, squeeze=False,
                        layout="constrained")
     for (ax, ax2), shape in zip(axes, sshapes):
-        d = st[st["shape"] == shape].pivot_table(index="plan", columns="stage", values="time_us")
-        d = d.loc[[p for p in ("native", "adaptive_q50", "adaptive") if p in d.index]]
+        d = stages.loc[shape]
         left = pd.Series(0.0, index=d.index)
-        for i, stage in enumerate(s for s in order if s in d.columns):
+        for i, stage in enumerate(s for s in STAGES if s in d.columns and d[s].notna().all()):
             ax.barh(d.index, d[stage], left=left, color=f"C{i}", label=stage)
             left += d[stage]
         ax.scatter(d["layer"], d.index, marker="|", s=200, color="black", zorder=3, label="layer, one call")
-        ax.set(title=f"{shape}, T={st['T'].max()}", xlabel="us (CUDA events)")
-        kept = st[st["shape"] == shape].groupby("plan")["kept_pairs"].first()
-        native = kept["native"]
-        rows = []
-        for plan in [p for p in d.index if p != "native"]:
-            for gemm in ("gate_up", "down"):
-                rows.append({"plan": plan, "gemm": gemm, "grouped": d.loc[plan, gemm] / d.loc["native", gemm],
-                             "dense": d.loc[plan, f"dense_{gemm}"] / d.loc["native", f"dense_{gemm}"],
-                             "kept pairs": kept[plan] / native})
-        r = pd.DataFrame(rows).set_index(["plan", "gemm"])
-        r.plot.barh(ax=ax2, width=0.8, color=["C1", "C0", "grey"])
+        ax.set(title=f"{shape}, T={max(r['T'] for r in stages_doc['rows'])}", xlabel="us (CUDA events)")
+        r = scaling[scaling["shape"] == shape].set_index(["plan", "gemm"])[["grouped", "dense", "kept pairs"]]
+        r.plot.barh(ax=ax2, width=0.8, color=["C1", "C0", "grey"], legend=shape == sshapes[0])
         ax2.set(title="adaptive / native", xlim=(0, 1.35), ylabel="")
-        ax2.legend(fontsize=6) if shape == sshapes[0] else ax2.get_legend().remove()
     handles, labels = axes[-1, 0].get_legend_handles_labels()  # the last shape's stages (qwen15: + shared)
     fig.legend(handles, labels, loc="outside lower center", ncols=6, fontsize=6)
     fig.suptitle(machine_line(stages_doc), fontsize=7)
     savefig(fig, "04_layer_stages")
     plt.show()
-    share = st.pivot_table(index=["shape", "plan"], columns="stage", values="time_us")
-    save_table(share.round(1), "04_layer_stages", caption=machine_line(stages_doc))
+    save_table(stages.round(1), "04_layer_stages", caption=machine_line(stages_doc))
+    display(scaling.round(3))
 
 # %% [markdown]
 # ## 5 · The targets, met or not

@@ -1,4 +1,5 @@
-"""The issue-5 targets checked against benchmark results (`routing-kernel`, `moe-layer` documents).
+"""The issue-5 targets checked against benchmark results (`routing-kernel`, `moe-layer` documents), and
+the layer's time step by step (`layer-stages` documents).
 
 Each check is a row: target, shape, T, what was measured, the limit it must meet, and whether it
 does. Nothing is measured here: the numbers come from the results files written on the GPU by
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-__all__ = ["routing_targets", "layer_targets", "machine_line"]
+__all__ = ["routing_targets", "layer_targets", "machine_line", "stage_table", "gemm_scaling", "STAGES"]
 
 GRAPH_LIMIT_US = 5.0  # routing in a CUDA graph, T <= 4096
 HBM_FRACTION = 0.5  # routing at T = 65536, E = 64 and 128: fraction of the HBM bound
@@ -89,4 +90,40 @@ def layer_targets(doc: dict, tokens: int = 4096) -> pd.DataFrame:
                     ratio = ada[col] / base[col]
                     out.append(_row(f"{var} / native layer {col} (kept {kept:.3f}, {rows}-row tiles {tiles:.3f})",
                                     shape, T, ratio, LAYER_SLACK * kept, ratio <= LAYER_SLACK * kept, "x"))
+    return pd.DataFrame(out)
+
+
+STAGES = ("router", "routing", "layout", "gather", "gate_up", "swiglu", "down", "combine", "shared")
+PLANS = ("native", "adaptive_q50", "adaptive")
+
+
+def stage_table(doc: dict) -> pd.DataFrame:
+    """us per step, one row per (shape, plan) at the document's largest T: the STAGES present, then `layer`
+    (the whole layer in one call) and the dense references."""
+    df = pd.DataFrame(doc["rows"])
+    df = df[df["T"] == df["T"].max()]
+    t = df.pivot_table(index=["shape", "plan"], columns="stage", values="time_us")
+    plans = [p for p in PLANS if p in t.index.get_level_values("plan")]
+    t = t.reindex(pd.MultiIndex.from_product([list(dict.fromkeys(df["shape"])), plans], names=["shape", "plan"]))
+    cols = [c for c in STAGES if c in t.columns] + [c for c in t.columns if c not in STAGES]
+    return t[cols]
+
+
+def gemm_scaling(doc: dict) -> pd.DataFrame:
+    """Adaptive / native per expert GEMM: grouped (as the layer runs it), dense (the same kept rows through
+    one GEMM) and the kept-pair fraction; a grouped GEMM that scaled as well as the dense one would turn
+    every pair saved into time saved."""
+    df = pd.DataFrame(doc["rows"])
+    df = df[df["T"] == df["T"].max()]
+    t = stage_table(doc)
+    kept = df.groupby(["shape", "plan"])["kept_pairs"].first()
+    out = []
+    for shape, plan in t.index:
+        if plan == "native":
+            continue
+        for gemm in ("gate_up", "down"):
+            out.append({"shape": shape, "plan": plan, "gemm": gemm,
+                        "grouped": t.loc[(shape, plan), gemm] / t.loc[(shape, "native"), gemm],
+                        "dense": t.loc[(shape, plan), f"dense_{gemm}"] / t.loc[(shape, "native"), f"dense_{gemm}"],
+                        "kept pairs": kept[(shape, plan)] / kept[(shape, "native")]})
     return pd.DataFrame(out)

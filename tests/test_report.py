@@ -1,0 +1,59 @@
+"""moelab.kernels.report: the issue-5 target checks and the layer-stage tables, on small documents built
+here (rows as the benchmarks write them) and on the committed results."""
+
+import pytest
+
+from moelab import results
+from moelab.kernels.report import STAGES, gemm_scaling, routing_targets, stage_table
+
+
+def _stage_rows(shape, plan, kept, times, T=4096):
+    return [{"shape": shape, "plan": plan, "T": T, "kept_pairs": kept, "stage": s, "time_us": us}
+            for s, us in times.items()]
+
+
+def test_stage_table_and_gemm_scaling():
+    native = {"layer": 100.0, "down": 30.0, "gate_up": 50.0, "router": 2.0, "dense_gate_up": 40.0, "dense_down": 20.0}
+    adaptive = {"layer": 80.0, "down": 24.0, "gate_up": 45.0, "router": 2.0, "dense_gate_up": 24.0, "dense_down": 12.0}
+    rows = _stage_rows("olmoe", "adaptive", 60, adaptive) + _stage_rows("olmoe", "native", 100, native)
+    rows += _stage_rows("olmoe", "native", 100, {"layer": 1.0}, T=16)  # another T: left out
+    doc = {"rows": rows}
+    t = stage_table(doc)
+    assert list(t.index) == [("olmoe", "native"), ("olmoe", "adaptive")]  # native first
+    assert list(t.columns) == ["router", "gate_up", "down", "dense_down", "dense_gate_up", "layer"]
+    assert [c for c in t.columns if c in STAGES] == ["router", "gate_up", "down"]  # the layer's order
+    assert t.loc[("olmoe", "native"), "layer"] == 100.0
+    g = gemm_scaling(doc).set_index("gemm")
+    assert g.loc["gate_up", "grouped"] == pytest.approx(0.9) and g.loc["gate_up", "dense"] == pytest.approx(0.6)
+    assert g.loc["down", "grouped"] == pytest.approx(0.8) and g.loc["down", "kept pairs"] == pytest.approx(0.6)
+
+
+def test_routing_targets_limits():
+    def row(method, T, graph, eager, bound=1.0, E=64):
+        return {"shape": "olmoe", "E": E, "T": T, "method": method, "graph_us": graph, "eager_us": eager,
+                "hbm_bound_us": bound}
+
+    methods = ("triton_topk", "triton_adaptive", "triton_adaptive_stats")
+    rows = [row(m, 16, g, 20.0) for m, g in zip(methods, (4.9, 5.0, 5.1))]
+    rows += [row("trtllm_adaptive", 16, 50.0, 161.0), row("trtllm_adaptive_stats", 16, None, 159.0)]
+    rows += [row(m, 65536, 8.0, 20.0, bound=4.0) for m in methods]
+    rows += [row("trtllm_adaptive", 65536, 300.0, 100.0), row("trtllm_adaptive_stats", 65536, None, 400.0)]
+    t = routing_targets({"rows": rows}).set_index(["target", "T"])
+    assert t.loc[("graph time triton_topk", 16), "met"] and t.loc[("graph time triton_adaptive", 16), "met"]
+    assert not t.loc[("graph time triton_adaptive_stats", 16), "met"]  # 5.1 > 5 us
+    assert t.loc[("fraction of HBM bound triton_topk", 65536), "measured"] == pytest.approx(0.5)
+    assert t.loc[("fraction of HBM bound triton_topk", 65536), "met"]  # exactly half: met
+    assert t.loc[("eager speed-up triton_adaptive vs trtllm_adaptive", 16), "met"]  # 8.05x
+    assert not t.loc[("eager speed-up triton_adaptive_stats vs trtllm_adaptive_stats", 16), "met"]  # 7.95x
+    assert not t.loc[("eager speed-up triton_adaptive vs trtllm_adaptive", 65536), "met"]  # 5x
+
+
+def test_committed_layer_stages():
+    doc = results.load_optional("layer-stages")
+    if doc is None:
+        pytest.skip("no committed layer-stages results")
+    g = gemm_scaling(doc)
+    assert len(g) and g[["grouped", "dense"]].gt(0).all().all()
+    assert g["kept pairs"].between(0, 1).all()  # adaptive plans keep at most the native pairs
+    t = stage_table(doc)
+    assert t["layer"].notna().all() and (t.index.get_level_values("plan") == "native").sum() == len(g["shape"].unique())
