@@ -38,27 +38,17 @@ from moelab.kernels.experts import combine_rows, gather_rows, swiglu_rows
 from moelab.kernels.layout import pair_layout_padded
 from moelab.kernels.routing import route_triton
 from moelab.results import write_results
-from moelab.routing import EntropyAdaptiveK, TopK, route_torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from moe_kernels import (  # noqa: E402
     LAYERS,
-    adaptive_policy,
     copy_bandwidth_gbs,
     events_us,
     gemm_tiles,
     hf_block,
+    layer_policies,
     moelab_layer,
 )
-
-
-def policies(block, k, renorm, D):
-    """The layer benchmark's policies: native top-k, the terciles adaptive-k, and (k/2, k) at the median."""
-    g = torch.Generator(device="cuda").manual_seed(0)
-    xc = torch.randn(4096, D, device="cuda", generator=g).to(torch.bfloat16)
-    ent = route_torch(F.linear(xc, block.gate.weight), TopK(k), renorm).entropy
-    return g, {"native": TopK(k), "adaptive": adaptive_policy(ent, k),
-               "adaptive_q50": EntropyAdaptiveK((max(1, k // 2), k), (float(ent.quantile(0.5)),))}
 
 
 def stage_calls(x, block, layer, pol, renorm, shared):
@@ -96,7 +86,8 @@ def stage_calls(x, block, layer, pol, renorm, shared):
 def stages_one(name, T, bw):
     D, Fd, E, k, renorm, shared = LAYERS[name]
     block, _ = hf_block(name, D, Fd, E, k, shared, "cuda")
-    g, pols = policies(block, k, renorm, D)
+    g, pols = layer_policies(block, k, renorm, D)
+    pols.pop("adaptive_q25")
     x = torch.randn(T, D, device="cuda", generator=g).to(torch.bfloat16)
     layer = moelab_layer(block, renorm, shared, gemm="grouped")
     gu, dn = block.experts.gate_up_proj, block.experts.down_proj

@@ -398,6 +398,20 @@ def experts_used(plan):
     return int(torch.unique(ids[ids >= 0]).numel())
 
 
+def layer_policies(block, k, renorm, D):
+    """(generator, policies) of the layer benchmarks: native top-k; 'adaptive', (k/4, k/2, k) at the entropy
+    terciles of a seeded 4096-token batch through the block's router; and the milder 'adaptive_q25' /
+    'adaptive_q50', (k/2, k) at the 25% / 50% entropy quantile (about 87% / 75% of the native pairs kept,
+    the terciles policy about 58%). The generator goes on to draw the inputs."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    xc = torch.randn(4096, D, device="cuda", generator=g).to(torch.bfloat16)
+    ent = route_torch(F.linear(xc, block.gate.weight), TopK(k), renorm).entropy
+    pols = {"native": TopK(k), "adaptive": adaptive_policy(ent, k)}
+    for q in (0.25, 0.5):
+        pols[f"adaptive_q{int(q * 100)}"] = EntropyAdaptiveK((max(1, k // 2), k), (float(ent.quantile(q)),))
+    return g, pols
+
+
 @torch.no_grad()
 def bench_layer_one(name, tokens):
     rows = []
@@ -406,15 +420,9 @@ def bench_layer_one(name, tokens):
     ours = moelab_layer(block, renorm, shared)
     cutlass = moelab_layer(block, renorm, shared, gemm="grouped")  # each expert-GEMM path pinned, same run
     triton_ = moelab_layer(block, renorm, shared, gemm="triton")
-    g = torch.Generator(device="cuda").manual_seed(0)
-    xc = torch.randn(4096, D, device="cuda", generator=g).to(torch.bfloat16)
-    ent = route_torch(F.linear(xc, block.gate.weight), TopK(k), renorm).entropy
-    ada = adaptive_policy(ent, k)
-    # milder policies for the wall-clock target: (k/2, k) with the threshold at the 25% / 50% entropy
-    # quantile keep about 87% / 75% of the native pairs (the terciles policy above keeps about 58%)
-    milder = {f"moelab_adaptive_q{int(q * 100)}": EntropyAdaptiveK((max(1, k // 2), k), (float(ent.quantile(q)),))
-              for q in (0.25, 0.5)}
-    native = TopK(k)
+    g, pols = layer_policies(block, k, renorm, D)
+    native, ada = pols["native"], pols["adaptive"]
+    milder = {f"moelab_{p}": pols[p] for p in ("adaptive_q25", "adaptive_q50")}
     routed = moelab_layer(block, renorm, 0) if shared else None  # without the shared expert (qwen15)
     for T in tokens:
         x = torch.randn(T, D, device="cuda", generator=g).to(torch.bfloat16)
