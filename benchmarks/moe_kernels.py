@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import math
 import time
 
@@ -630,19 +631,22 @@ def tuned_table(rows) -> dict:
 
 GEMM_CONFIGS = {  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, GROUP_M); gate_up's BLOCK_N counts gate and up each
     "gate_up": [(64, 64, 64, 4, 3, 16), (64, 128, 64, 8, 3, 16), (128, 64, 64, 8, 3, 16), (64, 64, 64, 4, 4, 32),
-                (64, 128, 64, 4, 3, 16), (64, 64, 128, 4, 3, 16)],
+                (64, 128, 64, 4, 3, 16), (64, 64, 128, 4, 3, 16), (64, 128, 64, 4, 4, 16), (128, 128, 64, 8, 3, 16),
+                (128, 128, 64, 8, 4, 16)],
     "down": [(64, 128, 64, 4, 3, 16), (64, 256, 64, 8, 3, 16), (128, 128, 64, 8, 3, 16), (64, 128, 64, 4, 4, 32),
-             (128, 256, 64, 8, 3, 16), (64, 128, 128, 4, 3, 16)],
+             (128, 256, 64, 8, 3, 16), (64, 128, 128, 4, 3, 16), (64, 256, 64, 4, 4, 16), (128, 128, 64, 4, 3, 16),
+             (128, 256, 64, 8, 4, 16)],
 }
+GEMM_PLANS = ("native", "adaptive")  # the tuned configuration must serve both: adaptive plans have fewer rows
 
 
 @torch.no_grad()
 def tune_experts(tokens=4096):
-    """GPU time of each Triton expert GEMM (gate_up + SwiGLU, down) per launch configuration on the native
-    top-k plan of each layer shape at T = `tokens`, beside torch._grouped_mm (CUTLASS) on the same rows."""
+    """GPU time of each Triton expert GEMM (gate_up + SwiGLU, down) per launch configuration, with pointer and
+    with tensor-descriptor (TMA) loads, on the native top-k plan and the entropy-adaptive plan (terciles) of
+    each layer shape at T = `tokens`, beside torch._grouped_mm (CUTLASS; gather and SwiGLU passes included)."""
     from moelab.experts import grouped_gemm
     from moelab.kernels import grouped as gk
-    from moelab.kernels.experts import swiglu_rows
 
     rows = []
     for name, (D, Fd, E, k, renorm, _shared) in LAYERS.items():
@@ -651,48 +655,79 @@ def tune_experts(tokens=4096):
         gu = (torch.randn(E, 2 * Fd, D, device="cuda", generator=g) * D ** -0.5).bfloat16()
         dn = (torch.randn(E, D, Fd, device="cuda", generator=g) * Fd ** -0.5).bfloat16()
         logits = torch.randn(tokens, E, device="cuda", generator=g).bfloat16()
-        plan = route_triton(logits, TopK(k), renorm)
-        lay = pair_layout_padded(plan)
-        a = gk.gate_up_swiglu(x, lay.token_idx, lay.offsets, gu, gk.DEFAULT["gate_up"])
-        for kernel, configs in GEMM_CONFIGS.items():
-            for bm, bn, bk, warps, stages, group in configs:
-                cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages,
-                       "GROUP_M": group}
-                if kernel == "gate_up":
-                    fn = functools.partial(gk.gate_up_swiglu, x, lay.token_idx, lay.offsets, gu, cfg)
-                else:
-                    fn = functools.partial(gk.down_proj, a, lay.offsets, dn, cfg)
-                try:
-                    us = events_us(fn)
-                except Exception as e:  # e.g. out of shared memory for this tile: record and go on
-                    print(f"gemm {name} {kernel} {cfg} failed: {type(e).__name__}: {str(e)[:120]}", flush=True)
-                    continue
-                rows.append({"shape": name, "T": tokens, "kernel": kernel, **cfg, "time_us": us})
-                print(f"gemm {name:8s} {kernel:8s} {bm:4d} {bn:4d} {bk:4d} w{warps} s{stages} g{group:3d} {us:9.1f} us",
-                      flush=True)
-        xp = x[lay.token_idx.clamp_max(tokens - 1)]
-        offs = lay.offsets
-        cut_gu = events_us(lambda xp=xp, gu=gu, offs=offs: swiglu_rows(grouped_gemm(xp, gu, offs), offs))
-        cut_dn = events_us(lambda a=a, dn=dn, offs=offs: grouped_gemm(a, dn, offs))
-        rows += [{"shape": name, "T": tokens, "kernel": "gate_up", "cutlass": True, "time_us": cut_gu},
-                 {"shape": name, "T": tokens, "kernel": "down", "cutlass": True, "time_us": cut_dn}]
-        print(f"gemm {name:8s} cutlass gate_up+swiglu {cut_gu:9.1f} us, down {cut_dn:9.1f} us", flush=True)
+        native = route_triton(logits, TopK(k), renorm)
+        plans = {"native": native, "adaptive": route_triton(logits, adaptive_policy(native.entropy, k), renorm)}
+        for plan_name, plan in plans.items():
+            lay = pair_layout_padded(plan)
+            offs = lay.offsets
+            kept = int(offs[-1])
+            a = gk.gate_up_swiglu(x, lay.token_idx, offs, gu, gk.DEFAULT["gate_up"])
+            base = {"shape": name, "T": tokens, "plan": plan_name, "kept_pairs": kept}
+            for kernel, configs in GEMM_CONFIGS.items():
+                for (bm, bn, bk, warps, stages, group), tma in itertools.product(configs, (False, True)):
+                    cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages,
+                           "GROUP_M": group, "TMA": tma}
+                    if kernel == "gate_up":
+                        fn = functools.partial(gk.gate_up_swiglu, x, lay.token_idx, offs, gu, cfg)
+                    else:
+                        fn = functools.partial(gk.down_proj, a, offs, dn, cfg)
+                    try:
+                        us = events_us(fn)
+                    except Exception as e:  # e.g. out of shared memory for this tile: record and go on
+                        print(f"gemm {name} {kernel} {cfg} failed: {type(e).__name__}: {str(e)[:120]}", flush=True)
+                        continue
+                    rows.append({**base, "kernel": kernel, **cfg, "time_us": us})
+                    print(f"gemm {name:8s} {plan_name:8s} {kernel:8s} {bm:4d} {bn:4d} {bk:4d} w{warps} s{stages} "
+                          f"g{group:3d} tma={int(tma)} {us:9.1f} us", flush=True)
+            cut_gu = events_us(functools.partial(_cutlass_gate_up, x, lay.token_idx, offs, gu))
+            cut_dn = events_us(functools.partial(grouped_gemm, a, dn, offs))
+            rows += [{**base, "kernel": "gate_up", "cutlass": True, "time_us": cut_gu},
+                     {**base, "kernel": "down", "cutlass": True, "time_us": cut_dn}]
+            print(f"gemm {name:8s} {plan_name:8s} cutlass gather+gate_up+swiglu {cut_gu:9.1f} us, "
+                  f"down {cut_dn:9.1f} us", flush=True)
     return rows
 
 
+def _cutlass_gate_up(x, tok, offs, gu):
+    """gather, torch._grouped_mm, SwiGLU: the steps the Triton gate_up GEMM fuses."""
+    from moelab.experts import grouped_gemm
+    from moelab.kernels.experts import gather_rows, swiglu_rows
+
+    return swiglu_rows(grouped_gemm(gather_rows(x, tok, offs), gu, offs), offs)
+
+
+TUNE_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "GROUP_M", "TMA")
+
+
 def tuned_experts_table(rows) -> dict:
-    """{(D, F): [(2**62, {"gate_up": cfg, "down": cfg})]} in the form of moelab.kernels.grouped.TUNED: the
-    fastest configuration per shape and kernel."""
+    """{(D, F): [(2**62, {"gate_up": cfg, "down": cfg, "beats_cutlass": bool})]} in the form of
+    moelab.kernels.grouped.TUNED: per shape and kernel the configuration whose worst slowdown against the
+    fastest, over the plans (native, adaptive), is smallest; beats_cutlass: those two GEMMs take less time
+    than CUTLASS's (gather, GEMM + SwiGLU, GEMM) on every plan, so set_gemm('auto') runs them at many rows
+    per expert too."""
     table = {}
     for name, (D, Fd, *_rest) in LAYERS.items():
-        entry = {}
+        entry, ours, theirs = {}, {}, {}
         for kernel in ("gate_up", "down"):
             cand = [r for r in rows if r["shape"] == name and r["kernel"] == kernel and not r.get("cutlass")]
-            if cand:
-                best = min(cand, key=lambda r: r["time_us"])
-                entry[kernel] = {key: best[key] for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps",
-                                                            "num_stages", "GROUP_M")}
+            if not cand:
+                continue
+            best = {p: min(r["time_us"] for r in cand if r.get("plan", "native") == p)
+                    for p in {r.get("plan", "native") for r in cand}}
+            regret: dict = {}
+            for r in cand:
+                cfg = tuple(r.get(key, False) for key in TUNE_KEYS)
+                regret[cfg] = max(regret.get(cfg, 0.0), r["time_us"] / best[r.get("plan", "native")])
+            pick = min(regret, key=regret.get)
+            entry[kernel] = dict(zip(TUNE_KEYS, pick))
+            for r in cand:
+                if tuple(r.get(key, False) for key in TUNE_KEYS) == pick:
+                    ours[r.get("plan", "native")] = ours.get(r.get("plan", "native"), 0.0) + r["time_us"]
+            for r in rows:
+                if r["shape"] == name and r["kernel"] == kernel and r.get("cutlass"):
+                    theirs[r.get("plan", "native")] = theirs.get(r.get("plan", "native"), 0.0) + r["time_us"]
         if entry:
+            entry["beats_cutlass"] = bool(theirs) and all(ours.get(p, float("inf")) < t for p, t in theirs.items())
             table[(D, Fd)] = [(2**62, entry)]
     return table
 
@@ -749,10 +784,12 @@ def main():
     if "tune-gemm" in parts:
         rows = tune_experts()
         table = tuned_experts_table(rows)
-        notes = ("Triton expert GEMMs (moelab.kernels.grouped) per launch configuration, GPU time (CUDA events) "
-                 "on the native top-k plan of each layer shape at T=4096, bf16, random weights; cutlass rows: "
-                 "torch._grouped_mm on the same rows (+ SwiGLU pass for gate_up). tuned_table: the fastest per "
-                 "(D, F) and kernel, as moelab.kernels.grouped.TUNED takes it.")
+        notes = ("Triton expert GEMMs (moelab.kernels.grouped) per launch configuration (TMA: weight tiles, and the "
+                 "down GEMM's rows, through tensor descriptors), GPU time (CUDA events, L2 flushed) on the native "
+                 "top-k plan and the entropy-adaptive plan (terciles) of each layer shape at T=4096, bf16, random "
+                 "weights; cutlass rows: torch._grouped_mm on the same rows (gate_up: + gather and SwiGLU passes, "
+                 "which the Triton gate_up fuses). tuned_table: per (D, F) and kernel the configuration with the "
+                 "smallest worst slowdown over the two plans, as moelab.kernels.grouped.TUNED takes it.")
         path = write_results("experts-tune", rows, extra={"tuned_table": {str(k): v for k, v in table.items()}},
                              notes=notes)
         print("wrote", path)

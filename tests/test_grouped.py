@@ -124,6 +124,24 @@ def test_matches_reference(T, D, Fd, E, policy, dtype):
         assert_matches(fused_experts(x, lay, gu, dn, plan), ref)
 
 
+@pytest.mark.parametrize("T,D,Fd,E,policy", [
+    (16, 32, 48, 4, TopK(3)),  # F = 48 not a multiple of BLOCK_N 32: down's last column tile reads past N
+    (13, 40, 24, 8, EntropyAdaptiveK((1, 2, 3), (1.2, 1.6))),  # D = 40: K tail past the descriptor (zeros)
+])
+def test_tma_loads_match_pointer_loads(T, D, Fd, E, policy):
+    """Tensor-descriptor loads (weights; the down GEMM's rows too): the same layer as the pointer loads and
+    the reference, where tiles read past an expert, past N, past K and past the last row (fp16: the
+    interpreter's bf16 dot is wrong)."""
+    x, gu, dn, logits = layer(T, D, Fd, E, torch.float16, seed=T + 1)
+    plan = route(logits, policy, renormalize=True)
+    lay = pair_layout_padded(plan)
+    assert gk.tma_supported(x, gu) and not gk.tma_supported(x.float(), gu.float())
+    tma = {name: {**c, "TMA": True} for name, c in TILE16.items()}
+    y = fused_experts(x, lay, gu, dn, plan, config=tma)
+    assert torch.equal(y, fused_experts(x, lay, gu, dn, plan, config=TILE16))
+    assert_matches(y, reference(x, plan, gu, dn))
+
+
 def test_swiglu_rounds_like_the_unfused_path():
     """Kernel A's epilogue: gate and up rounded to the data type (as the GEMM output is), silu(gate)
     rounded too, then the product: the unfused GEMM -> swiglu_rows numbers, bit for bit but for the
@@ -283,6 +301,33 @@ def test_gpu_matches_reference_at_real_shapes():
             y_g = fused_experts(x, lay, gu, dn, plan)
         graph.replay()
         assert torch.equal(y_g, y)
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_tma_loads_at_real_shapes():
+    """bf16, OLMoE-like width, 64- and 128-row tiles: tensor-descriptor loads give the pointer loads' layer
+    (same tiles, same sums) on native and adaptive plans, also replayed in a CUDA graph."""
+    D, Fd, E, T = 2048, 1024, 64, 2048
+    x, gu, dn, logits = layer(T, D, Fd, E, torch.bfloat16, seed=5)
+    assert gk.tma_supported(x, gu) == (torch.cuda.get_device_capability()[0] >= 9)
+    if not gk.tma_supported(x, gu):
+        pytest.skip("no TMA on this GPU")
+    for pol in (TopK(8), EntropyAdaptiveK((2, 4, 8), (3.9, 4.0))):
+        plan = route(logits, pol, renormalize=False)
+        lay = pair_layout_padded(plan)
+        for bm, bn in ((64, 64), (128, 128)):
+            ptr = {"gate_up": {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": 8, "TMA": False},
+                   "down": {"BLOCK_M": bm, "BLOCK_N": 2 * bn, "num_warps": 8, "TMA": False}}
+            tma = {name: {**c, "TMA": True} for name, c in ptr.items()}
+            y_ptr = fused_experts(x, lay, gu, dn, plan, config=ptr)
+            y = fused_experts(x, lay, gu, dn, plan, config=tma)
+            torch.testing.assert_close(y.float(), y_ptr.float(), atol=1e-2, rtol=1e-2)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                y_g = fused_experts(x, lay, gu, dn, plan, config=tma)
+            graph.replay()
+            assert torch.equal(y_g, y)
 
 
 @gpu

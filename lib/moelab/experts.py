@@ -128,15 +128,15 @@ def fused_supported(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, 
     """Whether 'auto' runs the Triton fused experts (moelab.kernels.grouped) on these operands: CUDA,
     bf16 / fp16, same dtype, contiguous weights, at most 256 experts, at most FUSED_MAX_ROWS_PER_EXPERT
     padded rows per expert."""
-    return (
-        rows <= FUSED_MAX_ROWS_PER_EXPERT * gate_up.shape[0]
-        and x.is_cuda
-        and x.dtype in (torch.bfloat16, torch.float16)
-        and gate_up.dtype == x.dtype == down.dtype
-        and gate_up.is_contiguous()
-        and down.is_contiguous()
-        and gate_up.shape[0] <= 256
-    )
+    E, H, D = gate_up.shape
+    if not (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and gate_up.dtype == x.dtype == down.dtype
+            and gate_up.is_contiguous() and down.is_contiguous() and E <= 256):
+        return False
+    if rows <= FUSED_MAX_ROWS_PER_EXPERT * E:
+        return True
+    from moelab.kernels.grouped import tuned_beats_cutlass
+
+    return tuned_beats_cutlass(rows, E, D, H // 2, x.device)
 
 
 def is_silu(act_fn) -> bool:

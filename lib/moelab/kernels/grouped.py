@@ -22,10 +22,16 @@ a GPU tuning run (vLLM keeps per-device configs the same way); `launch_config` p
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
 import triton.language as tl
+
+try:  # host-side tensor descriptors (Triton 3.4+): the TMA weight loads of the expert GEMMs
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older Triton: pointer loads only
+    TensorDescriptor = None
 
 from moelab.experts import PairLayout
 from moelab.kernels import cdiv, launch, on_device_of, pow2
@@ -33,9 +39,10 @@ from moelab.kernels.experts import combine_rows
 from moelab.routing import RoutingPlan
 
 __all__ = ["fused_experts", "gate_up_swiglu", "down_proj", "tile_map", "launch_config", "max_tiles",
-           "DEFAULT", "FEW_ROWS", "TUNED", "MAX_EXPERTS"]
+           "tma_supported", "tuned_beats_cutlass", "DEFAULT", "FEW_ROWS", "TUNED", "MAX_EXPERTS"]
 
 MAX_EXPERTS = 256  # every program loads all E group ends (padded to a power of two)
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 # per kernel: BLOCK_M rows (of one expert) x BLOCK_N output columns, BLOCK_K of the reduction per step.
 # gate_up: BLOCK_N columns of F for gate and up each (two accumulators), so BLOCK_N 64 here is vLLM's 128
@@ -81,13 +88,26 @@ def launch_config(N: int, E: int, D: int, Fd: int, device: torch.device | None =
 def _launch_config(N: int, E: int, D: int, Fd: int, cuda: int) -> dict:
     base = next((c for rows, c in FEW_ROWS if N <= rows * E), DEFAULT)
     cfg = {name: dict(c) for name, c in base.items()}
-    if cuda >= 0 and base is DEFAULT:  # tuned at many rows per expert
-        for n_max, tuned in TUNED.get(_device_name(cuda), {}).get((D, Fd), []):
-            if N <= n_max:
-                for name in cfg:
-                    cfg[name].update(tuned.get(name, {}))
-                break
+    tuned = _tuned_entry(N, D, Fd, cuda) if base is DEFAULT else None  # tuned at many rows per expert
+    for name in cfg:
+        cfg[name].update((tuned or {}).get(name, {}))
     return cfg
+
+
+def _tuned_entry(N: int, D: int, Fd: int, cuda: int) -> dict | None:
+    """The device's TUNED entry for (D, F) that covers N rows, if any."""
+    if cuda < 0:
+        return None
+    return next((t for n_max, t in TUNED.get(_device_name(cuda), {}).get((D, Fd), []) if N <= n_max), None)
+
+
+def tuned_beats_cutlass(N: int, E: int, D: int, Fd: int, device: torch.device) -> bool:
+    """Whether this device's tuning run (benchmarks/moe_kernels.py --parts tune-gemm) measured the tuned
+    GEMMs faster than torch._grouped_mm at many rows per expert for (D, F), on native and adaptive plans
+    ('beats_cutlass' in the TUNED entry): then set_gemm('auto') runs them there too."""
+    if device.type != "cuda" or N <= FEW_ROWS[-1][0] * E:
+        return False
+    return bool((_tuned_entry(N, D, Fd, device.index or 0) or {}).get("beats_cutlass", False))
 
 
 def max_tiles(N: int, E: int, block_m: int) -> int:
@@ -145,14 +165,18 @@ def _tile_map_kernel(offs_ptr, out_ptr, E, BLOCK_M: tl.constexpr, BLOCK_E: tl.co
 
 @triton.jit
 def _expert_gemm_kernel(
-    a_ptr, tok_ptr, offs_ptr, w_ptr, out_ptr,
+    a_ptr, a_desc, tok_ptr, offs_ptr, w_ptr, w_desc, out_ptr,
     KD, N, E, NUM_M,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, GROUP_M: tl.constexpr, GATED: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """out[r, n] = a[r] . w[e, n] (w: [E, N, KD]) for the rows r of one expert's tile: the down GEMM.
     GATED: the gate_up GEMM + SwiGLU, rows of a gathered through tok, w: [E, 2N, KD],
-    out[r, n] = silu(a[tok[r]] . w[e, n]) * (a[tok[r]] . w[e, N + n])."""
+    out[r, n] = silu(a[tok[r]] . w[e, n]) * (a[tok[r]] . w[e, N + n]).
+    TMA: weight tiles (and the down GEMM's contiguous rows of a) come through tensor descriptors over
+    w as [E * rows, KD] and a as [rows, KD]: bulk copies, zero past the tensor's end; rows a tile reads
+    past its expert or past N only reach outputs that are not stored. Gathered rows stay pointer loads."""
     pid_m, pid_n = _swizzle(tl.program_id(0), NUM_M, tl.cdiv(N, BLOCK_N), GROUP_M)
     e, row0, end, total = _tile_of(pid_m, offs_ptr, E, BLOCK_M, BLOCK_E)
     if pid_m >= total:
@@ -169,17 +193,26 @@ def _expert_gemm_kernel(
     w_e = w_ptr + e.to(tl.int64) * ((2 * N) if GATED else N) * KD
     w_ptrs = w_e + n[None, :].to(tl.int64) * KD + k[:, None]  # [BLOCK_K, BLOCK_N] of w[e, n, :].T
     u_ptrs = w_e + (n[None, :] + N).to(tl.int64) * KD + k[:, None]  # GATED: w[e, N + n, :].T
+    w_row = e * ((2 * N) if GATED else N) + pid_n * BLOCK_N  # TMA: the tile's first row of w as [E * rows, KD]
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for kk in range(0, tl.cdiv(KD, BLOCK_K)):
-        if EVEN_K:
+        if TMA and not GATED:
+            a = a_desc.load([row0, kk * BLOCK_K])
+        elif EVEN_K:
             a = tl.load(a_ptrs)
+        else:
+            a = tl.load(a_ptrs, mask=(k < KD - kk * BLOCK_K)[None, :], other=0.0)
+        if TMA:
+            w = w_desc.load([w_row, kk * BLOCK_K]).T
+            if GATED:
+                wu = w_desc.load([w_row + N, kk * BLOCK_K]).T
+        elif EVEN_K:
             w = tl.load(w_ptrs)
             if GATED:
                 wu = tl.load(u_ptrs)
         else:
             k_ok = k < KD - kk * BLOCK_K
-            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
             if GATED:
                 wu = tl.load(u_ptrs, mask=k_ok[:, None], other=0.0)
@@ -231,13 +264,32 @@ def _launch_gemm(a: torch.Tensor, tok: torch.Tensor | None, offsets_E: torch.Ten
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     num_m = max_tiles(rows, E, bm)
     grid = (num_m * cdiv(n_out, bn),)
-    if grid[0]:
-        rows_from = offsets_E if tok is None else tok
-        launch(_expert_gemm_kernel, grid, (a, rows_from, offsets_E, w, out, KD, n_out, E, num_m),
-               dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_E=pow2(max(E, 2)), EVEN_K=KD % bk == 0,
-                    PRECISION=_precision(a.dtype), GROUP_M=cfg.get("GROUP_M", 1), GATED=tok is not None),
-               cfg["num_warps"], cfg["num_stages"])
+    if not grid[0]:
+        return out
+    rows_from = offsets_E if tok is None else tok
+    meta = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_E=pow2(max(E, 2)), EVEN_K=KD % bk == 0,
+                PRECISION=_precision(a.dtype), GROUP_M=cfg.get("GROUP_M", 1), GATED=tok is not None)
+    if cfg.get("TMA") and tma_supported(a, w):
+        # descriptors are built per call and go through Triton's own launch (the configurations that take
+        # them serve many rows per expert, where the GPU work dwarfs the host's)
+        w_desc = TensorDescriptor.from_tensor(w.view(-1, KD), [bn, bk])
+        a_desc = a if tok is not None else TensorDescriptor.from_tensor(a, [bm, bk])
+        _expert_gemm_kernel[grid](a, a_desc, rows_from, offsets_E, w, w_desc, out, KD, n_out, E, num_m, **meta,
+                                  TMA=True, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    else:
+        launch(_expert_gemm_kernel, grid, (a, a, rows_from, offsets_E, w, w, out, KD, n_out, E, num_m),
+               dict(meta, TMA=False), cfg["num_warps"], cfg["num_stages"])
     return out
+
+
+def tma_supported(a: torch.Tensor, w: torch.Tensor) -> bool:
+    """Tensor-descriptor loads for these operands: Triton has them, 16-bit data, rows of a multiple of 16
+    bytes (the descriptor's stride rule), and a GPU with TMA (compute capability 9+) or the interpreter."""
+    if TensorDescriptor is None or a.dtype not in (torch.bfloat16, torch.float16) or (a.shape[1] * 2) % 16:
+        return False
+    if a.is_cuda:
+        return torch.cuda.get_device_capability(a.device)[0] >= 9
+    return _INTERPRET
 
 
 def gate_up_swiglu(x_TD: torch.Tensor, token_idx: torch.Tensor, offsets_E: torch.Tensor, gate_up_EHD: torch.Tensor,
