@@ -15,7 +15,9 @@ Expert GEMMs (`set_gemm`):
   steps on padded layouts, torch ops on exact ones;
 - 'loop': a per-expert loop of matmuls (the reference);
 - 'auto' (default): 'triton' on CUDA for padded layouts in bf16 / fp16 with few rows per expert
-  (decode sizes: FUSED_MAX_ROWS_PER_EXPERT), else torch._grouped_mm where supported, else the loop.
+  (decode sizes: FUSED_MAX_ROWS_PER_EXPERT) or where the device's tuning run measured the tuned Triton
+  GEMMs faster than CUTLASS (moelab.kernels.grouped.TUNED, 'beats_cutlass'), else torch._grouped_mm where
+  supported, else the loop.
   On the CPU nothing changes: the torch paths.
 """
 
@@ -116,18 +118,17 @@ def get_gemm() -> str:
     return _GEMM_MODE
 
 
-# 'auto' takes the Triton experts up to this many padded rows (T * k_max) per expert and CUTLASS above:
-# on the H200 (data/results/moe-layer-20261130.json, experts-tune-20261130.json) the Triton layer was
-# faster at T = 16 and 64 (4-16 rows per expert; e.g. Mixtral-like T = 16: 0.69 against 1.08 ms,
-# OLMoE-like T = 64 in a graph: 0.24 against 0.33 ms) and CUTLASS at T = 512 and 4096 (34+ rows per
-# expert; its GEMMs 10-30% faster than the best Triton configuration measured at T = 4096).
+# 'auto' takes the Triton experts up to this many padded rows (T * k_max) per expert: on the H200
+# (archive/moe-layer-20261130-c17d25a.json) the Triton layer was faster at T = 16 and 64 (4-16 rows per expert;
+# e.g. Mixtral-like T = 16: 0.69 against 1.08 ms, OLMoE-like T = 64 in a graph: 0.24 against 0.33 ms). Above,
+# CUTLASS, unless the device's tuned entry says the Triton GEMMs beat it (fused_supported).
 FUSED_MAX_ROWS_PER_EXPERT = 32
 
 
 def fused_supported(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, rows: int = 0) -> bool:
     """Whether 'auto' runs the Triton fused experts (moelab.kernels.grouped) on these operands: CUDA,
-    bf16 / fp16, same dtype, contiguous weights, at most 256 experts, at most FUSED_MAX_ROWS_PER_EXPERT
-    padded rows per expert."""
+    bf16 / fp16, same dtype, contiguous weights, at most 256 experts, and at most FUSED_MAX_ROWS_PER_EXPERT
+    padded rows per expert or a tuned entry measured faster than CUTLASS for this shape and device."""
     E, H, D = gate_up.shape
     if not (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and gate_up.dtype == x.dtype == down.dtype
             and gate_up.is_contiguous() and down.is_contiguous() and E <= 256):

@@ -15,8 +15,9 @@ cdiv(count_e, BLOCK_M) tiles per expert, and finds its expert and rows from the 
 counts. A tile never crosses an expert boundary; programs past the total return at once.
 
 Launch configurations: `DEFAULT` (BLOCK_M 64) and `FEW_ROWS` (BLOCK_M 16 / 32 for few rows per
-expert), from vLLM fused_moe's bf16 table for the H200, and a per-device table `TUNED` to fill in from
-a GPU tuning run (vLLM keeps per-device configs the same way); `launch_config` picks.
+expert), from vLLM fused_moe's bf16 table for the H200, and a per-device table `TUNED` filled in from
+a GPU tuning run (vLLM keeps per-device configs the same way); `launch_config` picks. A configuration
+with TMA loads weight tiles through tensor descriptors (Hopper's bulk copies) instead of pointer loads.
 """
 
 from __future__ import annotations
@@ -62,13 +63,24 @@ FEW_ROWS = [
            "down": {"BLOCK_M": 32, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3}}),
 ]
 
-# device name -> {(D, F): [(N up to, {"gate_up": {...}, "down": {...}}), ...]} (N = T * k_max rows);
-# an entry's dicts update the default's key by key (many rows per expert only). Left empty for the H200:
-# data/results/experts-tune-20261130.json (--parts tune-gemm) found 128-row tiles fastest on native plans
-# at T = 4096 but still 10-30% behind CUTLASS, which moelab.experts 'auto' uses there; 128-row tiles
-# would also give up the smaller tiles' edge on adaptive plans, the reason this path exists.
+# device name -> {(D, F): [(N up to, {"gate_up": {...}, "down": {...}, "beats_cutlass": bool}), ...]} (N = T * k_max
+# rows); an entry's dicts update the default's key by key (many rows per expert only). beats_cutlass: the tuning
+# run measured these GEMMs faster than torch._grouped_mm (with its gather and SwiGLU passes) on both the native
+# and the adaptive plan, so set_gemm('auto') takes them at many rows per expert too (moelab.experts).
+_TMA_128 = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "GROUP_M": 16, "TMA": True}
 TUNED: dict[str, dict[tuple[int, int], list]] = {
-    "NVIDIA H200": {},
+    # benchmarks/moe_kernels.py tuned_experts_table() on data/results/experts-tune-20261130.json (H200, torch 2.11,
+    # triton 3.6, at 437b1d1, T = 4096): 128-row tiles with TMA loads at every shape. OLMoE-like: faster than
+    # CUTLASS on both plans (gate_up + down 786 against 849 us native, 600 against 706 adaptive); Mixtral-like
+    # and Qwen-like: not on every plan (Qwen-like adaptive gate_up 363 against 314 us), CUTLASS stays 'auto' there
+    "NVIDIA H200": {
+        (4096, 14336): [(2**62, {"gate_up": {**_TMA_128, "num_stages": 3},
+                                 "down": {**_TMA_128, "BLOCK_N": 256, "num_stages": 3}, "beats_cutlass": False})],
+        (2048, 1024): [(2**62, {"gate_up": {**_TMA_128, "num_stages": 4},
+                                "down": {**_TMA_128, "BLOCK_N": 256, "num_stages": 4}, "beats_cutlass": True})],
+        (2048, 1408): [(2**62, {"gate_up": {**_TMA_128, "num_stages": 4},
+                                "down": {**_TMA_128, "BLOCK_N": 256, "num_stages": 4}, "beats_cutlass": False})],
+    },
 }
 
 
