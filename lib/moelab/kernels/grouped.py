@@ -29,6 +29,11 @@ import torch
 import triton
 import triton.language as tl
 
+try:  # host-side tensor descriptors (Triton 3.4+): the TMA weight loads of the expert GEMMs
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older Triton: pointer loads only
+    TensorDescriptor = None
+
 from moelab.experts import PairLayout
 from moelab.kernels import cdiv, launch, on_device_of, pow2
 from moelab.kernels.experts import combine_rows
@@ -172,8 +177,8 @@ def _tile_map_kernel(offs_ptr, out_ptr, E, BLOCK_M: tl.constexpr, BLOCK_E: tl.co
 
 @triton.jit
 def _expert_gemm_kernel(
-    a_ptr, tok_ptr, offs_ptr, w_ptr, out_ptr,
-    KD, N, E, NUM_M, A_ROWS,
+    a_ptr, a_desc, tok_ptr, offs_ptr, w_ptr, w_desc, out_ptr,
+    KD, N, E, NUM_M,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, GROUP_M: tl.constexpr, GATED: tl.constexpr,
     TMA: tl.constexpr,
@@ -181,10 +186,9 @@ def _expert_gemm_kernel(
     """out[r, n] = a[r] . w[e, n] (w: [E, N, KD]) for the rows r of one expert's tile: the down GEMM.
     GATED: the gate_up GEMM + SwiGLU, rows of a gathered through tok, w: [E, 2N, KD],
     out[r, n] = silu(a[tok[r]] . w[e, n]) * (a[tok[r]] . w[e, N + n]).
-    TMA: weight tiles (and the down GEMM's contiguous rows of a) come through tensor descriptors made on
-    the device over w as [E * rows, KD] and a as [A_ROWS, KD]: bulk copies, zero past the tensor's end;
-    rows a tile reads past its expert or past N only reach outputs that are not stored. Gathered rows
-    stay pointer loads."""
+    TMA: weight tiles (and the down GEMM's contiguous rows of a) come through tensor descriptors over
+    w as [E * rows, KD] and a as [rows, KD]: bulk copies, zero past the tensor's end; rows a tile reads
+    past its expert or past N only reach outputs that are not stored. Gathered rows stay pointer loads."""
     pid_m, pid_n = _swizzle(tl.program_id(0), NUM_M, tl.cdiv(N, BLOCK_N), GROUP_M)
     e, row0, end, total = _tile_of(pid_m, offs_ptr, E, BLOCK_M, BLOCK_E)
     if pid_m >= total:
@@ -201,13 +205,7 @@ def _expert_gemm_kernel(
     w_e = w_ptr + e.to(tl.int64) * ((2 * N) if GATED else N) * KD
     w_ptrs = w_e + n[None, :].to(tl.int64) * KD + k[:, None]  # [BLOCK_K, BLOCK_N] of w[e, n, :].T
     u_ptrs = w_e + (n[None, :] + N).to(tl.int64) * KD + k[:, None]  # GATED: w[e, N + n, :].T
-    NW = (2 * N) if GATED else N  # rows of w per expert
-    if TMA:
-        w_desc = tl.make_tensor_descriptor(w_ptr, shape=[E * NW, KD], strides=[KD, 1], block_shape=[BLOCK_N, BLOCK_K])
-        if not GATED:
-            a_desc = tl.make_tensor_descriptor(a_ptr, shape=[A_ROWS, KD], strides=[KD, 1],
-                                               block_shape=[BLOCK_M, BLOCK_K])
-    w_row = e * NW + pid_n * BLOCK_N  # TMA: the tile's first row of w as [E * NW, KD]
+    w_row = e * ((2 * N) if GATED else N) + pid_n * BLOCK_N  # TMA: the tile's first row of w as [E * rows, KD]
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for kk in range(0, tl.cdiv(KD, BLOCK_K)):
@@ -281,46 +279,29 @@ def _launch_gemm(a: torch.Tensor, tok: torch.Tensor | None, offsets_E: torch.Ten
     if not grid[0]:
         return out
     rows_from = offsets_E if tok is None else tok
-    tma = bool(cfg.get("TMA")) and tma_supported(a, w)
-    if tma and a.is_cuda:
-        _scratch_allocator()
-    launch(_expert_gemm_kernel, grid, (a, rows_from, offsets_E, w, out, KD, n_out, E, num_m, a.shape[0]),
-           dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_E=pow2(max(E, 2)), EVEN_K=KD % bk == 0,
-                PRECISION=_precision(a.dtype), GROUP_M=cfg.get("GROUP_M", 1), GATED=tok is not None, TMA=tma),
-           cfg["num_warps"], cfg["num_stages"])
+    meta = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_E=pow2(max(E, 2)), EVEN_K=KD % bk == 0,
+                PRECISION=_precision(a.dtype), GROUP_M=cfg.get("GROUP_M", 1), GATED=tok is not None)
+    if cfg.get("TMA") and tma_supported(a, w):
+        # descriptors are built per call and go through Triton's own launch (the configurations that take
+        # them serve many rows per expert, where the GPU work dwarfs the host's)
+        w_desc = TensorDescriptor.from_tensor(w.view(-1, KD), [bn, bk])
+        a_desc = a if tok is not None else TensorDescriptor.from_tensor(a, [bm, bk])
+        _expert_gemm_kernel[grid](a, a_desc, rows_from, offsets_E, w, w_desc, out, KD, n_out, E, num_m, **meta,
+                                  TMA=True, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    else:
+        launch(_expert_gemm_kernel, grid, (a, a, rows_from, offsets_E, w, w, out, KD, n_out, E, num_m),
+               dict(meta, TMA=False), cfg["num_warps"], cfg["num_stages"])
     return out
 
 
 def tma_supported(a: torch.Tensor, w: torch.Tensor) -> bool:
-    """Tensor-descriptor loads for these operands: Triton makes them in kernels, 16-bit data, rows of a
-    multiple of 16 bytes (the descriptor's stride rule), and a GPU with TMA (compute capability 9+) or the
-    interpreter."""
-    if not hasattr(tl, "make_tensor_descriptor") or a.dtype not in (torch.bfloat16, torch.float16):
-        return False
-    if (a.shape[1] * a.element_size()) % 16 or a.dtype != w.dtype:
+    """Tensor-descriptor loads for these operands: Triton has them, 16-bit data, rows of a multiple of 16
+    bytes (the descriptor's stride rule), and a GPU with TMA (compute capability 9+) or the interpreter."""
+    if TensorDescriptor is None or a.dtype not in (torch.bfloat16, torch.float16) or (a.shape[1] * 2) % 16:
         return False
     if a.is_cuda:
-        return _capability(a.get_device())[0] >= 9
+        return torch.cuda.get_device_capability(a.device)[0] >= 9
     return _INTERPRET
-
-
-@functools.lru_cache(maxsize=16)
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
-
-
-def _scratch_allocator() -> None:
-    """Descriptors made in a kernel live in a global scratch buffer that Triton asks its allocator for at
-    launch: a torch allocation (stream-ordered, and from the graph's pool under capture) unless the
-    caller has set an allocator of their own."""
-    from triton.runtime import _allocation
-
-    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
-        triton.set_allocator(_torch_scratch)
-
-
-def _torch_scratch(size: int, alignment: int, stream):
-    return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
 def gate_up_swiglu(x_TD: torch.Tensor, token_idx: torch.Tensor, offsets_E: torch.Tensor, gate_up_EHD: torch.Tensor,
