@@ -307,7 +307,10 @@ def test_gpu_matches_reference_at_real_shapes():
 @pytest.mark.gpu
 def test_gpu_tma_loads_at_real_shapes():
     """bf16, OLMoE-like width, 64- and 128-row tiles: tensor-descriptor loads give the pointer loads' layer
-    (same tiles, same sums) on native and adaptive plans, also replayed in a CUDA graph."""
+    (same tiles, same sums) on native and adaptive plans, also replayed in a CUDA graph; from the second
+    call on, the descriptors go through moelab's direct launch too."""
+    from moelab import kernels
+
     D, Fd, E, T = 2048, 1024, 64, 2048
     x, gu, dn, logits = layer(T, D, Fd, E, torch.bfloat16, seed=5)
     assert gk.tma_supported(x, gu) == (torch.cuda.get_device_capability()[0] >= 9)
@@ -322,6 +325,10 @@ def test_gpu_tma_loads_at_real_shapes():
             tma = {name: {**c, "TMA": True} for name, c in ptr.items()}
             y_ptr = fused_experts(x, lay, gu, dn, plan, config=ptr)
             y = fused_experts(x, lay, gu, dn, plan, config=tma)
+            lau = kernels._LAUNCHERS[gk._expert_gemm_kernel]
+            n0 = lau.direct_calls
+            assert torch.equal(fused_experts(x, lay, gu, dn, plan, config=tma), y)
+            assert not lau.disabled and lau.direct_calls == n0 + 2  # gate_up and down
             torch.testing.assert_close(y.float(), y_ptr.float(), atol=1e-2, rtol=1e-2)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):

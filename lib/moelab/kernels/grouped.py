@@ -281,16 +281,15 @@ def _launch_gemm(a: torch.Tensor, tok: torch.Tensor | None, offsets_E: torch.Ten
     rows_from = offsets_E if tok is None else tok
     meta = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_E=pow2(max(E, 2)), EVEN_K=KD % bk == 0,
                 PRECISION=_precision(a.dtype), GROUP_M=cfg.get("GROUP_M", 1), GATED=tok is not None)
+    a_desc = w_desc = None
     if cfg.get("TMA") and tma_supported(a, w):
-        # descriptors are built per call and go through Triton's own launch (the configurations that take
-        # them serve many rows per expert, where the GPU work dwarfs the host's)
+        # host-built descriptors (built on the device, in every program, they made the GEMMs slower:
+        # archive/experts-tune-20261130-13bd670.json); their block shapes and data type follow from the
+        # constexprs and a's dtype, which the launcher's cache key holds
         w_desc = TensorDescriptor.from_tensor(w.view(-1, KD), [bn, bk])
         a_desc = a if tok is not None else TensorDescriptor.from_tensor(a, [bm, bk])
-        _expert_gemm_kernel[grid](a, a_desc, rows_from, offsets_E, w, w_desc, out, KD, n_out, E, num_m, **meta,
-                                  TMA=True, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    else:
-        launch(_expert_gemm_kernel, grid, (a, a, rows_from, offsets_E, w, w, out, KD, n_out, E, num_m),
-               dict(meta, TMA=False), cfg["num_warps"], cfg["num_stages"])
+    launch(_expert_gemm_kernel, grid, (a, a_desc or a, rows_from, offsets_E, w, w_desc or w, out, KD, n_out, E, num_m),
+           dict(meta, TMA=w_desc is not None), cfg["num_warps"], cfg["num_stages"])
     return out
 
 
