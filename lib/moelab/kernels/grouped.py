@@ -287,9 +287,10 @@ def _launch_gemm(a: torch.Tensor, tok: torch.Tensor | None, offsets_E: torch.Ten
         # archive/experts-tune-20261130-13bd670.json); their block shapes and data type follow from the
         # constexprs and a's dtype, which the launcher's cache key holds
         w_desc = TensorDescriptor.from_tensor(w.view(-1, KD), [bn, bk])
-        a_desc = a if tok is not None else TensorDescriptor.from_tensor(a, [bm, bk])
-    launch(_expert_gemm_kernel, grid, (a, a_desc or a, rows_from, offsets_E, w, w_desc or w, out, KD, n_out, E, num_m),
-           dict(meta, TMA=w_desc is not None), cfg["num_warps"], cfg["num_stages"])
+        a_desc = None if tok is not None else TensorDescriptor.from_tensor(a, [bm, bk])  # gathered rows: pointers
+    args = (a, a if a_desc is None else a_desc, rows_from, offsets_E, w, w if w_desc is None else w_desc, out,
+            KD, n_out, E, num_m)
+    launch(_expert_gemm_kernel, grid, args, dict(meta, TMA=w_desc is not None), cfg["num_warps"], cfg["num_stages"])
     return out
 
 
