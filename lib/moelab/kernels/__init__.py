@@ -43,7 +43,9 @@ def on_device_of(t: torch.Tensor):
 def _spec(a):
     """What Triton specialises a kernel argument on: dtype and 16-byte alignment of tensors; ints equal
     to 1, divisible by 16, and 32- or 64-bit; floats and None not at all. Plain ints are tested first:
-    isinstance(x, torch.Tensor) goes through the tensor metaclass's Python-level instance check."""
+    isinstance(x, torch.Tensor) goes through the tensor metaclass's Python-level instance check. Anything
+    else by its type name only: a host tensor descriptor's block shape and dtype must follow from the
+    constexprs and the other arguments (kernels/grouped.py), and it goes to the direct call as it is."""
     if type(a) is int:
         return (a == 1, a % 16 == 0, -(2**31) <= a < 2**31)
     if isinstance(a, torch.Tensor):
