@@ -696,36 +696,29 @@ def _cutlass_gate_up(x, tok, offs, gu):
     return swiglu_rows(grouped_gemm(gather_rows(x, tok, offs), gu, offs), offs)
 
 
-TUNE_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "GROUP_M", "TMA")
-
-
 def tuned_experts_table(rows) -> dict:
     """{(D, F): [(2**62, {"gate_up": cfg, "down": cfg, "beats_cutlass": bool})]} in the form of
     moelab.kernels.grouped.TUNED: per shape and kernel the configuration whose worst slowdown against the
-    fastest, over the plans (native, adaptive), is smallest; beats_cutlass: those two GEMMs take less time
-    than CUTLASS's (gather, GEMM + SwiGLU, GEMM) on every plan, so set_gemm('auto') runs them at many rows
-    per expert too."""
+    fastest, over the plans (native, adaptive), is smallest (moelab.kernels.report.least_regret);
+    beats_cutlass: those two GEMMs take less time than CUTLASS's (gather, GEMM + SwiGLU, GEMM) on every
+    plan, so set_gemm('auto') runs them at many rows per expert too."""
+    from moelab.kernels.report import GEMM_KEYS, least_regret
+
     table = {}
     for name, (D, Fd, *_rest) in LAYERS.items():
         entry, ours, theirs = {}, {}, {}
         for kernel in ("gate_up", "down"):
-            cand = [r for r in rows if r["shape"] == name and r["kernel"] == kernel and not r.get("cutlass")]
+            mine = [r for r in rows if r["shape"] == name and r["kernel"] == kernel]
+            cand = [r for r in mine if not r.get("cutlass")]
             if not cand:
                 continue
-            best = {p: min(r["time_us"] for r in cand if r.get("plan", "native") == p)
-                    for p in {r.get("plan", "native") for r in cand}}
-            regret: dict = {}
-            for r in cand:
-                cfg = tuple(r.get(key, False) for key in TUNE_KEYS)
-                regret[cfg] = max(regret.get(cfg, 0.0), r["time_us"] / best[r.get("plan", "native")])
-            pick = min(regret, key=regret.get)
-            entry[kernel] = dict(zip(TUNE_KEYS, pick))
-            for r in cand:
-                if tuple(r.get(key, False) for key in TUNE_KEYS) == pick:
-                    ours[r.get("plan", "native")] = ours.get(r.get("plan", "native"), 0.0) + r["time_us"]
-            for r in rows:
-                if r["shape"] == name and r["kernel"] == kernel and r.get("cutlass"):
-                    theirs[r.get("plan", "native")] = theirs.get(r.get("plan", "native"), 0.0) + r["time_us"]
+            pick = least_regret(cand)
+            entry[kernel] = dict(zip(GEMM_KEYS, pick))
+            for r in mine:
+                if r.get("cutlass"):
+                    theirs[r.get("plan")] = theirs.get(r.get("plan"), 0.0) + r["time_us"]
+                elif tuple(r.get(k, False) for k in GEMM_KEYS) == pick:
+                    ours[r.get("plan")] = ours.get(r.get("plan"), 0.0) + r["time_us"]
         if entry:
             entry["beats_cutlass"] = bool(theirs) and all(ours.get(p, float("inf")) < t for p, t in theirs.items())
             table[(D, Fd)] = [(2**62, entry)]

@@ -42,7 +42,8 @@ import pandas as pd
 import torch
 
 from moelab import results
-from moelab.kernels.report import STAGES, gemm_scaling, layer_targets, machine_line, routing_targets, stage_table
+from moelab.kernels.report import (STAGES, expert_gemms, gemm_scaling, layer_targets, machine_line, routing_targets,
+                                   stage_table)
 from moelab.plots import figure, save_table, savefig
 
 REPO = results.REPO
@@ -182,9 +183,10 @@ if host_doc is not None:
 # ## 3 · MoE layer time
 # Same weights for every variant. moelab: router GEMM, Triton routing, padded pair layout (no host
 # sync), expert GEMMs as `moelab.experts.set_gemm('auto')` picks them: moelab's Triton grouped GEMMs
-# (gather and SwiGLU fused in) up to 32 padded rows per expert, `torch._grouped_mm` (CUTLASS) above;
-# `_triton` / `_cutlass`: native top-k pinned to one of the two. Solid: eager launch (CUDA events);
-# dashed: ours inside a CUDA graph (T <= 4096).
+# (gather and SwiGLU fused in) up to 32 padded rows per expert, and above where the device's tuning
+# run measured them faster than `torch._grouped_mm` (CUTLASS) on both plans (section 3b), else
+# CUTLASS; `_triton` / `_cutlass`: native top-k pinned to one of the two. Solid: eager launch (CUDA
+# events); dashed: ours inside a CUDA graph (T <= 4096).
 
 # %%
 VARIANTS = [v for v in ["moelab_topk", "moelab_adaptive", "moelab_topk_triton", "moelab_topk_cutlass",
@@ -206,6 +208,32 @@ axes.flat[0].legend(fontsize=6)
 fig.suptitle(machine_line(layer_doc), fontsize=7)
 savefig(fig, "04_moe_layer_time")
 plt.show()
+
+# %% [markdown]
+# ## 3b · Expert GEMMs: Triton against CUTLASS
+# `benchmarks/moe_kernels.py --parts tune-gemm` at T = 4096 on the native and the adaptive plan: CUTLASS
+# (gate_up with its gather and SwiGLU passes, which the Triton gate_up fuses), the fastest Triton
+# configuration with pointer loads and with TMA tensor-descriptor loads, and the tuned pick (the least
+# worst slowdown over both plans, what `moelab.kernels.grouped.TUNED` holds).
+
+# %%
+tune_doc = results.load_optional("experts-tune", rdir)
+if tune_doc is not None:
+    gemms = expert_gemms(tune_doc)
+    gshapes = list(dict.fromkeys(gemms["shape"]))
+    fig, axes = figure("full", aspect=0.3, ncols=len(gshapes), squeeze=False, layout="constrained")
+    for ax, shape in zip(axes.flat, gshapes):
+        d = gemms[gemms["shape"] == shape].set_index(["kernel", "plan"])
+        d[["cutlass", "triton_pointer", "triton_tma", "tuned"]].plot.bar(ax=ax, width=0.8, legend=False,
+                                                                     color=["grey", "C0", "C1", "C3"])
+        ax.set(title=shape, xlabel="", ylabel="us (CUDA events)" if shape == gshapes[0] else "")
+        ax.tick_params(axis="x", labelsize=6, rotation=30)
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", ncols=4, fontsize=6)
+    fig.suptitle(machine_line(tune_doc), fontsize=7)
+    savefig(fig, "04_expert_gemms")
+    plt.show()
+    save_table(gemms.round(1), "04_expert_gemms", caption=machine_line(tune_doc))
 
 # %% [markdown]
 # ## 4 · Do compute savings become wall-clock savings?

@@ -4,7 +4,7 @@ here (rows as the benchmarks write them) and on the committed results."""
 import pytest
 
 from moelab import results
-from moelab.kernels.report import STAGES, gemm_scaling, routing_targets, stage_table
+from moelab.kernels.report import STAGES, expert_gemms, gemm_scaling, least_regret, routing_targets, stage_table
 
 
 def _stage_rows(shape, plan, kept, times, T=4096):
@@ -57,3 +57,45 @@ def test_committed_layer_stages():
     assert g["kept pairs"].between(0, 1).all()  # adaptive plans keep at most the native pairs
     t = stage_table(doc)
     assert t["layer"].notna().all() and (t.index.get_level_values("plan") == "native").sum() == len(g["shape"].unique())
+
+
+def _gemm(plan, us, bm=64, tma=False, kernel="gate_up"):
+    return {"shape": "olmoe", "T": 4096, "plan": plan, "kernel": kernel, "BLOCK_M": bm, "BLOCK_N": 64,
+            "BLOCK_K": 64, "num_warps": 4, "num_stages": 3, "GROUP_M": 16, "TMA": tma, "time_us": us}
+
+
+def test_least_regret_serves_every_plan():
+    """Not the fastest on one plan: the one whose worst slowdown over the plans is smallest."""
+    rows = [_gemm("native", 100.0, bm=128), _gemm("adaptive", 90.0, bm=128),  # native best, adaptive 1.5x
+            _gemm("native", 110.0, bm=64), _gemm("adaptive", 66.0, bm=64),  # 1.1x, 1.1x
+            _gemm("native", 105.0, bm=64, tma=True), _gemm("adaptive", 60.0, bm=64, tma=True)]  # 1.05x, best
+    assert least_regret(rows) == (64, 64, 64, 4, 3, 16, True)
+    assert least_regret(rows[:2]) == (128, 64, 64, 4, 3, 16, False)
+    with pytest.raises(ValueError, match="rows="):
+        least_regret([])
+
+
+def test_expert_gemms_table():
+    rows = [_gemm("native", 100.0, bm=128), _gemm("adaptive", 90.0, bm=128),
+            _gemm("native", 110.0, tma=True), _gemm("adaptive", 66.0, tma=True),
+            {"shape": "olmoe", "T": 4096, "plan": "native", "kernel": "gate_up", "cutlass": True, "time_us": 95.0},
+            {"shape": "olmoe", "T": 4096, "plan": "adaptive", "kernel": "gate_up", "cutlass": True, "time_us": 80.0}]
+    t = expert_gemms({"rows": rows}).set_index("plan")
+    assert t.loc["native", "cutlass"] == 95.0 and t.loc["native", "triton_pointer"] == 100.0
+    assert t.loc["adaptive", "triton_tma"] == 66.0 and t.loc["adaptive", "tuned"] == 66.0
+    assert t.loc["native", "tuned"] == 110.0 and t.loc["native", "tuned_config"] == "64x64x64 w4 s3 tma"
+
+
+def test_committed_experts_tune_picks_what_grouped_tuned_holds():
+    """The tuned picks in the committed experts-tune file are the configurations moelab.kernels.grouped.TUNED
+    holds for the H200 (per GEMM shape), and the table has a row per shape, plan and kernel."""
+    from moelab.kernels import grouped as gk
+
+    doc = results.load_results("experts-tune", fallback=True)
+    t = expert_gemms(doc)
+    assert len(t) == 3 * 2 * 2 and t[["cutlass", "triton_pointer", "triton_tma", "tuned"]].notna().all().all()
+    shapes = {"mixtral": (4096, 14336), "olmoe": (2048, 1024), "qwen15": (2048, 1408)}
+    for (shape, kernel), g in t.groupby(["shape", "kernel"]):
+        cfg = gk.TUNED["NVIDIA H200"][shapes[shape]][0][1][kernel]
+        want = f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']}x{cfg['BLOCK_K']} w{cfg['num_warps']} s{cfg['num_stages']}"
+        assert set(g["tuned_config"]) == {want + (" tma" if cfg["TMA"] else "")}

@@ -1,5 +1,5 @@
-"""The issue-5 targets checked against benchmark results (`routing-kernel`, `moe-layer` documents), and
-the layer's time step by step (`layer-stages` documents).
+"""The issue-5 targets checked against benchmark results (`routing-kernel`, `moe-layer` documents), the
+layer's time step by step (`layer-stages` documents) and the expert GEMMs' tuning (`experts-tune`).
 
 Each check is a row: target, shape, T, what was measured, the limit it must meet, and whether it
 does. Nothing is measured here: the numbers come from the results files written on the GPU by
@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import pandas as pd
 
-__all__ = ["routing_targets", "layer_targets", "machine_line", "stage_table", "gemm_scaling", "STAGES"]
+__all__ = ["routing_targets", "layer_targets", "machine_line", "stage_table", "gemm_scaling", "least_regret",
+           "expert_gemms", "STAGES", "GEMM_KEYS"]
 
 GRAPH_LIMIT_US = 5.0  # routing in a CUDA graph, T <= 4096
 HBM_FRACTION = 0.5  # routing at T = 65536, E = 64 and 128: fraction of the HBM bound
@@ -126,4 +127,50 @@ def gemm_scaling(doc: dict) -> pd.DataFrame:
                         "grouped": t.loc[(shape, plan), gemm] / t.loc[(shape, "native"), gemm],
                         "dense": t.loc[(shape, plan), f"dense_{gemm}"] / t.loc[(shape, "native"), f"dense_{gemm}"],
                         "kept pairs": kept[(shape, plan)] / kept[(shape, "native")]})
+    return pd.DataFrame(out)
+
+
+GEMM_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "GROUP_M", "TMA")
+
+
+def least_regret(rows: list[dict], keys: tuple = GEMM_KEYS, over: str = "plan") -> tuple:
+    """The configuration (its values of `keys`) whose worst slowdown against the fastest configuration,
+    over the groups of `over` (e.g. the native and the adaptive plan), is smallest: one launch
+    configuration has to serve them all."""
+    if not rows:
+        raise ValueError("rows=[]: need timed configurations to pick from")
+    best: dict = {}
+    for r in rows:
+        g = r.get(over)
+        best[g] = min(best.get(g, float("inf")), r["time_us"])
+    regret: dict = {}
+    for r in rows:
+        cfg = tuple(r.get(k, False) for k in keys)
+        regret[cfg] = max(regret.get(cfg, 0.0), r["time_us"] / best[r.get(over)])
+    return min(regret, key=regret.get)
+
+
+def expert_gemms(doc: dict) -> pd.DataFrame:
+    """us per expert GEMM of an `experts-tune` document, one row per (shape, plan, kernel): CUTLASS (gate_up
+    with its gather and SwiGLU passes), the fastest Triton configuration with pointer loads and with TMA
+    loads, and the tuned pick (`least_regret` over the plans, as the tuning run chose it)."""
+    df = pd.DataFrame(doc["rows"])
+    if "plan" not in df:
+        df["plan"] = "native"  # runs before 2026-11-30 11:00 tuned on the native plan only
+    for k in ("TMA", "cutlass"):
+        df[k] = df[k].fillna(False).astype(bool) if k in df else False
+    out = []
+    for (shape, kernel), g in df.groupby(["shape", "kernel"], sort=False):
+        ours = g[~g["cutlass"]]
+        pick = least_regret(ours.to_dict("records"))
+        tuned = ours[[tuple(r.get(k, False) for k in GEMM_KEYS) == pick for r in ours.to_dict("records")]]
+        for plan, gp in g.groupby("plan", sort=False):
+            mine = ours[ours["plan"] == plan]
+            out.append({"shape": shape, "plan": plan, "kernel": kernel,
+                        "cutlass": gp.loc[gp["cutlass"], "time_us"].min(),
+                        "triton_pointer": mine.loc[~mine["TMA"], "time_us"].min(),
+                        "triton_tma": mine.loc[mine["TMA"], "time_us"].min(),
+                        "tuned": tuned.loc[tuned["plan"] == plan, "time_us"].min(),
+                        "tuned_config": "x".join(str(int(v)) for v in pick[:3]) + f" w{int(pick[3])} s{int(pick[4])}"
+                                        + (" tma" if pick[6] else "")})
     return pd.DataFrame(out)
