@@ -8,7 +8,7 @@ Flow: plan -> expert-sorted pairs -> gather rows -> grouped GEMM (gate/up) -> ac
 The number of rows in both GEMMs is exactly the number of kept pairs: skipped pairs cost nothing.
 
 Expert GEMMs (`set_gemm`):
-- 'triton': moelab.kernels.grouped.fused_experts, Triton grouped GEMMs with 16-64-row tiles, the gather
+- 'triton': moelab.kernels.grouped.fused_experts, Triton grouped GEMMs with 16-128-row tiles, the gather
   and SwiGLU fused into the gate_up GEMM, then the down GEMM and a per-token combine (padded layouts
   with slot_row and a SiLU act_fn only);
 - 'grouped': torch._grouped_mm (CUTLASS, 128-row tiles) between Triton gather / SwiGLU / combine

@@ -2,8 +2,8 @@
 
 The torch._grouped_mm path (moelab.experts) runs gather -> GEMM -> SwiGLU -> GEMM -> combine, with
 CUTLASS's 128-row tiles: every expert's last partial tile is mostly wasted, and the gather and SwiGLU
-passes add fixed cost. Here two launches of one kernel do the same with smaller row tiles (BLOCK_M 64 at
-many rows per expert, 16 / 32 at few):
+passes add fixed cost. Here two launches of one kernel do the same with row tiles sized to the rows per
+expert (16 / 32 at few, 64 or a device's tuned size at many):
 - A, gate_up + SwiGLU: rows of x gathered through token_idx straight into the GEMM (no x_PD copy),
   gate and up accumulated side by side for the same F columns, a_PF = silu(gate) * up written once;
 - B, down: y_PD = a_PF @ down_EDF[e].T;
