@@ -299,9 +299,16 @@ def tma_supported(a: torch.Tensor, w: torch.Tensor) -> bool:
     bytes (the descriptor's stride rule), and a GPU with TMA (compute capability 9+) or the interpreter."""
     if TensorDescriptor is None or a.dtype not in (torch.bfloat16, torch.float16) or (a.shape[1] * 2) % 16:
         return False
+    if w.dtype != a.dtype:
+        return False
     if a.is_cuda:
-        return torch.cuda.get_device_capability(a.device)[0] >= 9
+        return _capability(a.get_device())[0] >= 9
     return _INTERPRET
+
+
+@functools.lru_cache(maxsize=16)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
 
 
 def gate_up_swiglu(x_TD: torch.Tensor, token_idx: torch.Tensor, offsets_E: torch.Tensor, gate_up_EHD: torch.Tensor,
