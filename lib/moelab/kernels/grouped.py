@@ -72,7 +72,7 @@ TUNED: dict[str, dict[tuple[int, int], list]] = {
     # benchmarks/moe_kernels.py tuned_experts_table() on data/results/experts-tune-20261130.json (H200, torch 2.11,
     # triton 3.6, at 437b1d1, T = 4096): 128-row tiles with TMA loads at every shape. OLMoE-like: faster than
     # CUTLASS on both plans (gate_up + down 786 against 849 us native, 602 against 706 adaptive); Mixtral-like
-    # and Qwen-like: not on every plan (Qwen-like adaptive gate_up 363 against 314 us), CUTLASS stays 'auto' there
+    # and Qwen-like: not on every plan (Qwen-like adaptive gate_up 366 against 314 us), CUTLASS stays 'auto' there
     "NVIDIA H200": {
         (4096, 14336): [(2**62, {"gate_up": {**_TMA_128, "num_stages": 3},
                                  "down": {**_TMA_128, "BLOCK_N": 256, "num_stages": 3}, "beats_cutlass": False})],
