@@ -637,7 +637,6 @@ GEMM_CONFIGS = {  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, GROUP_M); gate_up
              (128, 256, 64, 8, 3, 16), (64, 128, 128, 4, 3, 16), (64, 256, 64, 4, 4, 16), (128, 128, 64, 4, 3, 16),
              (128, 256, 64, 8, 4, 16)],
 }
-GEMM_PLANS = ("native", "adaptive")  # the tuned configuration must serve both: adaptive plans have fewer rows
 
 
 @torch.no_grad()
