@@ -639,11 +639,16 @@ GEMM_CONFIGS = {  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, GROUP_M); gate_up
 }
 
 
+# (TMA, PERSISTENT) per configuration: pointer loads, TMA loads, TMA loads in persistent programs (one per SM)
+LOADS = ((False, False), (True, False), (True, True))
+
+
 @torch.no_grad()
-def tune_experts(tokens=4096):
+def tune_experts(tokens=4096, save=None):
     """GPU time of each Triton expert GEMM (gate_up + SwiGLU, down) per launch configuration, with pointer and
-    with tensor-descriptor (TMA) loads, on the native top-k plan and the entropy-adaptive plan (terciles) of
-    each layer shape at T = `tokens`, beside torch._grouped_mm (CUTLASS; gather and SwiGLU passes included)."""
+    with tensor-descriptor (TMA) loads, the latter also in persistent programs, on the native top-k plan and
+    the entropy-adaptive plan (terciles) of each layer shape at T = `tokens`, beside torch._grouped_mm
+    (CUTLASS; gather and SwiGLU passes included)."""
     from moelab.experts import grouped_gemm
     from moelab.kernels import grouped as gk
 
@@ -663,9 +668,9 @@ def tune_experts(tokens=4096):
             a = gk.gate_up_swiglu(x, lay.token_idx, offs, gu, gk.DEFAULT["gate_up"])
             base = {"shape": name, "T": tokens, "plan": plan_name, "kept_pairs": kept}
             for kernel, configs in GEMM_CONFIGS.items():
-                for (bm, bn, bk, warps, stages, group), tma in itertools.product(configs, (False, True)):
+                for (bm, bn, bk, warps, stages, group), (tma, persistent) in itertools.product(configs, LOADS):
                     cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages,
-                           "GROUP_M": group, "TMA": tma}
+                           "GROUP_M": group, "TMA": tma, "PERSISTENT": persistent}
                     if kernel == "gate_up":
                         fn = functools.partial(gk.gate_up_swiglu, x, lay.token_idx, offs, gu, cfg)
                     else:
@@ -677,13 +682,15 @@ def tune_experts(tokens=4096):
                         continue
                     rows.append({**base, "kernel": kernel, **cfg, "time_us": us})
                     print(f"gemm {name:8s} {plan_name:8s} {kernel:8s} {bm:4d} {bn:4d} {bk:4d} w{warps} s{stages} "
-                          f"g{group:3d} tma={int(tma)} {us:9.1f} us", flush=True)
+                          f"g{group:3d} tma={int(tma)} persistent={int(persistent)} {us:9.1f} us", flush=True)
             cut_gu = events_us(functools.partial(_cutlass_gate_up, x, lay.token_idx, offs, gu))
             cut_dn = events_us(functools.partial(grouped_gemm, a, dn, offs))
             rows += [{**base, "kernel": "gate_up", "cutlass": True, "time_us": cut_gu},
                      {**base, "kernel": "down", "cutlass": True, "time_us": cut_dn}]
             print(f"gemm {name:8s} {plan_name:8s} cutlass gather+gate_up+swiglu {cut_gu:9.1f} us, "
                   f"down {cut_dn:9.1f} us", flush=True)
+        if save is not None:  # after each shape: a run cut short keeps what it measured
+            save(rows)
     return rows
 
 
@@ -774,16 +781,23 @@ def main():
                  "weights; gpu_us: the same call timed with CUDA events (do_bench median).")
         print("wrote", write_results("routing-host", bench_host(), notes=notes, extra=common))
     if "tune-gemm" in parts:
-        rows = tune_experts()
-        table = tuned_experts_table(rows)
         notes = ("Triton expert GEMMs (moelab.kernels.grouped) per launch configuration (TMA: weight tiles, and the "
-                 "down GEMM's rows, through tensor descriptors), GPU time (CUDA events, L2 flushed) on the native "
-                 "top-k plan and the entropy-adaptive plan (terciles) of each layer shape at T=4096, bf16, random "
-                 "weights; cutlass rows: torch._grouped_mm on the same rows (gate_up: + gather and SwiGLU passes, "
-                 "which the Triton gate_up fuses). tuned_table: per (D, F) and kernel the configuration with the "
-                 "smallest worst slowdown over the two plans, as moelab.kernels.grouped.TUNED takes it.")
-        path = write_results("experts-tune", rows, extra={"tuned_table": {str(k): v for k, v in table.items()}},
-                             notes=notes)
+                 "down GEMM's rows, through tensor descriptors; PERSISTENT: one program per SM looping over the "
+                 "tiles that exist, else one program per tile of the worst-case grid), GPU time (CUDA events, L2 "
+                 "flushed) on the native top-k plan and the entropy-adaptive plan (terciles) of each layer shape "
+                 "at T=4096, bf16, random weights; cutlass rows: torch._grouped_mm on the same rows (gate_up: + "
+                 "gather and SwiGLU passes, which the Triton gate_up fuses). tuned_table: per (D, F) and kernel "
+                 "the configuration with the smallest worst slowdown over the two plans, as "
+                 "moelab.kernels.grouped.TUNED takes it.")
+
+        def save_tune(rows):
+            table = tuned_experts_table(rows)
+            return write_results("experts-tune", rows, extra={"tuned_table": {str(k): v for k, v in table.items()}},
+                                 notes=notes)
+
+        rows = tune_experts(save=save_tune)
+        table = tuned_experts_table(rows)
+        path = save_tune(rows)
         print("wrote", path)
         print("experts TUNED table:", table)
         from moelab.kernels import grouped as gk

@@ -213,7 +213,8 @@ plt.show()
 # ## 3b · Expert GEMMs: Triton against CUTLASS
 # `benchmarks/moe_kernels.py --parts tune-gemm` at T = 4096 on the native and the adaptive plan: CUTLASS
 # (gate_up with its gather and SwiGLU passes, which the Triton gate_up fuses), the fastest Triton
-# configuration with pointer loads and with TMA tensor-descriptor loads, and the tuned pick (the least
+# configuration with pointer loads, with TMA tensor-descriptor loads and in persistent programs (one per
+# SM, looping over the tiles that exist; runs since 2026-11-30 12:00), and the tuned pick (the least
 # worst slowdown over both plans, what `moelab.kernels.grouped.TUNED` holds).
 
 # %%
@@ -222,14 +223,15 @@ if tune_doc is not None:
     gemms = expert_gemms(tune_doc)
     gshapes = list(dict.fromkeys(gemms["shape"]))
     fig, axes = figure("full", aspect=0.3, ncols=len(gshapes), squeeze=False, layout="constrained")
+    colors = {"cutlass": "grey", "triton_pointer": "C0", "triton_tma": "C1", "triton_persistent": "C2", "tuned": "C3"}
     for ax, shape in zip(axes.flat, gshapes):
         d = gemms[gemms["shape"] == shape].set_index(["kernel", "plan"])
-        d[["cutlass", "triton_pointer", "triton_tma", "tuned"]].plot.bar(ax=ax, width=0.8, legend=False,
-                                                                     color=["grey", "C0", "C1", "C3"])
+        cols = [c for c in colors if d[c].notna().any()]  # runs before 2026-11-30 12:00: no persistent ones
+        d[cols].plot.bar(ax=ax, width=0.8, legend=False, color=[colors[c] for c in cols])
         ax.set(title=shape, xlabel="", ylabel="us (CUDA events)" if shape == gshapes[0] else "")
         ax.tick_params(axis="x", labelsize=6, rotation=30)
     handles, labels = axes.flat[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="outside lower center", ncols=4, fontsize=6)
+    fig.legend(handles, labels, loc="outside lower center", ncols=5, fontsize=6)
     fig.suptitle(machine_line(tune_doc), fontsize=7)
     savefig(fig, "04_expert_gemms")
     plt.show()

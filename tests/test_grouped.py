@@ -142,6 +142,25 @@ def test_tma_loads_match_pointer_loads(T, D, Fd, E, policy):
     assert_matches(y, reference(x, plan, gu, dn))
 
 
+@pytest.mark.parametrize("tma", [False, True])
+@pytest.mark.parametrize("T,D,Fd,E,policy", [
+    (16, 32, 48, 4, TopK(3)),  # 48 rows in 16-row tiles over 3 programs: each loops over several tiles
+    (13, 40, 24, 8, EntropyAdaptiveK((1, 2, 3), (1.2, 1.6))),  # tiles of different experts in one program
+    (5, 32, 16, 8, TopK(1)),  # fewer tiles than programs: some programs do nothing
+])
+def test_persistent_programs_match_one_program_per_tile(T, D, Fd, E, policy, tma):
+    """PERSISTENT: INTERPRET_PROGRAMS programs loop over the tiles that exist (strided, in the swizzled order)
+    and give the one-program-per-tile layer bit for bit, with pointer and with TMA loads."""
+    x, gu, dn, logits = layer(T, D, Fd, E, torch.float16, seed=T + 2)
+    plan = route(logits, policy, renormalize=True)
+    lay = pair_layout_padded(plan)
+    base = {name: {**c, "TMA": tma} for name, c in TILE16.items()}
+    per = {name: {**c, "PERSISTENT": True} for name, c in base.items()}
+    y = fused_experts(x, lay, gu, dn, plan, config=per)
+    assert torch.equal(y, fused_experts(x, lay, gu, dn, plan, config=base))
+    assert_matches(y, reference(x, plan, gu, dn))
+
+
 def test_swiglu_rounds_like_the_unfused_path():
     """Kernel A's epilogue: gate and up rounded to the data type (as the GEMM output is), silu(gate)
     rounded too, then the product: the unfused GEMM -> swiglu_rows numbers, bit for bit but for the
@@ -308,7 +327,8 @@ def test_gpu_matches_reference_at_real_shapes():
 def test_gpu_tma_loads_at_real_shapes():
     """bf16, OLMoE-like width, 64- and 128-row tiles: tensor-descriptor loads give the pointer loads' layer
     (same tiles, same sums) on native and adaptive plans, also replayed in a CUDA graph; from the second
-    call on, the descriptors go through moelab's direct launch too."""
+    call on, the descriptors go through moelab's direct launch too. Persistent programs (one per SM) give
+    the same layer bit for bit, in the graph too."""
     from moelab import kernels
 
     D, Fd, E, T = 2048, 1024, 64, 2048
@@ -330,11 +350,14 @@ def test_gpu_tma_loads_at_real_shapes():
             assert torch.equal(fused_experts(x, lay, gu, dn, plan, config=tma), y)
             assert not lau.disabled and lau.direct_calls == n0 + 2  # gate_up and down
             torch.testing.assert_close(y.float(), y_ptr.float(), atol=1e-2, rtol=1e-2)
+            per = {name: {**c, "PERSISTENT": True} for name, c in tma.items()}  # one program per SM, looping
+            assert torch.equal(fused_experts(x, lay, gu, dn, plan, config=per), y)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 y_g = fused_experts(x, lay, gu, dn, plan, config=tma)
+                y_pg = fused_experts(x, lay, gu, dn, plan, config=per)
             graph.replay()
-            assert torch.equal(y_g, y)
+            assert torch.equal(y_g, y) and torch.equal(y_pg, y)
 
 
 @gpu

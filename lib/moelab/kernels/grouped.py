@@ -132,22 +132,35 @@ def max_tiles(N: int, E: int, block_m: int) -> int:
 
 
 @triton.jit
-def _tile_of(pid_m, offs_ptr, E, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
-    """Row tile pid_m of the expert-grouped rows: (expert, first row, group end row, total tiles).
-    Tiles of expert e cover [start_e + m * BLOCK_M, min(end_e, start_e + (m + 1) * BLOCK_M))."""
+def _groups(offs_ptr, E, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Per expert (padded to BLOCK_E): first row, end row, row tiles, inclusive cumsum of the tiles; and the
+    total number of row tiles, from the group ends offsets_E."""
     e_i = tl.arange(0, BLOCK_E)
     ends = tl.load(offs_ptr + e_i, mask=e_i < E, other=0)
     starts = tl.load(offs_ptr + e_i - 1, mask=(e_i > 0) & (e_i < E), other=0)
     counts = tl.where(e_i < E, ends - starts, 0)
     tiles = (counts + BLOCK_M - 1) // BLOCK_M
     cum = tl.cumsum(tiles, 0)  # inclusive: tiles of experts 0..e
-    total = tl.sum(tiles, 0)
+    return starts, ends, tiles, cum, tl.sum(tiles, 0)
+
+
+@triton.jit
+def _find(pid_m, starts, ends, tiles, cum, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Row tile pid_m of the expert-grouped rows: (expert, first row, group end row). Tiles of expert e cover
+    [start_e + m * BLOCK_M, min(end_e, start_e + (m + 1) * BLOCK_M))."""
     e = tl.sum((cum <= pid_m).to(tl.int32), 0)  # experts whose tiles all come before pid_m
-    sel = e_i == e
+    sel = tl.arange(0, BLOCK_E) == e
     first_tile = tl.sum(tl.where(sel, cum - tiles, 0), 0)
     start = tl.sum(tl.where(sel, starts, 0), 0)
     end = tl.sum(tl.where(sel, ends, 0), 0)
-    row0 = start + (pid_m - first_tile) * BLOCK_M
+    return e, start + (pid_m - first_tile) * BLOCK_M, end
+
+
+@triton.jit
+def _tile_of(pid_m, offs_ptr, E, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Row tile pid_m: (expert, first row, group end row, total tiles)."""
+    starts, ends, tiles, cum, total = _groups(offs_ptr, E, BLOCK_M, BLOCK_E)
+    e, row0, end = _find(pid_m, starts, ends, tiles, cum, BLOCK_M, BLOCK_E)
     return e, row0, end, total
 
 
@@ -181,18 +194,41 @@ def _expert_gemm_kernel(
     KD, N, E, NUM_M,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, GROUP_M: tl.constexpr, GATED: tl.constexpr,
-    TMA: tl.constexpr,
+    TMA: tl.constexpr, PERSISTENT: tl.constexpr,
 ):
     """out[r, n] = a[r] . w[e, n] (w: [E, N, KD]) for the rows r of one expert's tile: the down GEMM.
     GATED: the gate_up GEMM + SwiGLU, rows of a gathered through tok, w: [E, 2N, KD],
     out[r, n] = silu(a[tok[r]] . w[e, n]) * (a[tok[r]] . w[e, N + n]).
     TMA: weight tiles (and the down GEMM's contiguous rows of a) come through tensor descriptors over
     w as [E * rows, KD] and a as [rows, KD]: bulk copies, zero past the tensor's end; rows a tile reads
-    past its expert or past N only reach outputs that are not stored. Gathered rows stay pointer loads."""
-    pid_m, pid_n = _swizzle(tl.program_id(0), NUM_M, tl.cdiv(N, BLOCK_N), GROUP_M)
-    e, row0, end, total = _tile_of(pid_m, offs_ptr, E, BLOCK_M, BLOCK_E)
-    if pid_m >= total:
-        return
+    past its expert or past N only reach outputs that are not stored. Gathered rows stay pointer loads.
+    PERSISTENT: a few programs (one per SM) loop over the tiles that exist, in the same swizzled order;
+    otherwise one program per tile of the upper bound NUM_M, and those past the total return at once
+    (with fewer kept pairs, more of them: each still takes an SM's turn)."""
+    starts, ends, tiles, cum, total = _groups(offs_ptr, E, BLOCK_M, BLOCK_E)
+    num_n = tl.cdiv(N, BLOCK_N)
+    if PERSISTENT:
+        for t in range(tl.program_id(0), total * num_n, tl.num_programs(0)):
+            pid_m, pid_n = _swizzle(t, total, num_n, GROUP_M)
+            e, row0, end = _find(pid_m, starts, ends, tiles, cum, BLOCK_M, BLOCK_E)
+            _gemm_tile(a_ptr, a_desc, tok_ptr, w_ptr, w_desc, out_ptr, KD, N, e, row0, end, pid_n,
+                       BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, GATED, TMA)
+    else:
+        pid_m, pid_n = _swizzle(tl.program_id(0), NUM_M, num_n, GROUP_M)
+        if pid_m >= total:
+            return
+        e, row0, end = _find(pid_m, starts, ends, tiles, cum, BLOCK_M, BLOCK_E)
+        _gemm_tile(a_ptr, a_desc, tok_ptr, w_ptr, w_desc, out_ptr, KD, N, e, row0, end, pid_n,
+                   BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, GATED, TMA)
+
+
+@triton.jit
+def _gemm_tile(
+    a_ptr, a_desc, tok_ptr, w_ptr, w_desc, out_ptr, KD, N, e, row0, end, pid_n,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    PRECISION: tl.constexpr, GATED: tl.constexpr, TMA: tl.constexpr,
+):
+    """One [BLOCK_M, BLOCK_N] output tile of expert e: rows row0.. (below end), columns pid_n * BLOCK_N.."""
     r = row0 + tl.arange(0, BLOCK_M)
     r_ok = r < end
     if GATED:
@@ -278,6 +314,9 @@ def _launch_gemm(a: torch.Tensor, tok: torch.Tensor | None, offsets_E: torch.Ten
     grid = (num_m * cdiv(n_out, bn),)
     if not grid[0]:
         return out
+    persistent = bool(cfg.get("PERSISTENT"))
+    if persistent:  # one program per SM (the tuned tiles fill an SM's shared memory), looping over the tiles
+        grid = (min(grid[0], _programs(a)),)
     rows_from = offsets_E if tok is None else tok
     meta = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_E=pow2(max(E, 2)), EVEN_K=KD % bk == 0,
                 PRECISION=_precision(a.dtype), GROUP_M=cfg.get("GROUP_M", 1), GATED=tok is not None)
@@ -290,8 +329,22 @@ def _launch_gemm(a: torch.Tensor, tok: torch.Tensor | None, offsets_E: torch.Ten
         a_desc = None if tok is not None else TensorDescriptor.from_tensor(a, [bm, bk])  # gathered rows: pointers
     args = (a, a if a_desc is None else a_desc, rows_from, offsets_E, w, w if w_desc is None else w_desc, out,
             KD, n_out, E, num_m)
-    launch(_expert_gemm_kernel, grid, args, dict(meta, TMA=w_desc is not None), cfg["num_warps"], cfg["num_stages"])
+    launch(_expert_gemm_kernel, grid, args, dict(meta, TMA=w_desc is not None, PERSISTENT=persistent),
+           cfg["num_warps"], cfg["num_stages"])
     return out
+
+
+INTERPRET_PROGRAMS = 3  # persistent programs under TRITON_INTERPRET: several, so each loops over strided tiles
+
+
+def _programs(a: torch.Tensor) -> int:
+    """Persistent programs for a's device: its SM count (INTERPRET_PROGRAMS on the CPU interpreter)."""
+    return _sm_count(a.get_device()) if a.is_cuda else INTERPRET_PROGRAMS
+
+
+@functools.lru_cache(maxsize=16)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def tma_supported(a: torch.Tensor, w: torch.Tensor) -> bool:

@@ -130,7 +130,7 @@ def gemm_scaling(doc: dict) -> pd.DataFrame:
     return pd.DataFrame(out)
 
 
-GEMM_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "GROUP_M", "TMA")
+GEMM_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "GROUP_M", "TMA", "PERSISTENT")
 
 
 def least_regret(rows: list[dict], keys: tuple = GEMM_KEYS, over: str = "plan") -> tuple:
@@ -152,25 +152,28 @@ def least_regret(rows: list[dict], keys: tuple = GEMM_KEYS, over: str = "plan") 
 
 def expert_gemms(doc: dict) -> pd.DataFrame:
     """us per expert GEMM of an `experts-tune` document, one row per (shape, plan, kernel): CUTLASS (gate_up
-    with its gather and SwiGLU passes), the fastest Triton configuration with pointer loads and with TMA
-    loads, and the tuned pick (`least_regret` over the plans, as the tuning run chose it)."""
+    with its gather and SwiGLU passes), the fastest Triton configuration with pointer loads, with TMA
+    loads and in persistent programs (NaN in runs that did not time them), and the tuned pick
+    (`least_regret` over the plans, as the tuning run chose it)."""
     df = pd.DataFrame(doc["rows"])
     if "plan" not in df:
         df["plan"] = "native"  # runs before 2026-11-30 11:00 tuned on the native plan only
-    for k in ("TMA", "cutlass"):
+    for k in ("TMA", "PERSISTENT", "cutlass"):  # PERSISTENT: tuning runs since 2026-11-30 12:00
         df[k] = df[k].fillna(False).astype(bool) if k in df else False
     out = []
     for (shape, kernel), g in df.groupby(["shape", "kernel"], sort=False):
         ours = g[~g["cutlass"]]
-        pick = least_regret(ours.to_dict("records"))
-        tuned = ours[[tuple(r.get(k, False) for k in GEMM_KEYS) == pick for r in ours.to_dict("records")]]
+        recs = ours.to_dict("records")
+        pick = least_regret(recs)
+        tuned = ours[[tuple(r.get(k, False) for k in GEMM_KEYS) == pick for r in recs]]
         for plan, gp in g.groupby("plan", sort=False):
             mine = ours[ours["plan"] == plan]
             out.append({"shape": shape, "plan": plan, "kernel": kernel,
                         "cutlass": gp.loc[gp["cutlass"], "time_us"].min(),
                         "triton_pointer": mine.loc[~mine["TMA"], "time_us"].min(),
-                        "triton_tma": mine.loc[mine["TMA"], "time_us"].min(),
+                        "triton_tma": mine.loc[mine["TMA"] & ~mine["PERSISTENT"], "time_us"].min(),
+                        "triton_persistent": mine.loc[mine["PERSISTENT"], "time_us"].min(),
                         "tuned": tuned.loc[tuned["plan"] == plan, "time_us"].min(),
                         "tuned_config": "x".join(str(int(v)) for v in pick[:3]) + f" w{int(pick[3])} s{int(pick[4])}"
-                                        + (" tma" if pick[6] else "")})
+                                        + (" tma" if pick[6] else "") + (" persistent" if pick[7] else "")})
     return pd.DataFrame(out)
