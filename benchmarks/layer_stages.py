@@ -1,9 +1,10 @@
 """Where the MoE layer's time goes, stage by stage, with native top-k and with adaptive-k plans.
 
 The layer-time target of issue 5 asks that the adaptive layer take at most 1.1 x (kept / native pairs)
-of the native layer's time. This times each step of moelab's layer (torch._grouped_mm expert path, as
-`set_gemm('grouped')` runs it) on its own, on the plans of the layer benchmark (same shapes, seeded
-weights, same policies), so the part of the layer that does not shrink with the kept pairs shows:
+of the native layer's time. This times each step of moelab's layer on its own, on the plans of the
+layer benchmark (same shapes, seeded weights, same policies), so the part of the layer that does not
+shrink with the kept pairs shows. Two expert paths (`--gemms`): 'grouped' (torch._grouped_mm, as
+`set_gemm('grouped')` runs it), whose steps are
 
   router    F.linear(x, w_router)                 [T, E]
   routing   route_triton                          plan
@@ -16,13 +17,16 @@ weights, same policies), so the part of the layer that does not shrink with the 
   shared    the shared expert and its gate (qwen15)
   layer     the whole layer, one call
 
-and two references per expert GEMM: `dense_*`, one plain GEMM of the same P rows against one expert's
+and 'triton' (moelab.kernels.grouped, as `set_gemm('triton')` runs it), where gate_up is one kernel
+that gathers the rows and applies SwiGLU, so there is no gather or swiglu step; and for both, two
+references per expert GEMM: `dense_*`, one plain GEMM of the same P rows against one expert's
 weights (what the GEMM costs without grouping: no per-expert tile rounding, weights read once), and
 `weights_read_us`, all experts' weights read once at the measured copy bandwidth (what grouping costs
 at least, whatever P is). Times: CUDA-event medians (triton.testing.do_bench, L2 flushed). Topic
 `layer-stages`.
 
     PYTHONPATH=lib python benchmarks/layer_stages.py [--tokens 4096] [--shapes mixtral,olmoe,qwen15]
+        [--gemms grouped,triton]
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from moelab.kernels import grouped as gk
 from moelab.kernels.experts import combine_rows, gather_rows, swiglu_rows
 from moelab.kernels.layout import pair_layout_padded
 from moelab.kernels.routing import route_triton
@@ -50,9 +55,13 @@ from moe_kernels import (  # noqa: E402
     moelab_layer,
 )
 
+GEMMS = ("grouped", "triton")  # expert paths timed: torch._grouped_mm (CUTLASS) and moelab's Triton GEMMs
 
-def stage_calls(x, block, layer, pol, renorm, shared):
-    """(stage name -> call, the plan, its kept pairs P) for one policy: every stage's inputs made once."""
+
+def stage_calls(x, block, layer, pol, renorm, shared, gemm="grouped"):
+    """(stage name -> call, the plan, its kept pairs P) for one policy: every stage's inputs made once.
+    gemm 'grouped': gather, torch._grouped_mm, SwiGLU, torch._grouped_mm; 'triton': moelab.kernels.grouped's
+    two GEMMs (gate_up with the gather and SwiGLU fused) in the device's tuned configuration."""
     gu, dn, wr = block.experts.gate_up_proj, block.experts.down_proj, block.gate.weight
     logits = F.linear(x, wr)
     plan = route_triton(logits, pol, renorm)
@@ -67,12 +76,17 @@ def stage_calls(x, block, layer, pol, renorm, shared):
         "router": lambda: F.linear(x, wr),
         "routing": lambda: route_triton(logits, pol, renorm),
         "layout": lambda: pair_layout_padded(plan),
-        "gather": lambda: gather_rows(x, lay.token_idx, offs),
-        "gate_up": lambda: torch._grouped_mm(x_PD, gu.transpose(1, 2), offs=offs),
-        "swiglu": lambda: swiglu_rows(h_PH, offs),
-        "down": lambda: torch._grouped_mm(a_PF, dn.transpose(1, 2), offs=offs),
-        "combine": lambda: combine_rows(y_PD, lay.slot_row, plan, x.dtype),
     }
+    if gemm == "triton":
+        cfg = gk.launch_config(lay.token_idx.shape[0], gu.shape[0], gu.shape[2], dn.shape[2], x.device)
+        calls["gate_up"] = lambda: gk.gate_up_swiglu(x, lay.token_idx, offs, gu, cfg["gate_up"])
+        calls["down"] = lambda: gk.down_proj(a_PF, offs, dn, cfg["down"])
+    else:
+        calls["gather"] = lambda: gather_rows(x, lay.token_idx, offs)
+        calls["gate_up"] = lambda: torch._grouped_mm(x_PD, gu.transpose(1, 2), offs=offs)
+        calls["swiglu"] = lambda: swiglu_rows(h_PH, offs)
+        calls["down"] = lambda: torch._grouped_mm(a_PF, dn.transpose(1, 2), offs=offs)
+    calls["combine"] = lambda: combine_rows(y_PD, lay.slot_row, plan, x.dtype)
     if shared:
         calls["shared"] = lambda: torch.sigmoid(block.shared_expert_gate(x)) * block.shared_expert(x)
     calls["layer"] = lambda: layer(x, pol)
@@ -83,29 +97,30 @@ def stage_calls(x, block, layer, pol, renorm, shared):
 
 
 @torch.no_grad()
-def stages_one(name, T, bw):
+def stages_one(name, T, bw, gemms=GEMMS):
     D, Fd, E, k, renorm, shared = LAYERS[name]
     block, _ = hf_block(name, D, Fd, E, k, shared, "cuda")
     g, pols = layer_policies(block, k, renorm, D)
     pols.pop("adaptive_q25")
     x = torch.randn(T, D, device="cuda", generator=g).to(torch.bfloat16)
-    layer = moelab_layer(block, renorm, shared, gemm="grouped")
     gu, dn = block.experts.gate_up_proj, block.experts.down_proj
     weights_us = {"gate_up": gu.numel() * gu.element_size() / (bw * 1e9) * 1e6,
                   "down": dn.numel() * dn.element_size() / (bw * 1e9) * 1e6}
     rows = []
-    for plan_name, pol in pols.items():
-        calls, plan, P = stage_calls(x, block, layer, pol, renorm, shared)
-        base = {"shape": name, "D": D, "F": Fd, "E": E, "native_k": k, "T": T, "plan": plan_name,
-                "policy": repr(pol), "kept_pairs": P, "native_pairs": T * k,
-                "gemm_tiles_128": gemm_tiles(plan, 128)}
-        for stage, fn in calls.items():
-            us = events_us(fn)
-            row = {**base, "stage": stage, "time_us": us}
-            if stage in weights_us:
-                row["weights_read_us"] = weights_us[stage]
-            rows.append(row)
-            print(f"stages {name:8s} T={T:5d} {plan_name:13s} {stage:14s} {us:9.1f} us", flush=True)
+    for gemm in gemms:
+        layer = moelab_layer(block, renorm, shared, gemm=gemm)
+        for plan_name, pol in pols.items():
+            calls, plan, P = stage_calls(x, block, layer, pol, renorm, shared, gemm)
+            base = {"shape": name, "D": D, "F": Fd, "E": E, "native_k": k, "T": T, "gemm": gemm, "plan": plan_name,
+                    "policy": repr(pol), "kept_pairs": P, "native_pairs": T * k,
+                    "gemm_tiles_128": gemm_tiles(plan, 128)}
+            for stage, fn in calls.items():
+                us = events_us(fn)
+                row = {**base, "stage": stage, "time_us": us}
+                if stage in weights_us:
+                    row["weights_read_us"] = weights_us[stage]
+                rows.append(row)
+                print(f"stages {name:8s} T={T:5d} {gemm:8s} {plan_name:13s} {stage:14s} {us:9.1f} us", flush=True)
     return rows
 
 
@@ -113,6 +128,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", default="4096", help="comma list of T")
     ap.add_argument("--shapes", default=",".join(LAYERS), help=f"comma list of: {', '.join(LAYERS)}")
+    ap.add_argument("--gemms", default=",".join(GEMMS), help=f"comma list of expert paths: {', '.join(GEMMS)}")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs CUDA: this times GPU kernels (notebook 04 plots committed results on a CPU)")
@@ -120,18 +136,24 @@ def main():
     bad = [s for s in shapes if s not in LAYERS]
     if bad:
         raise SystemExit(f"--shapes {','.join(bad)}: must be among {', '.join(LAYERS)}")
+    gemms = args.gemms.split(",")
+    bad = [g for g in gemms if g not in GEMMS]
+    if bad:
+        raise SystemExit(f"--gemms {','.join(bad)}: must be among {', '.join(GEMMS)}")
     bw = copy_bandwidth_gbs()
     rows = []
     for name in shapes:
         for T in (int(t) for t in args.tokens.split(",")):
-            rows += stages_one(name, T, bw)
+            rows += stages_one(name, T, bw, gemms)
             torch.cuda.empty_cache()  # the shape's weights go before the next is built
     notes = ("bf16, the layer benchmark's seeded weights and policies (native top-k; adaptive: (k/4, k/2, k) at the "
-             "entropy terciles; adaptive_q50: (k/2, k) at the median). Each stage of moelab's layer with "
-             "torch._grouped_mm experts timed alone (CUDA-event median, do_bench, L2 flushed); layer: the whole "
-             "layer in one call. dense_gate_up / dense_down: the same kept rows through one expert's weights in "
-             "one GEMM. weights_read_us: all experts' weights of that GEMM read once at the measured copy "
-             "bandwidth.")
+             "entropy terciles; adaptive_q50: (k/2, k) at the median). Each stage of moelab's layer timed alone "
+             "(CUDA-event median, do_bench, L2 flushed), per expert path (gemm): 'grouped', torch._grouped_mm "
+             "experts with Triton gather and SwiGLU; 'triton' (since 2026-11-30 13:00), moelab.kernels.grouped "
+             "in the device's tuned configuration, its gate_up with the gather and SwiGLU fused. layer: the "
+             "whole layer in one call, pinned to that path. dense_gate_up / dense_down: the same kept rows "
+             "through one expert's weights in one GEMM. weights_read_us: all experts' weights of that GEMM read "
+             "once at the measured copy bandwidth.")
     print("wrote", write_results("layer-stages", rows, notes=notes, extra={"copy_bandwidth_gbs": bw}))
 
 

@@ -156,10 +156,8 @@ def interleaved_eager_us(fns: dict, rounds=5) -> dict:
     return {m: sorted(v)[len(v) // 2] for m, v in times.items()}
 
 
-def graph_us(make_call, inputs, calls):
-    """GPU time per call inside one CUDA graph of `calls` calls cycling over `inputs`."""
-    from triton.testing import do_bench
-
+def captured(make_call, inputs, calls):
+    """One CUDA graph of `calls` calls cycling over `inputs` (after two warm-up calls on a side stream)."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -170,6 +168,14 @@ def graph_us(make_call, inputs, calls):
     with torch.cuda.graph(g):
         for i in range(calls):
             make_call(inputs[i % len(inputs)])
+    return g
+
+
+def graph_us(make_call, inputs, calls):
+    """GPU time per call inside one CUDA graph of `calls` calls cycling over `inputs`."""
+    from triton.testing import do_bench
+
+    g = captured(make_call, inputs, calls)
     ms = do_bench(g.replay, warmup=10, rep=40, return_mode="median")
     del g
     return ms * 1e3 / calls
@@ -179,6 +185,17 @@ def events_us(fn, rep_ms=50):
     from triton.testing import do_bench
 
     return do_bench(fn, warmup=10, rep=rep_ms, return_mode="median") * 1e3
+
+
+def interleaved_events_us(fns: dict, rounds: int, rep_ms: int) -> dict:
+    """events_us of every function, measured in turn for `rounds` rounds: {name: [us per round]}. A slow
+    spell of the GPU or host falls on all of them alike, so ratios of medians are steadier than ratios
+    of times taken minutes apart."""
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            times[name].append(events_us(fn, rep_ms=rep_ms))
+    return times
 
 
 def copy_bandwidth_gbs():
@@ -413,6 +430,9 @@ def layer_policies(block, k, renorm, D):
     return g, pols
 
 
+ROUNDS = 5  # layer benchmark: interleaved timing rounds per variant (median reported, every round kept)
+
+
 @torch.no_grad()
 def bench_layer_one(name, tokens):
     rows = []
@@ -452,16 +472,23 @@ def bench_layer_one(name, tokens):
             if routed is not None:  # the shared expert's time does not shrink with k: the target on the rest
                 variants["moelab_topk_routed_only"] = (functools.partial(routed, x, native), native, plan_nat)
                 variants["moelab_adaptive_routed_only"] = (functools.partial(routed, x, ada), ada, plan_ada)
-        for var, (fn, pol, plan) in variants.items():
-            row = {"shape": name, "D": D, "F": Fd, "E": E, "native_k": k, "shared_ffn": shared, "T": T,
-                   "variant": var, "dtype": "bf16", "policy": repr(pol)}
-            row["time_us"] = events_us(fn, rep_ms=30 if T >= 65536 else 50)
-            row["graph_us"] = None
+        timers, graphs = {}, []
+        for var, (fn, pol, _plan) in variants.items():
+            timers[var, "time_us"] = fn
             if var.startswith("moelab") and T <= 4096:
                 layer = {"routed_only": routed, "cutlass": cutlass, "triton": triton_}.get(var.rsplit("_", 1)[-1], ours)
-                if var.endswith("routed_only"):
-                    layer = routed
-                row["graph_us"] = graph_us(functools.partial(layer, pol=pol), [x], 1)
+                graphs.append(captured(functools.partial(layer, pol=pol), [x], 1))
+                timers[var, "graph_us"] = graphs[-1].replay
+        # every variant (eager and graph) timed in turn, ROUNDS rounds: the target's ratios come from one window
+        times = interleaved_events_us(timers, ROUNDS, rep_ms=10 if T >= 65536 else 20)
+        del graphs
+        for var, (_fn, pol, plan) in variants.items():
+            row = {"shape": name, "D": D, "F": Fd, "E": E, "native_k": k, "shared_ffn": shared, "T": T,
+                   "variant": var, "dtype": "bf16", "policy": repr(pol)}
+            for col in ("time_us", "graph_us"):
+                us = times.get((var, col))
+                row[col] = None if us is None else sorted(us)[len(us) // 2]
+                row[col.replace("_us", "_rounds_us")] = us
             row["kept_pairs"] = int(plan.k.sum())
             row["native_pairs"] = T * k
             row["mean_k"] = row["kept_pairs"] / T
@@ -815,7 +842,10 @@ def main():
     if "layer" in parts:
         notes = ("bf16 MoE layer on random weights N(0, 1/fan_in) (seed 0, since 2026-11-30) and random inputs; "
                  "same weights for all variants. "
-                 "time_us: do_bench median (CUDA events, L2 flushed between calls), eager launch. gemm_tiles_128: "
+                 "time_us: do_bench median (CUDA events, L2 flushed between calls), eager launch; since "
+                 "2026-11-30 13:00 every variant of a (shape, T), eager and graph, is timed in turn in 5 rounds "
+                 "(20 ms each, 10 at T=65536): time_us / graph_us are the medians, *_rounds_us every round. "
+                 "gemm_tiles_128: "
                  "sum over experts of ceil(pairs / 128), the row tiles of a grouped GEMM with 128-row tiles. "
                  "graph_us: ours captured in a CUDA graph (T <= 4096). "
                  "moelab_*: router GEMM + Triton routing + padded layout + expert GEMMs as set_gemm('auto') picks "

@@ -43,7 +43,7 @@ import torch
 
 from moelab import results
 from moelab.kernels.report import (STAGES, expert_gemms, gemm_scaling, layer_targets, machine_line, routing_targets,
-                                   stage_table)
+                                   stage_paths, stage_table)
 from moelab.plots import figure, save_table, savefig
 
 REPO = results.REPO
@@ -271,15 +271,17 @@ saving.round(3)
 
 # %% [markdown]
 # Where the layer's time goes at T = 4096 (`benchmarks/layer_stages.py`, run on its own): each step
-# of the layer timed alone (torch._grouped_mm experts), with native top-k and adaptive-k plans. Right:
-# each expert GEMM's adaptive / native time beside the same kept rows through one dense GEMM and the
-# fraction of pairs kept. A grouped GEMM that shrank like the dense one would turn the pairs saved
-# into time saved; the weights of every used expert are read whatever the rows.
+# of the layer timed alone, with native top-k and adaptive-k plans, per expert path: torch._grouped_mm
+# (gather, GEMM, SwiGLU, GEMM) and, in runs since 2026-11-30 13:00, moelab's Triton GEMMs (the gather
+# and SwiGLU fused into gate_up). Right: each expert GEMM's adaptive / native time beside the same kept
+# rows through one dense GEMM and the fraction of pairs kept. A grouped GEMM that shrank like the dense
+# one would turn the pairs saved into time saved; the weights of every used expert are read whatever
+# the rows.
 
 # %%
 stages_doc = results.load_optional("layer-stages", rdir)
-if stages_doc is not None:
-    stages, scaling = stage_table(stages_doc), gemm_scaling(stages_doc)
+for path in stage_paths(stages_doc) if stages_doc is not None else []:
+    stages, scaling = stage_table(stages_doc, path), gemm_scaling(stages_doc, path)
     sshapes = list(dict.fromkeys(stages.index.get_level_values("shape")))
     fig, axes = figure("full", aspect=0.22 * len(sshapes), nrows=len(sshapes), ncols=2, squeeze=False,
                        layout="constrained")
@@ -290,16 +292,18 @@ if stages_doc is not None:
             ax.barh(d.index, d[stage], left=left, color=f"C{i}", label=stage)
             left += d[stage]
         ax.scatter(d["layer"], d.index, marker="|", s=200, color="black", zorder=3, label="layer, one call")
-        ax.set(title=f"{shape}, T={max(r['T'] for r in stages_doc['rows'])}", xlabel="us (CUDA events)")
+        ax.set(title=f"{shape}, T={max(r['T'] for r in stages_doc['rows'])}, {path} experts",
+               xlabel="us (CUDA events)")
         r = scaling[scaling["shape"] == shape].set_index(["plan", "gemm"])[["grouped", "dense", "kept pairs"]]
         r.plot.barh(ax=ax2, width=0.8, color=["C1", "C0", "grey"], legend=shape == sshapes[0])
         ax2.set(title="adaptive / native", xlim=(0, 1.35), ylabel="")
     handles, labels = axes[-1, 0].get_legend_handles_labels()  # the last shape's stages (qwen15: + shared)
     fig.legend(handles, labels, loc="outside lower center", ncols=6, fontsize=6)
     fig.suptitle(machine_line(stages_doc), fontsize=7)
-    savefig(fig, "04_layer_stages")
+    name = "04_layer_stages" + ("" if path == "grouped" else f"_{path}")
+    savefig(fig, name)
     plt.show()
-    save_table(stages.round(1), "04_layer_stages", caption=machine_line(stages_doc))
+    save_table(stages.round(1), name, caption=machine_line(stages_doc))
     display(scaling.round(3))
 
 # %% [markdown]

@@ -4,7 +4,16 @@ here (rows as the benchmarks write them) and on the committed results."""
 import pytest
 
 from moelab import results
-from moelab.kernels.report import STAGES, expert_gemms, gemm_scaling, least_regret, routing_targets, stage_table
+from moelab.kernels.report import (
+    STAGES,
+    expert_gemms,
+    gemm_scaling,
+    layer_targets,
+    least_regret,
+    routing_targets,
+    stage_paths,
+    stage_table,
+)
 
 
 def _stage_rows(shape, plan, kept, times, T=4096):
@@ -26,6 +35,17 @@ def test_stage_table_and_gemm_scaling():
     g = gemm_scaling(doc).set_index("gemm")
     assert g.loc["gate_up", "grouped"] == pytest.approx(0.9) and g.loc["gate_up", "dense"] == pytest.approx(0.6)
     assert g.loc["down", "grouped"] == pytest.approx(0.8) and g.loc["down", "kept pairs"] == pytest.approx(0.6)
+    assert stage_paths(doc) == ["grouped"]  # rows without a `gemm` field: the torch._grouped_mm path
+
+    # a run timing both paths: each table holds its own path's rows only
+    tri = [{**r, "gemm": "triton", "time_us": r["time_us"] / 2} for r in rows if r["T"] == 4096]
+    doc = {"rows": [{**r, "gemm": "grouped"} for r in rows] + tri}
+    assert stage_paths(doc) == ["grouped", "triton"]
+    assert stage_table(doc, "triton").loc[("olmoe", "native"), "layer"] == 50.0
+    assert stage_table(doc).loc[("olmoe", "native"), "layer"] == 100.0
+    assert gemm_scaling(doc, "triton").set_index("gemm").loc["gate_up", "grouped"] == pytest.approx(0.9)
+    with pytest.raises(ValueError, match="gemm='cutlass'"):
+        stage_table(doc, "cutlass")
 
 
 def test_routing_targets_limits():
@@ -109,3 +129,28 @@ def test_committed_experts_tune_picks_what_grouped_tuned_holds():
         want = f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']}x{cfg['BLOCK_K']} w{cfg['num_warps']} s{cfg['num_stages']}"
         want += (" tma" if cfg["TMA"] else "") + (" persistent" if cfg.get("PERSISTENT") else "")
         assert set(g["tuned_config"]) == {want}
+
+
+def test_layer_targets_limit_and_rounds():
+    """Adaptive over native at T = 4096 against 1.1 x kept/native; with interleaved rounds, the lowest and
+    highest same-round ratio beside the ratio of medians."""
+    def row(var, t, g, kept, rounds=None):
+        r = {"shape": "olmoe", "T": 4096, "variant": var, "time_us": t, "graph_us": g, "kept_pairs": kept,
+             "native_pairs": 100, "gemm_tiles_128": kept // 10, "gemm_tiles_64": kept // 5}
+        if rounds:
+            r["time_rounds_us"], r["graph_rounds_us"] = rounds
+        return r
+
+    rows = [row("moelab_topk", 100.0, 90.0, 100, ([100.0, 90.0, 110.0], [90.0, 90.0, 90.0])),
+            row("moelab_adaptive", 65.0, 60.0, 60, ([65.0, 63.0, 70.0], [60.0, 60.0, 61.0])),
+            row("hf_grouped_mm", 150.0, None, 100)]
+    t = layer_targets({"rows": rows})
+    native = t[t["target"].str.startswith("native")].iloc[0]
+    assert native["measured"] == pytest.approx(100 / 150) and native["met"]
+    eager = t[t["target"].str.contains("time_us")].iloc[0]
+    assert eager["limit"] == pytest.approx(0.66) and eager["measured"] == pytest.approx(0.65) and eager["met"]
+    assert eager["round_min"] == pytest.approx(70 / 110) and eager["round_max"] == pytest.approx(63 / 90)
+    graph = t[t["target"].str.contains("graph_us")].iloc[0]
+    assert graph["measured"] == pytest.approx(60 / 90) and not graph["met"]  # 0.667 > 0.66
+    rows[0].pop("time_rounds_us")  # runs before the rounds: no spread
+    assert layer_targets({"rows": rows})["round_min"].isna().sum() == 2  # the hf row and the eager ratio

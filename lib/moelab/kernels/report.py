@@ -11,7 +11,7 @@ from __future__ import annotations
 import pandas as pd
 
 __all__ = ["routing_targets", "layer_targets", "machine_line", "stage_table", "gemm_scaling", "least_regret",
-           "expert_gemms", "STAGES", "GEMM_KEYS"]
+           "expert_gemms", "stage_paths", "STAGES", "GEMM_KEYS"]
 
 GRAPH_LIMIT_US = 5.0  # routing in a CUDA graph, T <= 4096
 HBM_FRACTION = 0.5  # routing at T = 65536, E = 64 and 128: fraction of the HBM bound
@@ -61,7 +61,8 @@ def routing_targets(doc: dict) -> pd.DataFrame:
 
 
 def layer_targets(doc: dict, tokens: int = 4096) -> pd.DataFrame:
-    """Adaptive layer time <= 1.1 x kept/native x native time; native no slower than hf grouped_mm."""
+    """Adaptive layer time <= 1.1 x kept/native x native time; native no slower than hf grouped_mm. Runs
+    timed in interleaved rounds also give each ratio's lowest and highest round (round_min, round_max)."""
     df = pd.DataFrame(doc["rows"])
     out = []
     for (shape, T), g in df.groupby(["shape", "T"]):
@@ -91,18 +92,44 @@ def layer_targets(doc: dict, tokens: int = 4096) -> pd.DataFrame:
                     ratio = ada[col] / base[col]
                     out.append(_row(f"{var} / native layer {col} (kept {kept:.3f}, {rows}-row tiles {tiles:.3f})",
                                     shape, T, ratio, LAYER_SLACK * kept, ratio <= LAYER_SLACK * kept, "x"))
+                    out[-1].update(_round_ratios(ada, base, col.replace("_us", "_rounds_us")))
     return pd.DataFrame(out)
+
+
+def _round_ratios(ada: pd.Series, base: pd.Series, col: str) -> dict:
+    """Lowest and highest ratio of the same round's times (runs with interleaved rounds: `*_rounds_us`)."""
+    a, b = ada.get(col), base.get(col)
+    if not isinstance(a, list) or not isinstance(b, list) or len(a) != len(b) or not a:
+        return {}
+    r = [x / y for x, y in zip(a, b)]
+    return {"round_min": min(r), "round_max": max(r)}
 
 
 STAGES = ("router", "routing", "layout", "gather", "gate_up", "swiglu", "down", "combine", "shared")
 PLANS = ("native", "adaptive_q50", "adaptive")
 
 
-def stage_table(doc: dict) -> pd.DataFrame:
-    """us per step, one row per (shape, plan) at the document's largest T: the STAGES present, then `layer`
-    (the whole layer in one call) and the dense references."""
+def stage_paths(doc: dict) -> list[str]:
+    """The expert paths a `layer-stages` document times: 'grouped' (torch._grouped_mm), 'triton' (runs before
+    2026-11-30 13:00 have no `gemm` field: 'grouped' alone)."""
+    return list(dict.fromkeys(r.get("gemm") or "grouped" for r in doc["rows"]))
+
+
+def _stage_rows(doc: dict, gemm: str) -> pd.DataFrame:
+    """The document's rows of one expert path at its largest T."""
+    paths = stage_paths(doc)
+    if gemm not in paths:
+        raise ValueError(f"gemm={gemm!r}: this layer-stages document times {paths}")
     df = pd.DataFrame(doc["rows"])
-    df = df[df["T"] == df["T"].max()]
+    df["gemm"] = df["gemm"].fillna("grouped") if "gemm" in df else "grouped"
+    df = df[df["gemm"] == gemm]
+    return df[df["T"] == df["T"].max()]
+
+
+def stage_table(doc: dict, gemm: str = "grouped") -> pd.DataFrame:
+    """us per step of one expert path, one row per (shape, plan) at the document's largest T: the STAGES
+    present, then `layer` (the whole layer in one call) and the dense references."""
+    df = _stage_rows(doc, gemm)
     t = df.pivot_table(index=["shape", "plan"], columns="stage", values="time_us")
     plans = [p for p in PLANS if p in t.index.get_level_values("plan")]
     t = t.reindex(pd.MultiIndex.from_product([list(dict.fromkeys(df["shape"])), plans], names=["shape", "plan"]))
@@ -110,13 +137,12 @@ def stage_table(doc: dict) -> pd.DataFrame:
     return t[cols]
 
 
-def gemm_scaling(doc: dict) -> pd.DataFrame:
-    """Adaptive / native per expert GEMM: grouped (as the layer runs it), dense (the same kept rows through
-    one GEMM) and the kept-pair fraction; a grouped GEMM that scaled as well as the dense one would turn
-    every pair saved into time saved."""
-    df = pd.DataFrame(doc["rows"])
-    df = df[df["T"] == df["T"].max()]
-    t = stage_table(doc)
+def gemm_scaling(doc: dict, gemm: str = "grouped") -> pd.DataFrame:
+    """Adaptive / native per expert GEMM of one path: grouped (as the layer runs it), dense (the same kept
+    rows through one GEMM) and the kept-pair fraction; a grouped GEMM that scaled as well as the dense one
+    would turn every pair saved into time saved."""
+    df = _stage_rows(doc, gemm)
+    t = stage_table(doc, gemm)
     kept = df.groupby(["shape", "plan"])["kept_pairs"].first()
     out = []
     for shape, plan in t.index:
