@@ -476,7 +476,8 @@ def bench_layer_one(name, tokens):
         for var, (fn, pol, _plan) in variants.items():
             timers[var, "time_us"] = fn
             if var.startswith("moelab") and T <= 4096:
-                layer = {"routed_only": routed, "cutlass": cutlass, "triton": triton_}.get(var.rsplit("_", 1)[-1], ours)
+                layer = next((f for suffix, f in (("routed_only", routed), ("cutlass", cutlass), ("triton", triton_))
+                              if var.endswith(suffix)), ours)
                 graphs.append(captured(functools.partial(layer, pol=pol), [x], 1))
                 timers[var, "graph_us"] = graphs[-1].replay
         # every variant (eager and graph) timed in turn, ROUNDS rounds: the target's ratios come from one window
@@ -668,6 +669,7 @@ GEMM_CONFIGS = {  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, GROUP_M); gate_up
 
 # (TMA, PERSISTENT) per configuration: pointer loads, TMA loads, TMA loads in persistent programs (one per SM)
 LOADS = ((False, False), (True, False), (True, True))
+TUNE_ROUNDS = 3  # tune-gemm: interleaved timing rounds per configuration (median kept, every round recorded)
 
 
 @torch.no_grad()
@@ -694,6 +696,7 @@ def tune_experts(tokens=4096, save=None):
             kept = int(offs[-1])
             a = gk.gate_up_swiglu(x, lay.token_idx, offs, gu, gk.DEFAULT["gate_up"])
             base = {"shape": name, "T": tokens, "plan": plan_name, "kept_pairs": kept}
+            fns, cfgs = {}, {}
             for kernel, configs in GEMM_CONFIGS.items():
                 for (bm, bn, bk, warps, stages, group), (tma, persistent) in itertools.product(configs, LOADS):
                     cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages,
@@ -703,19 +706,23 @@ def tune_experts(tokens=4096, save=None):
                     else:
                         fn = functools.partial(gk.down_proj, a, offs, dn, cfg)
                     try:
-                        us = events_us(fn)
+                        fn()  # compiles
                     except Exception as e:  # e.g. out of shared memory for this tile: record and go on
                         print(f"gemm {name} {kernel} {cfg} failed: {type(e).__name__}: {str(e)[:120]}", flush=True)
                         continue
-                    rows.append({**base, "kernel": kernel, **cfg, "time_us": us})
-                    print(f"gemm {name:8s} {plan_name:8s} {kernel:8s} {bm:4d} {bn:4d} {bk:4d} w{warps} s{stages} "
-                          f"g{group:3d} tma={int(tma)} persistent={int(persistent)} {us:9.1f} us", flush=True)
-            cut_gu = events_us(functools.partial(_cutlass_gate_up, x, lay.token_idx, offs, gu))
-            cut_dn = events_us(functools.partial(grouped_gemm, a, dn, offs))
-            rows += [{**base, "kernel": "gate_up", "cutlass": True, "time_us": cut_gu},
-                     {**base, "kernel": "down", "cutlass": True, "time_us": cut_dn}]
-            print(f"gemm {name:8s} {plan_name:8s} cutlass gather+gate_up+swiglu {cut_gu:9.1f} us, "
-                  f"down {cut_dn:9.1f} us", flush=True)
+                    fns[kernel, len(fns)] = fn
+                    cfgs[kernel, len(cfgs)] = cfg
+            fns["gate_up", "cutlass"] = functools.partial(_cutlass_gate_up, x, lay.token_idx, offs, gu)
+            fns["down", "cutlass"] = functools.partial(grouped_gemm, a, dn, offs)
+            # all configurations (and CUTLASS) timed in turn, TUNE_ROUNDS rounds: a slow spell of the GPU
+            # falls on all of them, so the pick does not follow it
+            times = interleaved_events_us(fns, TUNE_ROUNDS, rep_ms=20)
+            for (kernel, i), us in times.items():
+                med = sorted(us)[len(us) // 2]
+                cfg = {"cutlass": True} if i == "cutlass" else cfgs[kernel, i]
+                rows.append({**base, "kernel": kernel, **cfg, "time_us": med, "rounds_us": us})
+                label = "cutlass" if i == "cutlass" else " ".join(f"{key}={val}" for key, val in cfg.items())
+                print(f"gemm {name:8s} {plan_name:8s} {kernel:8s} {label} {med:9.1f} us", flush=True)
         if save is not None:  # after each shape: a run cut short keeps what it measured
             save(rows)
     return rows
@@ -811,11 +818,12 @@ def main():
         notes = ("Triton expert GEMMs (moelab.kernels.grouped) per launch configuration (TMA: weight tiles, and the "
                  "down GEMM's rows, through tensor descriptors; PERSISTENT: one program per SM looping over the "
                  "tiles that exist, else one program per tile of the worst-case grid), GPU time (CUDA events, L2 "
-                 "flushed) on the native top-k plan and the entropy-adaptive plan (terciles) of each layer shape "
-                 "at T=4096, bf16, random weights; cutlass rows: torch._grouped_mm on the same rows (gate_up: + "
-                 "gather and SwiGLU passes, which the Triton gate_up fuses). tuned_table: per (D, F) and kernel "
-                 "the configuration with the smallest worst slowdown over the two plans, as "
-                 "moelab.kernels.grouped.TUNED takes it.")
+                 "flushed; since 2026-11-30 12:30 the median of 3 rounds of 20 ms in which every configuration of a "
+                 "(shape, plan) and CUTLASS are timed in turn, rounds_us) on the native top-k plan and the "
+                 "entropy-adaptive plan (terciles) of each layer shape at T=4096, bf16, random weights; cutlass "
+                 "rows: torch._grouped_mm on the same rows (gate_up: + gather and SwiGLU passes, which the Triton "
+                 "gate_up fuses). tuned_table: per (D, F) and kernel the configuration with the smallest worst "
+                 "slowdown over the two plans, as moelab.kernels.grouped.TUNED takes it.")
 
         def save_tune(rows):
             table = tuned_experts_table(rows)
