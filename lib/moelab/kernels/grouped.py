@@ -68,22 +68,22 @@ FEW_ROWS = [
 # run measured these GEMMs faster than torch._grouped_mm (with its gather and SwiGLU passes) on both the native
 # and the adaptive plan, so set_gemm('auto') takes them at many rows per expert too (moelab.experts).
 _TMA_128 = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "GROUP_M": 16, "TMA": True}
-_TMA_64 = {**_TMA_128, "BLOCK_M": 64, "num_warps": 4}
+_64 = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4, "GROUP_M": 16}
 TUNED: dict[str, dict[tuple[int, int], list]] = {
     # benchmarks/moe_kernels.py tuned_experts_table() on data/results/experts-tune-20261130.json (H200, torch 2.11,
-    # triton 3.6, at b63c5ac, T = 4096): TMA loads at every shape, mostly in persistent programs (1-4% faster than
-    # one program per tile where they win). OLMoE-like: faster than CUTLASS on both plans (gate_up + down 842
-    # against 876 us native, 592 against 691 adaptive); Mixtral-like and Qwen-like: not on every plan (adaptive
-    # gate_up 2895 against 2619 us, 346 against 318), CUTLASS stays 'auto' there
+    # triton 3.6, at f05de90, T = 4096, median of 3 interleaved rounds). The first few configurations of a GEMM are
+    # within a few percent, less than one round's spread, so picks move between runs. OLMoE-like: faster than
+    # CUTLASS on both plans (gate_up + down 869 against 883 us native, 585 against 714 adaptive); Mixtral-like and
+    # Qwen-like: not on every plan (adaptive gate_up 2737 against 2635 us, 344 against 327), CUTLASS stays 'auto'
     "NVIDIA H200": {
         (4096, 14336): [(2**62, {"gate_up": {**_TMA_128, "num_stages": 3, "PERSISTENT": True},
-                                 "down": {**_TMA_128, "BLOCK_N": 256, "num_stages": 4, "PERSISTENT": True},
+                                 "down": {**_TMA_128, "BLOCK_N": 256, "num_stages": 4, "PERSISTENT": False},
                                  "beats_cutlass": False})],
-        (2048, 1024): [(2**62, {"gate_up": {**_TMA_64, "num_stages": 4, "PERSISTENT": True},
+        (2048, 1024): [(2**62, {"gate_up": {**_64, "TMA": False, "PERSISTENT": False},
                                 "down": {**_TMA_128, "BLOCK_N": 256, "num_stages": 4, "PERSISTENT": False},
                                 "beats_cutlass": True})],
-        (2048, 1408): [(2**62, {"gate_up": {**_TMA_64, "num_stages": 4, "PERSISTENT": True},
-                                "down": {**_TMA_64, "BLOCK_N": 256, "num_stages": 4, "PERSISTENT": True},
+        (2048, 1408): [(2**62, {"gate_up": {**_64, "TMA": False, "PERSISTENT": False},
+                                "down": {**_64, "BLOCK_N": 256, "TMA": True, "PERSISTENT": True},
                                 "beats_cutlass": False})],
     },
 }
