@@ -698,12 +698,9 @@ def tune_experts(tokens=4096, save=None):
             base = {"shape": name, "T": tokens, "plan": plan_name, "kept_pairs": kept}
             fns, cfgs = {}, {}
             for kernel, configs in GEMM_CONFIGS.items():
-                for (bm, bn, bk, warps, stages, group), (tma, persistent), tail in itertools.product(
-                        configs, LOADS, (0, 64)):
-                    if tail and bm != 128:  # tails only for 128-row tiles: a group's last 1..64 rows in 64-row tiles
-                        continue
+                for (bm, bn, bk, warps, stages, group), (tma, persistent) in itertools.product(configs, LOADS):
                     cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages,
-                           "GROUP_M": group, "TMA": tma, "PERSISTENT": persistent, "TAIL_M": tail}
+                           "GROUP_M": group, "TMA": tma, "PERSISTENT": persistent}
                     if kernel == "gate_up":
                         fn = functools.partial(gk.gate_up_swiglu, x, lay.token_idx, offs, gu, cfg)
                     else:
@@ -820,9 +817,7 @@ def main():
     if "tune-gemm" in parts:
         notes = ("Triton expert GEMMs (moelab.kernels.grouped) per launch configuration (TMA: weight tiles, and the "
                  "down GEMM's rows, through tensor descriptors; PERSISTENT: one program per SM looping over the "
-                 "tiles that exist, else one program per tile of the worst-case grid; TAIL_M 64: since 2026-11-30 "
-                 "13:00, 128-row tiles with a group's last 1..64 rows in a second launch of 64-row tiles), GPU "
-                 "time (CUDA events, L2 "
+                 "tiles that exist, else one program per tile of the worst-case grid), GPU time (CUDA events, L2 "
                  "flushed; since 2026-11-30 12:30 the median of 3 rounds of 20 ms in which every configuration of a "
                  "(shape, plan) and CUTLASS are timed in turn, rounds_us) on the native top-k plan and the "
                  "entropy-adaptive plan (terciles) of each layer shape at T=4096, bf16, random weights; cutlass "

@@ -92,8 +92,8 @@ def test_least_regret_serves_every_plan():
     rows = [_gemm("native", 100.0, bm=128), _gemm("adaptive", 90.0, bm=128),  # native best, adaptive 1.5x
             _gemm("native", 110.0, bm=64), _gemm("adaptive", 66.0, bm=64),  # 1.1x, 1.1x
             _gemm("native", 105.0, bm=64, tma=True), _gemm("adaptive", 60.0, bm=64, tma=True)]  # 1.05x, best
-    assert least_regret(rows) == (64, 64, 64, 4, 3, 16, True, False, False)
-    assert least_regret(rows[:2]) == (128, 64, 64, 4, 3, 16, False, False, False)
+    assert least_regret(rows) == (64, 64, 64, 4, 3, 16, True, False)
+    assert least_regret(rows[:2]) == (128, 64, 64, 4, 3, 16, False, False)
     with pytest.raises(ValueError, match="rows="):
         least_regret([])
 
@@ -128,7 +128,6 @@ def test_committed_experts_tune_picks_what_grouped_tuned_holds():
         cfg = gk.TUNED["NVIDIA H200"][shapes[shape]][0][1][kernel]
         want = f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']}x{cfg['BLOCK_K']} w{cfg['num_warps']} s{cfg['num_stages']}"
         want += (" tma" if cfg["TMA"] else "") + (" persistent" if cfg.get("PERSISTENT") else "")
-        want += f" tail{cfg['TAIL_M']}" if cfg.get("TAIL_M") else ""
         assert set(g["tuned_config"]) == {want}
 
 

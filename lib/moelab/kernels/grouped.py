@@ -17,9 +17,7 @@ counts. A tile never crosses an expert boundary; programs past the total return 
 Launch configurations: `DEFAULT` (BLOCK_M 64) and `FEW_ROWS` (BLOCK_M 16 / 32 for few rows per
 expert), from vLLM fused_moe's bf16 table for the H200, and a per-device table `TUNED` filled in from
 a GPU tuning run (vLLM keeps per-device configs the same way); `launch_config` picks. A configuration
-with TMA loads weight tiles through tensor descriptors (Hopper's bulk copies) instead of pointer loads;
-with PERSISTENT, one program per SM loops over the tiles that exist; with TAIL_M, a group's last
-1..TAIL_M rows go to a second launch of TAIL_M-row tiles instead of a mostly empty BLOCK_M-row one.
+with TMA loads weight tiles through tensor descriptors (Hopper's bulk copies) instead of pointer loads.
 """
 
 from __future__ import annotations
@@ -139,41 +137,26 @@ def max_tiles(N: int, E: int, block_m: int) -> int:
 
 
 @triton.jit
-def _groups(offs_ptr, E, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, SPLIT_M: tl.constexpr = 0,
-            TAIL_M: tl.constexpr = 0, TAIL: tl.constexpr = False):
-    """Per expert (padded to BLOCK_E): the first row of this launch's tiles, the group end row, the tiles,
-    their inclusive cumsum; and the total number of tiles, from the group ends offsets_E.
-    SPLIT_M > 0 splits each group between two launches: SPLIT_M-row tiles for the full tiles and for a
-    remainder of more than TAIL_M rows (TAIL False, BLOCK_M = SPLIT_M), one TAIL_M-row tile for a remainder
-    of 1..TAIL_M rows (TAIL True, BLOCK_M = TAIL_M)."""
+def _groups(offs_ptr, E, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Per expert (padded to BLOCK_E): first row, end row, row tiles, inclusive cumsum of the tiles; and the
+    total number of row tiles, from the group ends offsets_E."""
     e_i = tl.arange(0, BLOCK_E)
     ends = tl.load(offs_ptr + e_i, mask=e_i < E, other=0)
     starts = tl.load(offs_ptr + e_i - 1, mask=(e_i > 0) & (e_i < E), other=0)
     counts = tl.where(e_i < E, ends - starts, 0)
-    if SPLIT_M == 0:
-        tiles = (counts + BLOCK_M - 1) // BLOCK_M
-        first = starts
-    else:
-        full = counts // SPLIT_M
-        rem = counts - full * SPLIT_M
-        if TAIL:
-            tiles = ((rem > 0) & (rem <= TAIL_M)).to(tl.int32)
-            first = starts + full * SPLIT_M
-        else:
-            tiles = full + (rem > TAIL_M).to(tl.int32)
-            first = starts
+    tiles = (counts + BLOCK_M - 1) // BLOCK_M
     cum = tl.cumsum(tiles, 0)  # inclusive: tiles of experts 0..e
-    return first, ends, tiles, cum, tl.sum(tiles, 0)
+    return starts, ends, tiles, cum, tl.sum(tiles, 0)
 
 
 @triton.jit
-def _find(pid_m, first, ends, tiles, cum, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
+def _find(pid_m, starts, ends, tiles, cum, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
     """Row tile pid_m of the expert-grouped rows: (expert, first row, group end row). Tiles of expert e cover
-    [first_e + m * BLOCK_M, min(end_e, first_e + (m + 1) * BLOCK_M))."""
+    [start_e + m * BLOCK_M, min(end_e, start_e + (m + 1) * BLOCK_M))."""
     e = tl.sum((cum <= pid_m).to(tl.int32), 0)  # experts whose tiles all come before pid_m
     sel = tl.arange(0, BLOCK_E) == e
     first_tile = tl.sum(tl.where(sel, cum - tiles, 0), 0)
-    start = tl.sum(tl.where(sel, first, 0), 0)
+    start = tl.sum(tl.where(sel, starts, 0), 0)
     end = tl.sum(tl.where(sel, ends, 0), 0)
     return e, start + (pid_m - first_tile) * BLOCK_M, end
 
@@ -181,8 +164,8 @@ def _find(pid_m, first, ends, tiles, cum, BLOCK_M: tl.constexpr, BLOCK_E: tl.con
 @triton.jit
 def _tile_of(pid_m, offs_ptr, E, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
     """Row tile pid_m: (expert, first row, group end row, total tiles)."""
-    first, ends, tiles, cum, total = _groups(offs_ptr, E, BLOCK_M, BLOCK_E)
-    e, row0, end = _find(pid_m, first, ends, tiles, cum, BLOCK_M, BLOCK_E)
+    starts, ends, tiles, cum, total = _groups(offs_ptr, E, BLOCK_M, BLOCK_E)
+    e, row0, end = _find(pid_m, starts, ends, tiles, cum, BLOCK_M, BLOCK_E)
     return e, row0, end, total
 
 
@@ -216,7 +199,7 @@ def _expert_gemm_kernel(
     KD, N, E, NUM_M,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, GROUP_M: tl.constexpr, GATED: tl.constexpr,
-    TMA: tl.constexpr, PERSISTENT: tl.constexpr, SPLIT_M: tl.constexpr, TAIL_M: tl.constexpr, TAIL: tl.constexpr,
+    TMA: tl.constexpr, PERSISTENT: tl.constexpr,
 ):
     """out[r, n] = a[r] . w[e, n] (w: [E, N, KD]) for the rows r of one expert's tile: the down GEMM.
     GATED: the gate_up GEMM + SwiGLU, rows of a gathered through tok, w: [E, 2N, KD],
@@ -226,9 +209,8 @@ def _expert_gemm_kernel(
     past its expert or past N only reach outputs that are not stored. Gathered rows stay pointer loads.
     PERSISTENT: a few programs (one per SM) loop over the tiles that exist, in the same swizzled order;
     otherwise one program per tile of the upper bound NUM_M, and those past the total return at once
-    (with fewer kept pairs, more of them: each still takes an SM's turn).
-    SPLIT_M, TAIL_M, TAIL: this launch's share of a split between SPLIT_M-row and TAIL_M-row tiles (`_groups`)."""
-    starts, ends, tiles, cum, total = _groups(offs_ptr, E, BLOCK_M, BLOCK_E, SPLIT_M, TAIL_M, TAIL)
+    (with fewer kept pairs, more of them: each still takes an SM's turn)."""
+    starts, ends, tiles, cum, total = _groups(offs_ptr, E, BLOCK_M, BLOCK_E)
     num_n = tl.cdiv(N, BLOCK_N)
     if PERSISTENT:
         for t in range(tl.program_id(0), total * num_n, tl.num_programs(0)):
@@ -329,29 +311,14 @@ def tile_map(offsets_E: torch.Tensor, N: int, block_m: int) -> torch.Tensor:
 
 def _launch_gemm(a: torch.Tensor, tok: torch.Tensor | None, offsets_E: torch.Tensor, w: torch.Tensor, n_out: int,
                  rows: int, cfg: dict) -> torch.Tensor:
-    """[rows, n_out] from _expert_gemm_kernel (GATED when tok is given), rows < offsets[-1] written. With
-    cfg TAIL_M, two launches: BLOCK_M-row tiles, then a TAIL_M-row tile (TAIL_WARPS warps, default 4) for
-    each group whose last 1..TAIL_M rows would otherwise take a mostly empty BLOCK_M-row tile."""
-    E = w.shape[0]
-    out = torch.empty(rows, n_out, dtype=a.dtype, device=a.device)
-    bm, tail = cfg["BLOCK_M"], cfg.get("TAIL_M") or 0
-    if tail and not (16 <= tail < bm and pow2(tail) == tail):
-        raise ValueError(f"TAIL_M={tail}: must be a power of two >= 16 and below BLOCK_M={bm}")
-    if not rows or not n_out:
-        return out
-    split = dict(SPLIT_M=bm if tail else 0, TAIL_M=tail)
-    _launch_part(a, tok, offsets_E, w, out, cfg, bm, max_tiles(rows, E, bm), cfg["num_warps"], **split, TAIL=False)
-    if tail:
-        _launch_part(a, tok, offsets_E, w, out, cfg, tail, min(E, rows), cfg.get("TAIL_WARPS", 4), **split, TAIL=True)
-    return out
-
-
-def _launch_part(a, tok, offsets_E, w, out, cfg, bm, num_m, warps, SPLIT_M, TAIL_M, TAIL):
-    """One launch of _expert_gemm_kernel over at most num_m row tiles of bm rows."""
+    """[rows, n_out] from _expert_gemm_kernel (GATED when tok is given), rows < offsets[-1] written."""
     E, KD = w.shape[0], a.shape[1]
-    n_out = out.shape[1]
-    bn, bk = cfg["BLOCK_N"], cfg["BLOCK_K"]
+    out = torch.empty(rows, n_out, dtype=a.dtype, device=a.device)
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    num_m = max_tiles(rows, E, bm)
     grid = (num_m * cdiv(n_out, bn),)
+    if not grid[0]:
+        return out
     persistent = bool(cfg.get("PERSISTENT"))
     if persistent:  # one program per SM (the tuned tiles fill an SM's shared memory), looping over the tiles
         grid = (min(grid[0], _programs(a)),)
@@ -367,9 +334,9 @@ def _launch_part(a, tok, offsets_E, w, out, cfg, bm, num_m, warps, SPLIT_M, TAIL
         a_desc = None if tok is not None else TensorDescriptor.from_tensor(a, [bm, bk])  # gathered rows: pointers
     args = (a, a if a_desc is None else a_desc, rows_from, offsets_E, w, w if w_desc is None else w_desc, out,
             KD, n_out, E, num_m)
-    launch(_expert_gemm_kernel, grid, args,
-           dict(meta, TMA=w_desc is not None, PERSISTENT=persistent, SPLIT_M=SPLIT_M, TAIL_M=TAIL_M, TAIL=TAIL),
-           warps, cfg["num_stages"])
+    launch(_expert_gemm_kernel, grid, args, dict(meta, TMA=w_desc is not None, PERSISTENT=persistent),
+           cfg["num_warps"], cfg["num_stages"])
+    return out
 
 
 INTERPRET_PROGRAMS = 3  # persistent programs under TRITON_INTERPRET: several, so each loops over strided tiles

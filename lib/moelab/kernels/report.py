@@ -156,7 +156,7 @@ def gemm_scaling(doc: dict, gemm: str = "grouped") -> pd.DataFrame:
     return pd.DataFrame(out)
 
 
-GEMM_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "GROUP_M", "TMA", "PERSISTENT", "TAIL_M")
+GEMM_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "GROUP_M", "TMA", "PERSISTENT")
 
 
 def least_regret(rows: list[dict], keys: tuple = GEMM_KEYS, over: str = "plan") -> tuple:
@@ -186,7 +186,6 @@ def expert_gemms(doc: dict) -> pd.DataFrame:
         df["plan"] = "native"  # runs before 2026-11-30 11:00 tuned on the native plan only
     for k in ("TMA", "PERSISTENT", "cutlass"):  # PERSISTENT: tuning runs since 2026-11-30 12:00
         df[k] = df[k].fillna(False).astype(bool) if k in df else False
-    df["TAIL_M"] = df["TAIL_M"].fillna(0).astype(int) if "TAIL_M" in df else 0  # since 2026-11-30 13:00
     out = []
     for (shape, kernel), g in df.groupby(["shape", "kernel"], sort=False):
         ours = g[~g["cutlass"]]
@@ -202,6 +201,5 @@ def expert_gemms(doc: dict) -> pd.DataFrame:
                         "triton_persistent": mine.loc[mine["PERSISTENT"], "time_us"].min(),
                         "tuned": tuned.loc[tuned["plan"] == plan, "time_us"].min(),
                         "tuned_config": "x".join(str(int(v)) for v in pick[:3]) + f" w{int(pick[3])} s{int(pick[4])}"
-                                        + (" tma" if pick[6] else "") + (" persistent" if pick[7] else "")
-                                        + (f" tail{int(pick[8])}" if pick[8] else "")})
+                                        + (" tma" if pick[6] else "") + (" persistent" if pick[7] else "")})
     return pd.DataFrame(out)
