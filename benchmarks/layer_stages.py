@@ -22,8 +22,11 @@ that gathers the rows and applies SwiGLU, so there is no gather or swiglu step; 
 references per expert GEMM: `dense_*`, one plain GEMM of the same P rows against one expert's
 weights (what the GEMM costs without grouping: no per-expert tile rounding, weights read once), and
 `weights_read_us`, all experts' weights read once at the measured copy bandwidth (what grouping costs
-at least, whatever P is). Times: CUDA-event medians (triton.testing.do_bench, L2 flushed). Topic
-`layer-stages`.
+at least, whatever P is). Two times per stage: `time_us`, the eager call's CUDA-event median
+(triton.testing.do_bench, L2 flushed), where a short stage shows its host launch time rather than
+its GPU work (the GPU waits for the host); and `graph_us`, GPU time per call in a CUDA graph of
+GRAPH_CALLS calls (do_bench median of replays, L2 flushed before each replay, so the later calls
+find their small inputs in L2 as they would after the previous stage). Topic `layer-stages`.
 
     PYTHONPATH=lib python benchmarks/layer_stages.py [--tokens 4096] [--shapes mixtral,olmoe,qwen15]
         [--gemms grouped,triton]
@@ -50,11 +53,13 @@ from moe_kernels import (  # noqa: E402
     copy_bandwidth_gbs,
     events_us,
     gemm_tiles,
+    graph_us,
     hf_block,
     layer_policies,
     moelab_layer,
 )
 
+GRAPH_CALLS = 10  # calls per captured graph (graph_us)
 GEMMS = ("grouped", "triton")  # expert paths timed: torch._grouped_mm (CUTLASS) and moelab's Triton GEMMs
 
 
@@ -116,11 +121,13 @@ def stages_one(name, T, bw, gemms=GEMMS):
                     "gemm_tiles_128": gemm_tiles(plan, 128)}
             for stage, fn in calls.items():
                 us = events_us(fn)
-                row = {**base, "stage": stage, "time_us": us}
+                gus = graph_us(lambda _, fn=fn: fn(), [None], GRAPH_CALLS)
+                row = {**base, "stage": stage, "time_us": us, "graph_us": gus}
                 if stage in weights_us:
                     row["weights_read_us"] = weights_us[stage]
                 rows.append(row)
-                print(f"stages {name:8s} T={T:5d} {gemm:8s} {plan_name:13s} {stage:14s} {us:9.1f} us", flush=True)
+                print(f"stages {name:8s} T={T:5d} {gemm:8s} {plan_name:13s} {stage:14s} {us:9.1f} us eager "
+                      f"{gus:9.1f} us graph", flush=True)
     return rows
 
 
@@ -147,13 +154,15 @@ def main():
             rows += stages_one(name, T, bw, gemms)
             torch.cuda.empty_cache()  # the shape's weights go before the next is built
     notes = ("bf16, the layer benchmark's seeded weights and policies (native top-k; adaptive: (k/4, k/2, k) at the "
-             "entropy terciles; adaptive_q50: (k/2, k) at the median). Each stage of moelab's layer timed alone "
-             "(CUDA-event median, do_bench, L2 flushed), per expert path (gemm): 'grouped', torch._grouped_mm "
-             "experts with Triton gather and SwiGLU; 'triton' (since 2026-11-30 13:00), moelab.kernels.grouped "
-             "in the device's tuned configuration, its gate_up with the gather and SwiGLU fused. layer: the "
-             "whole layer in one call, pinned to that path. dense_gate_up / dense_down: the same kept rows "
-             "through one expert's weights in one GEMM. weights_read_us: all experts' weights of that GEMM read "
-             "once at the measured copy bandwidth.")
+             "entropy terciles; adaptive_q50: (k/2, k) at the median). Each stage of moelab's layer timed alone: "
+             "time_us, the eager call (CUDA-event median, do_bench, L2 flushed; a short stage shows its host "
+             f"launch time); graph_us (since 2026-11-30 14:00), GPU time per call in a CUDA graph of {GRAPH_CALLS} "
+             "calls (do_bench median of replays, L2 flushed before each replay). Per expert path (gemm): "
+             "'grouped', torch._grouped_mm experts with Triton gather and SwiGLU; 'triton' (since 2026-11-30 "
+             "13:00), moelab.kernels.grouped in the device's tuned configuration, its gate_up with the gather "
+             "and SwiGLU fused. layer: the whole layer in one call, pinned to that path. dense_gate_up / "
+             "dense_down: the same kept rows through one expert's weights in one GEMM. weights_read_us: all "
+             "experts' weights of that GEMM read once at the measured copy bandwidth.")
     print("wrote", write_results("layer-stages", rows, notes=notes, extra={"copy_bandwidth_gbs": bw}))
 
 

@@ -146,9 +146,15 @@ def eager_us(fn, min_s=0.005, repeats=3):
     return sorted(times)[repeats // 2]
 
 
-def interleaved_eager_us(fns: dict, rounds=5) -> dict:
+def interleaved_eager_us(fns: dict, rounds=5, warmup_s=0.25) -> dict:
     """eager_us of every method, measured in turn for several rounds (median per method): a slow spell
-    of the shared host falls on all methods alike instead of on whichever was being timed."""
+    of the shared host falls on all methods alike instead of on whichever was being timed. Untimed
+    rounds for `warmup_s` first: the first shape timed in a run took up to 1.8x the host time of the
+    same call later in it (routing-host-20261130.json, plan_buffers 16 against 9 us)."""
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < warmup_s:
+        for fn in fns.values():
+            eager_us(fn, repeats=1)
     times = {m: [] for m in fns}
     for _ in range(rounds):
         for m, fn in fns.items():
@@ -799,7 +805,7 @@ def main():
         kr.clear_launch_caches()
     if "routing" in parts:
         notes = ("bf16 router logits, random normal. eager_us: host loop per call, Python launch included, all methods "
-                 "timed in turn over 5 rounds (median). "
+                 "timed in turn over 5 rounds (median), after 0.25 s of untimed rounds (since 2026-11-30 14:00). "
                  "graph_us: GPU time per call inside one CUDA graph of >= 20 calls, inputs rotated over >= 3x L2 "
                  "(do_bench median of replays). hbm_bound_us: (logits read + plan written) / measured copy "
                  "bandwidth. Adaptive thresholds at the entropy terciles of a 4096-token calibration batch. "
@@ -808,8 +814,9 @@ def main():
         print("wrote", save(bench_routing(tokens, bw, l2, args.quick, save)))
     if "host" in parts:
         notes = ("host time per eager call (host loop, synchronised at the end; methods timed in turn over 7 rounds, "
-                 "median) of route_triton with the entropy-adaptive policy on bf16 logits: direct launch (default), "
-                 "Triton's public launch path (moelab Launcher disabled), the four plan allocations alone, and the "
+                 "median, after 0.25 s of untimed rounds since 2026-11-30 14:00) of route_triton with the "
+                 "entropy-adaptive policy on bf16 logits: direct launch (default), Triton's public launch path "
+                 "(moelab Launcher disabled), the four plan allocations alone, and the "
                  "torch TensorRT-LLM version without statistics. experts / experts_public_launch: routing (native "
                  "top-k) + padded layout + fused Triton experts of each layer shape at T = 1 and 16, random bf16 "
                  "weights; gpu_us: the same call timed with CUDA events (do_bench median).")

@@ -43,7 +43,7 @@ import torch
 
 from moelab import results
 from moelab.kernels.report import (STAGES, expert_gemms, gemm_scaling, layer_targets, machine_line, routing_targets,
-                                   stage_paths, stage_table)
+                                   stage_paths, stage_table, stage_time)
 from moelab.plots import figure, save_table, savefig
 
 REPO = results.REPO
@@ -276,12 +276,15 @@ saving.round(3)
 # and SwiGLU fused into gate_up). Right: each expert GEMM's adaptive / native time beside the same kept
 # rows through one dense GEMM and the fraction of pairs kept. A grouped GEMM that shrank like the dense
 # one would turn the pairs saved into time saved; the weights of every used expert are read whatever
-# the rows.
+# the rows. Times are GPU time per call in a CUDA graph where the run has them (since 2026-11-30 14:00);
+# older runs have the eager call's CUDA-event time only, where a short stage (routing, layout) shows
+# its host launch time rather than its GPU work.
 
 # %%
 stages_doc = results.load_optional("layer-stages", rdir)
 for path in stage_paths(stages_doc) if stages_doc is not None else []:
-    stages, scaling = stage_table(stages_doc, path), gemm_scaling(stages_doc, path)
+    col = stage_time(stages_doc, path)
+    stages, scaling = stage_table(stages_doc, path, col), gemm_scaling(stages_doc, path, col)
     sshapes = list(dict.fromkeys(stages.index.get_level_values("shape")))
     fig, axes = figure("full", aspect=0.22 * len(sshapes), nrows=len(sshapes), ncols=2, squeeze=False,
                        layout="constrained")
@@ -293,7 +296,7 @@ for path in stage_paths(stages_doc) if stages_doc is not None else []:
             left += d[stage]
         ax.scatter(d["layer"], d.index, marker="|", s=200, color="black", zorder=3, label="layer, one call")
         ax.set(title=f"{shape}, T={max(r['T'] for r in stages_doc['rows'])}, {path} experts",
-               xlabel="us (CUDA events)")
+               xlabel="us, GPU time in a CUDA graph" if col == "graph_us" else "us, eager call (CUDA events)")
         r = scaling[scaling["shape"] == shape].set_index(["plan", "gemm"])[["grouped", "dense", "kept pairs"]]
         r.plot.barh(ax=ax2, width=0.8, color=["C1", "C0", "grey"], legend=shape == sshapes[0])
         ax2.set(title="adaptive / native", xlim=(0, 1.35), ylabel="")

@@ -13,6 +13,7 @@ from moelab.kernels.report import (
     routing_targets,
     stage_paths,
     stage_table,
+    stage_time,
 )
 
 
@@ -46,6 +47,24 @@ def test_stage_table_and_gemm_scaling():
     assert gemm_scaling(doc, "triton").set_index("gemm").loc["gate_up", "grouped"] == pytest.approx(0.9)
     with pytest.raises(ValueError, match="gemm='cutlass'"):
         stage_table(doc, "cutlass")
+
+
+def test_stage_tables_take_graph_time_where_the_run_has_it():
+    native = {"layer": 100.0, "gate_up": 50.0, "down": 30.0, "layout": 40.0, "dense_gate_up": 40.0, "dense_down": 20.0}
+    adaptive = {"layer": 80.0, "gate_up": 45.0, "down": 24.0, "layout": 40.0, "dense_gate_up": 24.0, "dense_down": 12.0}
+    rows = _stage_rows("olmoe", "native", 100, native) + _stage_rows("olmoe", "adaptive", 60, adaptive)
+    assert stage_time({"rows": rows}) == "time_us"  # runs before graph timing: the eager time
+    # graph time: the eager layout time (40 us) was host launch time, its GPU work 5 us; the GEMMs alike
+    timed = [{**r, "graph_us": 5.0 if r["stage"] == "layout" else r["time_us"] * 0.9} for r in rows]
+    doc = {"rows": timed}
+    assert stage_time(doc) == "graph_us"
+    assert stage_table(doc).loc[("olmoe", "native"), "layout"] == 5.0
+    assert stage_table(doc, col="time_us").loc[("olmoe", "native"), "layout"] == 40.0
+    assert gemm_scaling(doc).set_index("gemm").loc["gate_up", "grouped"] == pytest.approx(0.9)
+    # one row of the path without graph time (a run cut short): the eager time for all
+    assert stage_time({"rows": timed[:-1] + [rows[-1]]}) == "time_us"
+    with pytest.raises(ValueError, match="col='events'"):
+        stage_table(doc, col="events")
 
 
 def test_routing_targets_limits():

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pandas as pd
 
-__all__ = ["routing_targets", "layer_targets", "machine_line", "stage_table", "gemm_scaling", "least_regret",
-           "expert_gemms", "stage_paths", "STAGES", "GEMM_KEYS"]
+__all__ = ["routing_targets", "layer_targets", "machine_line", "stage_table", "stage_time", "gemm_scaling",
+           "least_regret", "expert_gemms", "stage_paths", "STAGES", "STAGE_TIMES", "GEMM_KEYS"]
 
 GRAPH_LIMIT_US = 5.0  # routing in a CUDA graph, T <= 4096
 HBM_FRACTION = 0.5  # routing at T = 65536, E = 64 and 128: fraction of the HBM bound
@@ -126,32 +126,55 @@ def _stage_rows(doc: dict, gemm: str) -> pd.DataFrame:
     return df[df["T"] == df["T"].max()]
 
 
-def stage_table(doc: dict, gemm: str = "grouped") -> pd.DataFrame:
-    """us per step of one expert path, one row per (shape, plan) at the document's largest T: the STAGES
-    present, then `layer` (the whole layer in one call) and the dense references."""
+STAGE_TIMES = ("graph_us", "time_us")
+
+
+def stage_time(doc: dict, gemm: str = "grouped") -> str:
+    """The time column the stage tables use: `graph_us` (GPU time in a CUDA graph; runs since 2026-11-30
+    14:00) where every row of the path has it, else `time_us` (the eager call, CUDA events: a short stage
+    shows its host launch time there)."""
     df = _stage_rows(doc, gemm)
-    t = df.pivot_table(index=["shape", "plan"], columns="stage", values="time_us")
+    return "graph_us" if "graph_us" in df and df["graph_us"].notna().all() else "time_us"
+
+
+def _stage_pivot(df: pd.DataFrame, col: str) -> pd.DataFrame:
+    t = df.pivot_table(index=["shape", "plan"], columns="stage", values=col)
     plans = [p for p in PLANS if p in t.index.get_level_values("plan")]
     t = t.reindex(pd.MultiIndex.from_product([list(dict.fromkeys(df["shape"])), plans], names=["shape", "plan"]))
     cols = [c for c in STAGES if c in t.columns] + [c for c in t.columns if c not in STAGES]
     return t[cols]
 
 
-def gemm_scaling(doc: dict, gemm: str = "grouped") -> pd.DataFrame:
+def _stage_col(doc: dict, gemm: str, col: str | None) -> str:
+    if col is None:
+        return stage_time(doc, gemm)
+    if col not in STAGE_TIMES:
+        raise ValueError(f"col={col!r}: must be one of {STAGE_TIMES} or None (graph_us where the run has it)")
+    return col
+
+
+def stage_table(doc: dict, gemm: str = "grouped", col: str | None = None) -> pd.DataFrame:
+    """us per step of one expert path, one row per (shape, plan) at the document's largest T: the STAGES
+    present, then `layer` (the whole layer in one call) and the dense references. col: `graph_us` or
+    `time_us`; None: `stage_time(doc, gemm)`."""
+    return _stage_pivot(_stage_rows(doc, gemm), _stage_col(doc, gemm, col))
+
+
+def gemm_scaling(doc: dict, gemm: str = "grouped", col: str | None = None) -> pd.DataFrame:
     """Adaptive / native per expert GEMM of one path: grouped (as the layer runs it), dense (the same kept
     rows through one GEMM) and the kept-pair fraction; a grouped GEMM that scaled as well as the dense one
-    would turn every pair saved into time saved."""
+    would turn every pair saved into time saved. col as in `stage_table`."""
     df = _stage_rows(doc, gemm)
-    t = stage_table(doc, gemm)
+    t = _stage_pivot(df, _stage_col(doc, gemm, col))
     kept = df.groupby(["shape", "plan"])["kept_pairs"].first()
     out = []
     for shape, plan in t.index:
         if plan == "native":
             continue
-        for gemm in ("gate_up", "down"):
-            out.append({"shape": shape, "plan": plan, "gemm": gemm,
-                        "grouped": t.loc[(shape, plan), gemm] / t.loc[(shape, "native"), gemm],
-                        "dense": t.loc[(shape, plan), f"dense_{gemm}"] / t.loc[(shape, "native"), f"dense_{gemm}"],
+        for step in ("gate_up", "down"):
+            out.append({"shape": shape, "plan": plan, "gemm": step,
+                        "grouped": t.loc[(shape, plan), step] / t.loc[(shape, "native"), step],
+                        "dense": t.loc[(shape, plan), f"dense_{step}"] / t.loc[(shape, "native"), f"dense_{step}"],
                         "kept pairs": kept[(shape, plan)] / kept[(shape, "native")]})
     return pd.DataFrame(out)
 
