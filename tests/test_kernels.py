@@ -177,6 +177,19 @@ def test_padded_layout_matches_reference(E):
         check_layout(route_torch(logits, TopP(0.6, k_max=min(4, E)), False))
 
 
+@pytest.mark.parametrize("E,blocks_per_tile", [(8, 1), (60, 3)])  # 3: rounded down to 2
+def test_padded_layout_scan_carries_across_tiles(E, blocks_per_tile, monkeypatch):
+    """The scan over token blocks runs in tiles of blocks with a running carry: with tiles of 1 and 2 blocks
+    (and a last tile cut short) the layout is still the reference's."""
+    import moelab.kernels.layout as lk
+
+    monkeypatch.setattr(lk, "_SCAN_TILE", blocks_per_tile * lk.pow2(E))
+    block_t, _ = lk._blocks(150, E)
+    assert lk.cdiv(150, block_t) > blocks_per_tile  # several tiles
+    logits = (torch.randn(150, E, generator=torch.Generator().manual_seed(3)) * 2).to(DEV)
+    check_layout(route_torch(logits, TopP(0.6, k_max=4), False))
+
+
 @pytest.mark.parametrize("gemm", ["grouped", "loop"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_padded_layout_runs_the_same_experts(gemm, dtype):
