@@ -177,10 +177,11 @@ def test_padded_layout_matches_reference(E):
         check_layout(route_torch(logits, TopP(0.6, k_max=min(4, E)), False))
 
 
-@pytest.mark.parametrize("E,blocks_per_tile", [(8, 1), (60, 3)])  # 3: rounded down to 2
+@pytest.mark.parametrize("E,blocks_per_tile", [(8, 1), (60, 3), (100, 1)])  # 3: rounded down to 2
 def test_padded_layout_scan_carries_across_tiles(E, blocks_per_tile, monkeypatch):
     """The scan over token blocks runs in tiles of blocks with a running carry: with tiles of 1 and 2 blocks
-    (and a last tile cut short) the layout is still the reference's."""
+    (and a last tile cut short), and at E = 100 in two programs of 64 experts (the second part empty),
+    the layout is still the reference's."""
     import moelab.kernels.layout as lk
 
     monkeypatch.setattr(lk, "_SCAN_TILE", blocks_per_tile * lk.pow2(E))

@@ -8,13 +8,14 @@ where the slot is unused: the combine step gathers through it instead of scatter
 = P lives on the device, and torch._grouped_mm reads it there, so a captured CUDA graph runs with
 any number of kept pairs.
 
-Three launches: (1) per token block, how many pairs go to each expert; (2) one program scans those
-counts over the blocks, in tiles of blocks (a running carry between tiles), and over the experts:
-every block's count of earlier pairs per expert and the group ends `offsets`; (3) each pair's row =
-its expert's start + the earlier blocks' pairs of that expert + its rank among the block's earlier
-tokens of the same expert (a cumsum inside the tile). torch.cumsum over the blocks (dim 0) was used
-for (2) before: on the H200 it scans one block after another, 23 us at T = 4096 and 370 us at 65536
-with E = 64, more than the rest of the layout.
+Three launches: (1) per token block, how many pairs go to each expert; (2) one program per 64
+experts scans those counts over the blocks, in tiles of blocks with a running carry between tiles:
+every block's count of earlier pairs per expert, and each expert's total; (3) each pair's row = its
+expert's start (a cumsum of the totals, which the first program also stores as `offsets`) + the
+earlier blocks' pairs of that expert + its rank among the block's earlier tokens of the same expert
+(a cumsum inside the tile). Step (2) was two torch.cumsum calls before, the one over the blocks
+(dim 0) scanning one block after another: the layout took 40 us of GPU time at T = 4096, E = 64 on
+the H200 (data/results/archive/layer-stages-20261130-84b21d3.json), more than routing and combine.
 """
 
 from __future__ import annotations
@@ -50,23 +51,23 @@ def _count_kernel(ids_ptr, counts_ptr, T, E, K: tl.constexpr, BLOCK_T: tl.conste
 
 
 @triton.jit
-def _scan_kernel(counts_ptr, cum_ptr, offs_ptr, NB, E, CB: tl.constexpr, BLOCK_E: tl.constexpr):
-    """One program: cum[b, e] = pairs of expert e in blocks before b; offs[e] = pairs of experts <= e."""
-    cols = tl.arange(0, BLOCK_E)
+def _scan_kernel(counts_ptr, cum_ptr, tot_ptr, NB, E, CB: tl.constexpr, BLOCK_C: tl.constexpr):
+    """BLOCK_C experts per program: cum[b, e] = pairs of expert e in blocks before b, tot[e] = all its pairs."""
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     col_ok = cols < E
-    carry = tl.zeros((BLOCK_E,), tl.int32)  # pairs per expert in the blocks scanned so far
+    carry = tl.zeros((BLOCK_C,), tl.int32)  # pairs per expert in the blocks scanned so far
     for b0 in range(0, NB, CB):
         b = b0 + tl.arange(0, CB)
         ok = (b < NB)[:, None] & col_ok[None, :]
         c = tl.load(counts_ptr + b[:, None] * E + cols[None, :], mask=ok, other=0)
         tl.store(cum_ptr + b[:, None] * E + cols[None, :], carry[None, :] + tl.cumsum(c, axis=0) - c, mask=ok)
         carry += tl.sum(c, axis=0)
-    tl.store(offs_ptr + cols, tl.cumsum(carry, axis=0), mask=col_ok)
+    tl.store(tot_ptr + cols, carry, mask=col_ok)
 
 
 @triton.jit
 def _scatter_kernel(
-    ids_ptr, w_ptr, cum_ptr, offs_ptr, tok_ptr, exp_ptr, wout_ptr, slot_row_ptr,
+    ids_ptr, w_ptr, cum_ptr, tot_ptr, offs_ptr, tok_ptr, exp_ptr, wout_ptr, slot_row_ptr,
     T, E, N,
     K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_Q: tl.constexpr,
 ):
@@ -77,9 +78,12 @@ def _scatter_kernel(
     col_ok = cols < E
     hit = _expert_hits(ids_ptr, rows, row_ok, cols, K, BLOCK_T, BLOCK_E)
     rank = tl.cumsum(hit, axis=0) - hit  # earlier tokens of this block with the same expert
-    starts = tl.load(offs_ptr + cols - 1, mask=col_ok & (cols > 0), other=0)  # group starts
+    tot = tl.load(tot_ptr + cols, mask=col_ok, other=0)
+    ends = tl.cumsum(tot, axis=0)  # group ends (every program derives them; the first one stores them)
+    if pid == 0:
+        tl.store(offs_ptr + cols, ends, mask=col_ok)
     before = tl.load(cum_ptr + pid * E + cols, mask=col_ok, other=0)  # earlier blocks' pairs
-    base = starts + before  # first row of this block's pairs, per expert
+    base = ends - tot + before  # first row of this block's pairs, per expert
     pos_tile = base[None, :] + rank
     for j in range(K):
         src = rows.to(tl.int64) * K + j
@@ -92,7 +96,7 @@ def _scatter_kernel(
         tl.store(wout_ptr + pos, w, mask=ok)
         tl.store(slot_row_ptr + src, tl.where(ok, pos, -1), mask=row_ok)
     # padding rows [P, N): each program fills its own stretch of BLOCK_T * K rows
-    P = tl.load(offs_ptr + E - 1)
+    P = tl.sum(tot, axis=0)
     q_local = tl.arange(0, BLOCK_Q)
     q = pid * (BLOCK_T * K) + q_local
     pad = (q_local < BLOCK_T * K) & (q < N) & (q >= P)
@@ -101,7 +105,8 @@ def _scatter_kernel(
     tl.store(wout_ptr + q, tl.zeros((BLOCK_Q,), tl.float32), mask=pad)
 
 
-_SCAN_TILE = 4096  # counts per tile of the scan (blocks x experts; blocks rounded down to a power of two)
+_SCAN_COLS = 64  # experts per scan program
+_SCAN_TILE = 16384  # counts per tile of the scan (blocks x experts; blocks rounded down to a power of two)
 
 
 def _blocks(T: int, E: int) -> tuple[int, int]:
@@ -130,11 +135,14 @@ def pair_layout_padded(plan: RoutingPlan) -> PairLayout:
     nb = cdiv(T, block_t)
     counts = torch.empty(nb, E, dtype=torch.int32, device=dev)
     cum = torch.empty(nb, E, dtype=torch.int32, device=dev)
+    tot = torch.empty(E, dtype=torch.int32, device=dev)
     offsets = torch.empty(E, dtype=torch.int32, device=dev)
+    block_c = min(block_e, _SCAN_COLS)
+    cb = min(pow2(nb), 1 << (max(1, _SCAN_TILE // block_c).bit_length() - 1))
     with on_device_of(ids):
         launch(_count_kernel, (nb,), (ids, counts, T, E), dict(K=K, BLOCK_T=block_t, BLOCK_E=block_e))
-        launch(_scan_kernel, (1,), (counts, cum, offsets, nb, E),
-               dict(CB=min(pow2(nb), 1 << (max(1, _SCAN_TILE // block_e).bit_length() - 1)), BLOCK_E=block_e))
-        launch(_scatter_kernel, (nb,), (ids, weights, cum, offsets, tok, exp, w, slot_row, T, E, N),
+        launch(_scan_kernel, (cdiv(E, block_c),), (counts, cum, tot, nb, E), dict(CB=cb, BLOCK_C=block_c),
+               num_warps=8)
+        launch(_scatter_kernel, (nb,), (ids, weights, cum, tot, offsets, tok, exp, w, slot_row, T, E, N),
                dict(K=K, BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_Q=pow2(block_t * K)))
     return PairLayout(tok, exp, w, offsets, padded=True, slot_row=slot_row)
