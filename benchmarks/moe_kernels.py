@@ -149,8 +149,7 @@ def eager_us(fn, min_s=0.005, repeats=3):
 def interleaved_eager_us(fns: dict, rounds=5, warmup_s=0.25) -> dict:
     """eager_us of every method, measured in turn for several rounds (median per method): a slow spell
     of the shared host falls on all methods alike instead of on whichever was being timed. Untimed
-    rounds for `warmup_s` first: the first shape timed in a run took up to 1.8x the host time of the
-    same call later in it (routing-host-20261130.json, plan_buffers 16 against 9 us)."""
+    rounds of all methods for `warmup_s` first, so that none is timed while the host warms up."""
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < warmup_s:
         for fn in fns.values():
