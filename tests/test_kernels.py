@@ -191,6 +191,23 @@ def test_padded_layout_scan_carries_across_tiles(E, blocks_per_tile, monkeypatch
     check_layout(route_torch(logits, TopP(0.6, k_max=4), False))
 
 
+def test_padded_layout_blocks_grow_with_tokens(monkeypatch):
+    """Token blocks: about 2048 cells, larger at many tokens (at most 8192 cells and 128 tokens) so that the
+    scan sees about _MAX_BLOCKS blocks; a layout made of the larger blocks is still the reference's."""
+    import moelab.kernels.layout as lk
+
+    for E in (2, 8, 60, 64, 128, 256):
+        for T in (1, 7, 4096, 65536, 1 << 20):
+            bt, be = lk._blocks(T, E)
+            assert 1 <= bt <= 128 and bt * be <= max(8192, be) and bt <= lk.pow2(T)
+            assert lk.cdiv(T, bt) <= lk._MAX_BLOCKS or bt == 128 or bt * be == 8192
+    assert lk._blocks(4096, 64)[0] == 32 and lk._blocks(65536, 64)[0] == 128  # the layer's T; long prefill
+    monkeypatch.setattr(lk, "_MAX_BLOCKS", 4)  # T = 150, E = 60: 64-token blocks instead of 32
+    assert lk._blocks(150, 60)[0] == 64
+    logits = (torch.randn(150, 60, generator=torch.Generator().manual_seed(4)) * 2).to(DEV)
+    check_layout(route_torch(logits, TopP(0.6, k_max=4), False))
+
+
 @pytest.mark.parametrize("gemm", ["grouped", "loop"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_padded_layout_runs_the_same_experts(gemm, dtype):

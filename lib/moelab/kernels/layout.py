@@ -105,13 +105,16 @@ def _scatter_kernel(
     tl.store(wout_ptr + q, tl.zeros((BLOCK_Q,), tl.float32), mask=pad)
 
 
+_MAX_BLOCKS = 512  # token blocks the scan should see at most (larger blocks at many tokens)
 _SCAN_COLS = 64  # experts per scan program
 _SCAN_TILE = 16384  # counts per tile of the scan (blocks x experts; blocks rounded down to a power of two)
 
 
 def _blocks(T: int, E: int) -> tuple[int, int]:
+    """(BLOCK_T, BLOCK_E): tiles of about 2048 (token, expert) cells, and at many tokens larger ones, up to 8192
+    cells and 128 tokens, so that at most about 512 blocks go through the scan (benchmarks/pair_layout.py)."""
     block_e = pow2(max(E, 2))
-    block_t = max(1, min(128, 2048 // block_e))
+    block_t = max(1, min(128, max(2048 // block_e, pow2(cdiv(T, _MAX_BLOCKS))), max(1, 8192 // block_e)))
     return min(block_t, pow2(max(T, 1))), block_e
 
 
