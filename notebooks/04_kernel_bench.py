@@ -238,6 +238,30 @@ if tune_doc is not None:
     save_table(gemms.round(1), "04_expert_gemms", caption=machine_line(tune_doc))
 
 # %% [markdown]
+# ## 3c · Pair layout
+# `benchmarks/pair_layout.py`: the padded pair layout alone (per-block expert counts, a scan over the
+# blocks, a scatter; no host sync), GPU time per call in a CUDA graph, on native and adaptive plans.
+# Dotted: the time to move the bytes it must read and write at the measured copy bandwidth (below 1 us,
+# off the plot, up to about 10^4 tokens).
+
+# %%
+layout_doc = results.load_optional("pair-layout", rdir)
+if layout_doc is not None:
+    pl = pd.DataFrame(layout_doc["rows"])
+    fig, ax = figure("column", aspect=0.8, layout="constrained")
+    for i, (shape, d) in enumerate(pl[pl["plan"] == "native"].groupby("shape", sort=False)):
+        d = d.sort_values("T")
+        ax.plot(d["T"], d["graph_us"], marker="o", ms=3, color=f"C{i}", label=f"{shape} (E={d['E'].iloc[0]})")
+        ax.plot(d["T"], d["copy_us"], ":", color=f"C{i}", lw=0.8)
+    ax.set(xscale="log", yscale="log", ylim=(1, None), xlabel="tokens T", ylabel="us per call (graph)",
+           title="pair layout, native plan")  # the copy time of a few tokens lies far below 1 us
+    ax.legend(fontsize=6)
+    fig.suptitle(machine_line(layout_doc), fontsize=7)
+    savefig(fig, "04_pair_layout")
+    plt.show()
+    display(pl.pivot_table(index=["shape", "T"], columns="plan", values="graph_us").round(1))
+
+# %% [markdown]
 # ## 4 · Do compute savings become wall-clock savings?
 # Adaptive-k layer time over native top-k layer time, against the fraction of (token, expert) pairs
 # kept (the target: at most 1.1 x that fraction at T = 4096) and the fraction of 128-row GEMM tiles
