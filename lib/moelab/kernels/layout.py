@@ -15,7 +15,7 @@ expert's start (a cumsum of the totals, which the first program also stores as `
 earlier blocks' pairs of that expert + its rank among the block's earlier tokens of the same expert
 (a cumsum inside the tile). Step (2) was two torch.cumsum calls before, the one over the blocks
 (dim 0) scanning one block after another: the layout took 40 us of GPU time at T = 4096, E = 64 on
-the H200 (data/results/archive/layer-stages-20261130-84b21d3.json), more than routing and combine.
+the H200 (data/results/archive/layer-stages-20261130-84b21d3.json), against 2.4 us for the routing call.
 """
 
 from __future__ import annotations
