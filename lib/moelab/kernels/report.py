@@ -133,8 +133,7 @@ def stage_time(doc: dict, gemm: str = "grouped") -> str:
     """The time column the stage tables use: `graph_us` (GPU time in a CUDA graph; runs since 2026-11-30
     14:00) where every row of the path has it, else `time_us` (the eager call, CUDA events: a short stage
     shows its host launch time there)."""
-    df = _stage_rows(doc, gemm)
-    return "graph_us" if "graph_us" in df and df["graph_us"].notna().all() else "time_us"
+    return _stage_col(_stage_rows(doc, gemm), None)
 
 
 def _stage_pivot(df: pd.DataFrame, col: str) -> pd.DataFrame:
@@ -145,9 +144,10 @@ def _stage_pivot(df: pd.DataFrame, col: str) -> pd.DataFrame:
     return t[cols]
 
 
-def _stage_col(doc: dict, gemm: str, col: str | None) -> str:
+def _stage_col(df: pd.DataFrame, col: str | None) -> str:
+    """col, checked; None: `graph_us` where every row of `df` has it, else `time_us`."""
     if col is None:
-        return stage_time(doc, gemm)
+        return "graph_us" if "graph_us" in df and df["graph_us"].notna().all() else "time_us"
     if col not in STAGE_TIMES:
         raise ValueError(f"col={col!r}: must be one of {STAGE_TIMES} or None (graph_us where the run has it)")
     return col
@@ -157,7 +157,8 @@ def stage_table(doc: dict, gemm: str = "grouped", col: str | None = None) -> pd.
     """us per step of one expert path, one row per (shape, plan) at the document's largest T: the STAGES
     present, then `layer` (the whole layer in one call) and the dense references. col: `graph_us` or
     `time_us`; None: `stage_time(doc, gemm)`."""
-    return _stage_pivot(_stage_rows(doc, gemm), _stage_col(doc, gemm, col))
+    df = _stage_rows(doc, gemm)
+    return _stage_pivot(df, _stage_col(df, col))
 
 
 def gemm_scaling(doc: dict, gemm: str = "grouped", col: str | None = None) -> pd.DataFrame:
@@ -165,7 +166,7 @@ def gemm_scaling(doc: dict, gemm: str = "grouped", col: str | None = None) -> pd
     rows through one GEMM) and the kept-pair fraction; a grouped GEMM that scaled as well as the dense one
     would turn every pair saved into time saved. col as in `stage_table`."""
     df = _stage_rows(doc, gemm)
-    t = _stage_pivot(df, _stage_col(doc, gemm, col))
+    t = _stage_pivot(df, _stage_col(df, col))
     kept = df.groupby(["shape", "plan"])["kept_pairs"].first()
     out = []
     for shape, plan in t.index:
