@@ -177,35 +177,28 @@ def test_padded_layout_matches_reference(E):
         check_layout(route_torch(logits, TopP(0.6, k_max=min(4, E)), False))
 
 
-@pytest.mark.parametrize("E,blocks_per_tile", [(8, 1), (60, 3), (100, 1)])  # 3: rounded down to 2
-def test_padded_layout_scan_carries_across_tiles(E, blocks_per_tile, monkeypatch):
-    """The scan over token blocks runs in tiles of blocks with a running carry: with tiles of 1 and 2 blocks
-    (and a last tile cut short), and at E = 100 in two programs of 64 experts (the second part empty),
-    the layout is still the reference's."""
+@pytest.mark.parametrize("E,k_max,slots,cells", [(8, 4, 16, 2), (60, 3, 8, 4), (100, 4, 4, 1), (256, 8, 64, 1)])
+def test_padded_layout_small_blocks_and_scan_tiles(E, k_max, slots, cells, monkeypatch):
+    """Blocks of a few plan slots (k_max = 3: blocks cut tokens), scan tiles of 1-4 counts with a running
+    carry, several experts or one per scan program: the layout is still the reference's."""
     import moelab.kernels.layout as lk
 
-    monkeypatch.setattr(lk, "_SCAN_TILE", blocks_per_tile * lk.pow2(E))
-    block_t, _ = lk._blocks(150, E)
-    assert lk.cdiv(150, block_t) > blocks_per_tile  # several tiles
+    monkeypatch.setattr(lk, "_block_slots", lambda N, E: max(2, min(slots, lk.pow2(N))))
+    monkeypatch.setattr(lk, "_SCAN_CELLS", cells)
     logits = (torch.randn(150, E, generator=torch.Generator().manual_seed(3)) * 2).to(DEV)
-    check_layout(route_torch(logits, TopP(0.6, k_max=4), False))
+    check_layout(route_torch(logits, TopP(0.6, k_max=k_max), False))
+    check_layout(route_torch(logits[:1], TopK(1), False))  # one slot: blocks of two, the second past N
 
 
-def test_padded_layout_blocks_grow_with_tokens(monkeypatch):
-    """Token blocks: about 2048 cells, larger at many tokens (at most 8192 cells and 128 tokens) so that the
-    scan sees about _MAX_BLOCKS blocks; a layout made of the larger blocks is still the reference's."""
+def test_padded_layout_block_sizes():
+    """Plan slots per block: a power of two from 2 to 512, at most the slots there are (rounded up)."""
     import moelab.kernels.layout as lk
 
     for E in (2, 8, 60, 64, 128, 256):
-        for T in (1, 7, 4096, 65536, 1 << 20):
-            bt, be = lk._blocks(T, E)
-            assert 1 <= bt <= 128 and bt * be <= max(8192, be) and bt <= lk.pow2(T)
-            assert lk.cdiv(T, bt) <= lk._MAX_BLOCKS or bt == 128 or bt * be == 8192
-    assert lk._blocks(4096, 64)[0] == 32 and lk._blocks(65536, 64)[0] == 128  # the layer's T; long prefill
-    monkeypatch.setattr(lk, "_MAX_BLOCKS", 4)  # T = 150, E = 60: 64-token blocks instead of 32
-    assert lk._blocks(150, 60)[0] == 64
-    logits = (torch.randn(150, 60, generator=torch.Generator().manual_seed(4)) * 2).to(DEV)
-    check_layout(route_torch(logits, TopP(0.6, k_max=4), False))
+        for N in (1, 2, 7, 4096, 32768, 1 << 19, 1 << 23):
+            q = lk._block_slots(N, E)
+            assert q == lk.pow2(q) and 2 <= q <= 512 and q <= max(2, lk.pow2(N))
+    assert lk._block_slots(4096 * 8, 64) == 256 and lk._block_slots(65536 * 8, 64) == 512
 
 
 @pytest.mark.parametrize("gemm", ["grouped", "loop"])

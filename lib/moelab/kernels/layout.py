@@ -8,14 +8,16 @@ where the slot is unused: the combine step gathers through it instead of scatter
 = P lives on the device, and torch._grouped_mm reads it there, so a captured CUDA graph runs with
 any number of kept pairs.
 
-Three launches: (1) per token block, how many pairs go to each expert; (2) one program per 64
-experts scans those counts over the blocks, in tiles of blocks with a running carry between tiles:
-every block's count of earlier pairs per expert, and each expert's total; (3) each pair's row = its
-expert's start (a cumsum of the totals, which the first program also stores as `offsets`) + the
-earlier blocks' pairs of that expert + its rank among the block's earlier tokens of the same expert
-(a cumsum inside the tile). Step (2) was two torch.cumsum calls before, the one over the blocks
-(dim 0) scanning one block after another: the layout took 40 us of GPU time at T = 4096, E = 64 on
-the H200 (data/results/archive/layer-stages-20261130-84b21d3.json), against 2.4 us for the routing call.
+Three launches over blocks of Q consecutive plan slots (a power of two; a block may cut a token's slots):
+(1) each block's pairs per expert (tl.histogram), stored expert-major [E, blocks]; (2) an exclusive scan
+of those counts along the blocks, the contiguous axis, a few experts per program with a running carry:
+each block's count of earlier pairs per expert, and each expert's total; (3) each block sorts its
+(expert, slot) keys (tl.sort, Q elements), so a pair's row is its expert's start (a cumsum of the totals,
+which the first program also stores as `offsets`) + the earlier blocks' pairs of that expert + its place
+in the sorted block less the place of the expert's first pair there; stores in sorted order land in runs
+of consecutive rows. The version before built dense [tokens, experts] tiles in (1) and (3), work that grew
+with E: 67 / 132 / 172 us at T = 65536 for E = 64 / 128 / 256 on the H200, 17 us at T = 4096, E = 64
+(data/results/archive/pair-layout-20261130-65de188.json); the sort does the same at any E.
 """
 
 from __future__ import annotations
@@ -32,90 +34,80 @@ __all__ = ["pair_layout_padded"]
 
 
 @triton.jit
-def _expert_hits(ids_ptr, rows, row_ok, cols, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
-    """[BLOCK_T, BLOCK_E] int32: 1 where the token uses the expert (a token's experts are distinct)."""
-    hit = tl.zeros((BLOCK_T, BLOCK_E), tl.int32)
-    for j in range(K):
-        e = tl.load(ids_ptr + rows.to(tl.int64) * K + j, mask=row_ok, other=-1)
-        hit += (e[:, None] == cols[None, :]).to(tl.int32)
-    return hit
-
-
-@triton.jit
-def _count_kernel(ids_ptr, counts_ptr, T, E, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):
+def _count_kernel(ids_ptr, counts_ptr, N, NB, E, Q: tl.constexpr, BLOCK_E: tl.constexpr):
+    """counts[e, b]: block b's pairs of expert e (unused slots and slots past N go to bin BLOCK_E, not stored)."""
     pid = tl.program_id(0)
-    rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
-    cols = tl.arange(0, BLOCK_E)
-    hit = _expert_hits(ids_ptr, rows, rows < T, cols, K, BLOCK_T, BLOCK_E)
-    tl.store(counts_ptr + pid * E + cols, tl.sum(hit, axis=0), mask=cols < E)
+    src = pid * Q + tl.arange(0, Q)
+    e = tl.load(ids_ptr + src, mask=src < N, other=-1)
+    h = tl.histogram(tl.where(e >= 0, e, BLOCK_E), 2 * BLOCK_E)
+    bins = tl.arange(0, 2 * BLOCK_E)
+    tl.store(counts_ptr + bins * NB + pid, h, mask=bins < E)
 
 
 @triton.jit
 def _scan_kernel(counts_ptr, cum_ptr, tot_ptr, NB, E, CB: tl.constexpr, BLOCK_C: tl.constexpr):
-    """BLOCK_C experts per program: cum[b, e] = pairs of expert e in blocks before b, tot[e] = all its pairs."""
+    """BLOCK_C experts per program: cum[e, b] = pairs of expert e in blocks before b, tot[e] = all its pairs."""
     cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     col_ok = cols < E
     carry = tl.zeros((BLOCK_C,), tl.int32)  # pairs per expert in the blocks scanned so far
     for b0 in range(0, NB, CB):
         b = b0 + tl.arange(0, CB)
-        ok = (b < NB)[:, None] & col_ok[None, :]
-        c = tl.load(counts_ptr + b[:, None] * E + cols[None, :], mask=ok, other=0)
-        tl.store(cum_ptr + b[:, None] * E + cols[None, :], carry[None, :] + tl.cumsum(c, axis=0) - c, mask=ok)
-        carry += tl.sum(c, axis=0)
+        ok = col_ok[:, None] & (b < NB)[None, :]
+        off = cols[:, None] * NB + b[None, :]
+        c = tl.load(counts_ptr + off, mask=ok, other=0)
+        tl.store(cum_ptr + off, carry[:, None] + tl.cumsum(c, axis=1) - c, mask=ok)
+        carry += tl.sum(c, axis=1)
     tl.store(tot_ptr + cols, carry, mask=col_ok)
 
 
 @triton.jit
 def _scatter_kernel(
-    ids_ptr, w_ptr, cum_ptr, tot_ptr, offs_ptr, tok_ptr, exp_ptr, wout_ptr, slot_row_ptr,
-    T, E, N,
-    K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_Q: tl.constexpr,
+    ids_ptr, w_ptr, counts_ptr, cum_ptr, tot_ptr, offs_ptr, tok_ptr, exp_ptr, wout_ptr, slot_row_ptr,
+    T, E, N, NB,
+    K: tl.constexpr, Q: tl.constexpr, LOG_Q: tl.constexpr, BLOCK_E: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
-    row_ok = rows < T
+    f = tl.arange(0, Q)  # slot within the block
+    e = tl.load(ids_ptr + pid * Q + f, mask=pid * Q + f < N, other=-1)
+    e = tl.where(e >= 0, e, BLOCK_E)  # unused slots and slots past N sort last
+    key = tl.sort((e << LOG_Q) | f)  # by expert, then slot (= token: a token's experts are distinct)
+    se = key >> LOG_Q
+    src = pid * Q + (key & (Q - 1))  # the plan slot at sorted place f
     cols = tl.arange(0, BLOCK_E)
     col_ok = cols < E
-    hit = _expert_hits(ids_ptr, rows, row_ok, cols, K, BLOCK_T, BLOCK_E)
-    rank = tl.cumsum(hit, axis=0) - hit  # earlier tokens of this block with the same expert
     tot = tl.load(tot_ptr + cols, mask=col_ok, other=0)
     ends = tl.cumsum(tot, axis=0)  # group ends (every program derives them; the first one stores them)
     if pid == 0:
         tl.store(offs_ptr + cols, ends, mask=col_ok)
-    before = tl.load(cum_ptr + pid * E + cols, mask=col_ok, other=0)  # earlier blocks' pairs
-    base = ends - tot + before  # first row of this block's pairs, per expert
-    pos_tile = base[None, :] + rank
-    for j in range(K):
-        src = rows.to(tl.int64) * K + j
-        e = tl.load(ids_ptr + src, mask=row_ok, other=-1)
-        pos = tl.sum(tl.where(cols[None, :] == e[:, None], pos_tile, 0), axis=1)
-        ok = row_ok & (e >= 0)
-        w = tl.load(w_ptr + src, mask=ok, other=0.0)
-        tl.store(tok_ptr + pos, rows.to(tl.int64), mask=ok)
-        tl.store(exp_ptr + pos, e.to(tl.int64), mask=ok)
-        tl.store(wout_ptr + pos, w, mask=ok)
-        tl.store(slot_row_ptr + src, tl.where(ok, pos, -1), mask=row_ok)
-    # padding rows [P, N): each program fills its own stretch of BLOCK_T * K rows
+    before = tl.load(cum_ptr + cols * NB + pid, mask=col_ok, other=0)  # earlier blocks' pairs
+    cnt = tl.load(counts_ptr + cols * NB + pid, mask=col_ok, other=0)
+    first = tl.cumsum(cnt, axis=0) - cnt  # sorted place of each expert's first pair in this block
+    base = ends - tot + before - first  # row of the pair at sorted place f = base[expert] + f
+    ok = se < E
+    pos = tl.gather(base, tl.where(ok, se, 0), 0) + f
+    w = tl.load(w_ptr + src, mask=ok, other=0.0)
+    tl.store(tok_ptr + pos, (src // K).to(tl.int64), mask=ok)
+    tl.store(exp_ptr + pos, se.to(tl.int64), mask=ok)
+    tl.store(wout_ptr + pos, w, mask=ok)
+    tl.store(slot_row_ptr + src, tl.where(ok, pos, -1), mask=src < N)
+    # padding rows [P, N): each program fills its own stretch of Q rows
     P = tl.sum(tot, axis=0)
-    q_local = tl.arange(0, BLOCK_Q)
-    q = pid * (BLOCK_T * K) + q_local
-    pad = (q_local < BLOCK_T * K) & (q < N) & (q >= P)
-    tl.store(tok_ptr + q, tl.zeros((BLOCK_Q,), tl.int64) + T, mask=pad)
-    tl.store(exp_ptr + q, tl.zeros((BLOCK_Q,), tl.int64) + E, mask=pad)
-    tl.store(wout_ptr + q, tl.zeros((BLOCK_Q,), tl.float32), mask=pad)
+    q = pid * Q + f
+    pad = (q < N) & (q >= P)
+    tl.store(tok_ptr + q, tl.zeros((Q,), tl.int64) + T, mask=pad)
+    tl.store(exp_ptr + q, tl.zeros((Q,), tl.int64) + E, mask=pad)
+    tl.store(wout_ptr + q, tl.zeros((Q,), tl.float32), mask=pad)
 
 
-_MAX_BLOCKS = 512  # token blocks the scan should see at most (larger blocks at many tokens)
-_SCAN_COLS = 64  # experts per scan program
-_SCAN_TILE = 16384  # counts per tile of the scan (blocks x experts; blocks rounded down to a power of two)
+_SCAN_CELLS = 1024  # counts per tile of the scan (experts x blocks, both powers of two)
 
 
-def _blocks(T: int, E: int) -> tuple[int, int]:
-    """(BLOCK_T, BLOCK_E): tiles of about 2048 (token, expert) cells, and at many tokens larger ones, up to 8192
-    cells and 128 tokens, so that at most about 512 blocks go through the scan (benchmarks/pair_layout.py)."""
-    block_e = pow2(max(E, 2))
-    block_t = max(1, min(128, max(2048 // block_e, pow2(cdiv(T, _MAX_BLOCKS))), max(1, 8192 // block_e)))
-    return min(block_t, pow2(max(T, 1))), block_e
+def _block_slots(N: int, E: int) -> int:
+    """Plan slots per block Q (sorted by one program of Q / 128 warps): 128 for E <= 16, else 256, and 512
+    above 2^18 slots (H200, scratch sweep of Q = 128-1024 and 1-8 warps at E = 8-256, T = 16-65536: within
+    10% of each point's best)."""
+    q = 128 if E <= 16 else (512 if N > 1 << 18 else 256)
+    return max(2, min(q, pow2(N)))  # a sort of one element is not compiled
 
 
 def pair_layout_padded(plan: RoutingPlan) -> PairLayout:
@@ -134,18 +126,19 @@ def pair_layout_padded(plan: RoutingPlan) -> PairLayout:
     if ids.dtype != torch.int32 or not ids.is_contiguous():
         raise ValueError(f"plan.expert_ids dtype={ids.dtype}, contiguous={ids.is_contiguous()}: need contiguous int32")
     weights = plan.weights.contiguous()
-    block_t, block_e = _blocks(T, E)
-    nb = cdiv(T, block_t)
-    counts = torch.empty(nb, E, dtype=torch.int32, device=dev)
-    cum = torch.empty(nb, E, dtype=torch.int32, device=dev)
+    block_e = pow2(max(E, 2))
+    q = _block_slots(N, E)
+    nb = cdiv(N, q)
+    counts = torch.empty(E, nb, dtype=torch.int32, device=dev)
+    cum = torch.empty(E, nb, dtype=torch.int32, device=dev)
     tot = torch.empty(E, dtype=torch.int32, device=dev)
     offsets = torch.empty(E, dtype=torch.int32, device=dev)
-    block_c = min(block_e, _SCAN_COLS)
-    cb = min(pow2(nb), 1 << (max(1, _SCAN_TILE // block_c).bit_length() - 1))
+    cb = min(pow2(nb), _SCAN_CELLS)
+    block_c = max(1, min(block_e, _SCAN_CELLS // cb))
+    warps = max(1, q // 128)
     with on_device_of(ids):
-        launch(_count_kernel, (nb,), (ids, counts, T, E), dict(K=K, BLOCK_T=block_t, BLOCK_E=block_e))
-        launch(_scan_kernel, (cdiv(E, block_c),), (counts, cum, tot, nb, E), dict(CB=cb, BLOCK_C=block_c),
-               num_warps=8)
-        launch(_scatter_kernel, (nb,), (ids, weights, cum, tot, offsets, tok, exp, w, slot_row, T, E, N),
-               dict(K=K, BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_Q=pow2(block_t * K)))
+        launch(_count_kernel, (nb,), (ids, counts, N, nb, E), dict(Q=q, BLOCK_E=block_e), num_warps=warps)
+        launch(_scan_kernel, (cdiv(E, block_c),), (counts, cum, tot, nb, E), dict(CB=cb, BLOCK_C=block_c))
+        launch(_scatter_kernel, (nb,), (ids, weights, counts, cum, tot, offsets, tok, exp, w, slot_row, T, E, N, nb),
+               dict(K=K, Q=q, LOG_Q=q.bit_length() - 1, BLOCK_E=block_e), num_warps=warps)
     return PairLayout(tok, exp, w, offsets, padded=True, slot_row=slot_row)
