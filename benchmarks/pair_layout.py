@@ -1,10 +1,11 @@
 """GPU time of the padded pair layout (`moelab.kernels.layout.pair_layout_padded`) across E, k and T.
 
 The layout sorts a routing plan's kept (token, expert) pairs by expert for the grouped GEMMs, without a
-host sync: per-block expert counts, a scan over the blocks, a per-block sort and scatter. Timed as GPU time per call in a
-CUDA graph of 10 calls (do_bench median of replays), on the native top-k plan and the entropy-adaptive
-plan (terciles of a 4096-token calibration batch) of random bf16 logits; `bytes` counts what one call must read
-(the plan's ids and weights) and write (token, expert, weight per row, the slot map, the group ends).
+host sync: per-block expert counts, a scan over the blocks, a per-block sort and scatter. Timed as GPU
+time per call in a CUDA graph of 10 calls (do_bench median of replays), on the native top-k plan and
+the entropy-adaptive plan (terciles of a 4096-token calibration batch) of random bf16 logits; `bytes`
+counts what one call must read (the plan's ids and weights) and write (token, expert, weight per row,
+the slot map, the group ends).
 Topic `pair-layout`.
 
     PYTHONPATH=lib python benchmarks/pair_layout.py [--tokens 1,16,512,4096,65536]

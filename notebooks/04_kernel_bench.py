@@ -240,7 +240,7 @@ if tune_doc is not None:
 # %% [markdown]
 # ## 3c · Pair layout
 # `benchmarks/pair_layout.py`: the padded pair layout alone (per-block expert counts, a scan over the
-# blocks, a scatter; no host sync), GPU time per call in a CUDA graph, on native and adaptive plans.
+# blocks, a per-block sort and scatter; no host sync), GPU time per call in a CUDA graph, on native and adaptive plans.
 # Dotted: the time to move the bytes it must read and write at the measured copy bandwidth (below 1 us,
 # off the plot, up to about 10^4 tokens).
 
