@@ -104,8 +104,8 @@ _SCAN_CELLS = 1024  # counts per tile of the scan (experts x blocks, both powers
 
 def _block_slots(N: int, E: int) -> int:
     """Plan slots per block Q (sorted by one program of Q / 128 warps): 128 for E <= 16, else 256, and 512
-    above 2^18 slots (H200, scratch sweep of Q = 128-1024 and 1-8 warps at E = 8-256, T = 16-65536: within
-    10% of each point's best)."""
+    above 2^18 slots. Picked on the H200 from a sweep of Q = 128-1024 at E = 8-256, T = 16-65536 that the
+    repo does not keep; benchmarks/pair_layout.py times the rule (topic pair-layout)."""
     q = 128 if E <= 16 else (512 if N > 1 << 18 else 256)
     return max(2, min(q, pow2(N)))  # a sort of one element is not compiled
 
