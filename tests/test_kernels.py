@@ -183,8 +183,8 @@ def test_padded_layout_small_blocks_and_scan_tiles(E, k_max, slots, cells, monke
     carry, several experts or one per scan program: the layout is still the reference's."""
     import moelab.kernels.layout as lk
 
-    monkeypatch.setattr(lk, "_block_slots", lambda N, E: max(2, min(slots, lk.pow2(N))))
-    monkeypatch.setattr(lk, "_SCAN_CELLS", cells)
+    monkeypatch.setitem(lk.LAUNCH, "block_slots", slots)
+    monkeypatch.setitem(lk.LAUNCH, "scan_cells", cells)
     logits = (torch.randn(150, E, generator=torch.Generator().manual_seed(3)) * 2).to(DEV)
     check_layout(route_torch(logits, TopP(0.6, k_max=k_max), False))
     check_layout(route_torch(logits[:1], TopK(1), False))  # one slot: blocks of two, the second past N
@@ -199,6 +199,21 @@ def test_padded_layout_block_sizes():
             q = lk._block_slots(N, E)
             assert q == lk.pow2(q) and 2 <= q <= 512 and q <= max(2, lk.pow2(N))
     assert lk._block_slots(4096 * 8, 64) == 256 and lk._block_slots(65536 * 8, 64) == 512
+    assert lk.launch_config(65536 * 8, 64) == (512, 4, 1024)
+
+
+def test_padded_layout_launch_overrides(monkeypatch):
+    """LAUNCH overrides Q, warps and scan tile; Q is still cut to the slots there are; bad values name the rule."""
+    import moelab.kernels.layout as lk
+
+    monkeypatch.setitem(lk.LAUNCH, "block_slots", 1024)
+    monkeypatch.setitem(lk.LAUNCH, "warps", 2)
+    assert lk.launch_config(4096, 8) == (1024, 2, 1024) and lk.launch_config(5, 8) == (8, 2, 1024)
+    for key, bad in (("block_slots", 96), ("block_slots", 1), ("warps", 0), ("scan_cells", 3), ("warps", True)):
+        monkeypatch.setitem(lk.LAUNCH, key, bad)
+        with pytest.raises(ValueError, match=rf"LAUNCH\['{key}'\]=.*power of two"):
+            lk.launch_config(4096, 8)
+        monkeypatch.setitem(lk.LAUNCH, key, {"block_slots": 1024, "warps": 2}.get(key))
 
 
 @pytest.mark.parametrize("gemm", ["grouped", "loop"])

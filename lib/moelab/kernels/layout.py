@@ -30,7 +30,7 @@ from moelab.experts import PairLayout
 from moelab.kernels import cdiv, launch, on_device_of, pow2
 from moelab.routing import RoutingPlan
 
-__all__ = ["pair_layout_padded"]
+__all__ = ["pair_layout_padded", "launch_config", "LAUNCH"]
 
 
 @triton.jit
@@ -100,14 +100,34 @@ def _scatter_kernel(
 
 
 _SCAN_CELLS = 1024  # counts per tile of the scan (experts x blocks, both powers of two)
+# overrides of the launch rule below (benchmarks/pair_layout.py --sweep and the tests set them): plan slots per
+# block Q, warps of the count and scatter programs, counts per scan tile; None = the rule
+LAUNCH = {"block_slots": None, "warps": None, "scan_cells": None}
 
 
 def _block_slots(N: int, E: int) -> int:
     """Plan slots per block Q (sorted by one program of Q / 128 warps): 128 for E <= 16, else 256, and 512
-    above 2^18 slots. Picked on the H200 from a sweep of Q = 128-1024 at E = 8-256, T = 16-65536 that the
-    repo does not keep; benchmarks/pair_layout.py times the rule (topic pair-layout)."""
+    above 2^18 slots. From the H200 sweep of Q = 128-1024 and 1-8 warps at E = 8-256, T = 16-65536
+    (`benchmarks/pair_layout.py --sweep`, topic pair-layout-sweep: the rule's regret against each point's
+    fastest configuration is in that file)."""
     q = 128 if E <= 16 else (512 if N > 1 << 18 else 256)
     return max(2, min(q, pow2(N)))  # a sort of one element is not compiled
+
+
+def _pow2_at_least(name: str, v, lo: int) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo or v & (v - 1):
+        raise ValueError(f"LAUNCH[{name!r}]={v!r}: must be a power of two >= {lo}")
+    return v
+
+
+def launch_config(N: int, E: int) -> tuple[int, int, int]:
+    """(Q plan slots per block, warps, counts per scan tile) for N plan slots and E experts: the rule, or
+    LAUNCH's overrides (Q is still cut to the slots there are, rounded up to a power of two)."""
+    q, warps, cells = LAUNCH["block_slots"], LAUNCH["warps"], LAUNCH["scan_cells"]
+    q = _block_slots(N, E) if q is None else max(2, min(_pow2_at_least("block_slots", q, 2), pow2(N)))
+    warps = max(1, q // 128) if warps is None else _pow2_at_least("warps", warps, 1)
+    cells = _SCAN_CELLS if cells is None else _pow2_at_least("scan_cells", cells, 1)
+    return q, warps, cells
 
 
 def pair_layout_padded(plan: RoutingPlan) -> PairLayout:
@@ -127,15 +147,14 @@ def pair_layout_padded(plan: RoutingPlan) -> PairLayout:
         raise ValueError(f"plan.expert_ids dtype={ids.dtype}, contiguous={ids.is_contiguous()}: need contiguous int32")
     weights = plan.weights.contiguous()
     block_e = pow2(max(E, 2))
-    q = _block_slots(N, E)
+    q, warps, cells = launch_config(N, E)
     nb = cdiv(N, q)
     counts = torch.empty(E, nb, dtype=torch.int32, device=dev)
     cum = torch.empty(E, nb, dtype=torch.int32, device=dev)
     tot = torch.empty(E, dtype=torch.int32, device=dev)
     offsets = torch.empty(E, dtype=torch.int32, device=dev)
-    cb = min(pow2(nb), _SCAN_CELLS)
-    block_c = max(1, min(block_e, _SCAN_CELLS // cb))
-    warps = max(1, q // 128)
+    cb = min(pow2(nb), cells)
+    block_c = max(1, min(block_e, cells // cb))
     with on_device_of(ids):
         launch(_count_kernel, (nb,), (ids, counts, N, nb, E), dict(Q=q, BLOCK_E=block_e), num_warps=warps)
         launch(_scan_kernel, (cdiv(E, block_c),), (counts, cum, tot, nb, E), dict(CB=cb, BLOCK_C=block_c))
