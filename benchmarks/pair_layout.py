@@ -70,13 +70,15 @@ def sweep(tokens: list[int], bw: float) -> None:
             print(f"sweep {name:8s} E={E:3d} T={T:6d} fastest {best:6.1f} us, rule Q={rule[0]} w={rule[1]} "
                   f"{pick[0]['graph_us'] if pick else float('nan'):6.1f} us", flush=True)
             rows += point
-    notes = ("pair_layout_padded on the native top-k plan of random bf16 logits, GPU time per call in a CUDA graph "
-             "of 10 calls (do_bench median of replays, L2 flushed before each replay), per launch configuration: "
-             "block_slots Q (plan slots per block; block_slots_used: Q cut to the slots there are), warps of the count "
-             "and scatter programs; scan tiles of the rule. rule_pick: the configuration moelab.kernels.layout."
-             "launch_config takes; over_fastest: time / the fastest configuration of the same shape and T.")
-    print("wrote", write_results("pair-layout-sweep", rows, notes=notes, extra={"copy_bandwidth_gbs": bw}))
+            path = write_results("pair-layout-sweep", rows, notes=SWEEP_NOTES, extra={"copy_bandwidth_gbs": bw})
+    print("wrote", path)  # after every point: a run stopped early keeps the points it finished
 
+
+SWEEP_NOTES = ("pair_layout_padded on the native top-k plan of random bf16 logits, GPU time per call in a CUDA graph "
+               "of 10 calls (do_bench median of replays, L2 flushed before each replay), per launch configuration: "
+               "block_slots Q (plan slots per block; block_slots_used: Q cut to the slots there are), warps of the "
+               "count and scatter programs; scan tiles of the rule. rule_pick: the configuration moelab.kernels.layout."
+               "launch_config takes; over_fastest: time / the fastest configuration of the same shape and T.")
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
