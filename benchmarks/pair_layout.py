@@ -80,6 +80,7 @@ SWEEP_NOTES = ("pair_layout_padded on the native top-k plan of random bf16 logit
                "count and scatter programs; scan tiles of the rule. rule_pick: the configuration moelab.kernels.layout."
                "launch_config takes; over_fastest: time / the fastest configuration of the same shape and T.")
 
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", default="1,16,512,4096,65536", help="comma list of T")
