@@ -199,6 +199,7 @@ def test_padded_layout_block_sizes():
             q = lk._block_slots(N, E)
             assert q == lk.pow2(q) and 2 <= q <= 512 and q <= max(2, lk.pow2(N))
     assert lk._block_slots(4096 * 8, 64) == 256 and lk._block_slots(65536 * 8, 64) == 512
+    assert lk._block_slots(4096 * 4, 60) == 128 and lk._block_slots(65536 * 2, 8) == 128
     assert lk.launch_config(65536 * 8, 64) == (512, 4, 1024)
 
 

@@ -106,11 +106,11 @@ LAUNCH = {"block_slots": None, "warps": None, "scan_cells": None}
 
 
 def _block_slots(N: int, E: int) -> int:
-    """Plan slots per block Q (sorted by one program of Q / 128 warps): 128 for E <= 16, else 256, and 512
-    above 2^18 slots. From the H200 sweep of Q = 128-1024 and 1-8 warps at E = 8-256, T = 16-65536
-    (`benchmarks/pair_layout.py --sweep`, topic pair-layout-sweep: the rule's regret against each point's
-    fastest configuration is in that file)."""
-    q = 128 if E <= 16 else (512 if N > 1 << 18 else 256)
+    """Plan slots per block Q (sorted by one program of Q / 128 warps): 128 for E <= 16 or up to 2^14 slots,
+    512 above 2^18 slots, else 256. From the H200 sweep of Q = 128-1024 and 1-8 warps at E = 8-256,
+    T = 16-65536 (`benchmarks/pair_layout.py --sweep`, topic pair-layout-sweep, which gives each point's
+    time over its fastest configuration)."""
+    q = 128 if E <= 16 or N <= 1 << 14 else (512 if N > 1 << 18 else 256)
     return max(2, min(q, pow2(N)))  # a sort of one element is not compiled
 
 
