@@ -42,8 +42,8 @@ import pandas as pd
 import torch
 
 from moelab import results
-from moelab.kernels.report import (STAGES, expert_gemms, gemm_scaling, layer_targets, machine_line, routing_targets,
-                                   stage_paths, stage_table, stage_time)
+from moelab.kernels.report import (STAGES, expert_gemms, gemm_scaling, layer_targets, layout_sweep, machine_line,
+                                   routing_targets, stage_paths, stage_table, stage_time)
 from moelab.plots import figure, save_table, savefig
 
 REPO = results.REPO
@@ -260,6 +260,16 @@ if layout_doc is not None:
     savefig(fig, "04_pair_layout")
     plt.show()
     display(pl.pivot_table(index=["shape", "T"], columns="plan", values="graph_us").round(1))
+
+# %% [markdown]
+# Its launch choice (plan slots per block, warps), `benchmarks/pair_layout.py --sweep`: the rule
+# `moelab.kernels.layout.launch_config` against the fastest configuration swept at each point.
+
+# %%
+sweep_doc = results.load_optional("pair-layout-sweep", rdir)
+if sweep_doc is not None:
+    print(machine_line(sweep_doc))
+    display(layout_sweep(sweep_doc).round(3))
 
 # %% [markdown]
 # ## 4 · Do compute savings become wall-clock savings?

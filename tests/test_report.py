@@ -9,6 +9,7 @@ from moelab.kernels.report import (
     expert_gemms,
     gemm_scaling,
     layer_targets,
+    layout_sweep,
     least_regret,
     routing_targets,
     stage_paths,
@@ -173,3 +174,29 @@ def test_layer_targets_limit_and_rounds():
     assert graph["measured"] == pytest.approx(60 / 90) and not graph["met"]  # 0.667 > 0.66
     rows[0].pop("time_rounds_us")  # runs before the rounds: no spread
     assert layer_targets({"rows": rows})["round_min"].isna().sum() == 2  # the hf row and the eager ratio
+
+
+def test_layout_sweep_table():
+    """The rule's row (the first when Q is cut and several rows are the rule's) beside the fastest row."""
+    def row(q, used, w, us, pick):
+        return {"shape": "olmoe", "E": 64, "T": 512, "block_slots": q, "block_slots_used": used, "warps": w,
+                "graph_us": us, "rule_pick": pick, "rule_block_slots": 128, "rule_warps": 1}
+
+    doc = {"rows": [row(128, 128, 1, 6.6, True), row(256, 256, 2, 6.0, False), row(512, 512, 4, 7.0, False)]}
+    t = layout_sweep(doc).iloc[0]
+    assert (t["rule"], t["rule_us"], t["fastest"], t["fastest_us"]) == ("128 w1", 6.6, "256 w2", 6.0)
+    assert t["rule_over_fastest"] == pytest.approx(1.1)
+
+
+def test_committed_layout_sweep_matches_the_layout_rule():
+    """The committed sweep was run with the rule moelab.kernels.layout holds now: its rule column is what
+    launch_config gives for every shape and T, and the rule's row is there."""
+    import moelab.kernels.layout as lk
+
+    doc = results.load_results("pair-layout-sweep")
+    t = layout_sweep(doc)
+    assert len(t) >= 20 and t["rule_us"].notna().all() and (t["rule_over_fastest"] >= 1.0).all()
+    k = {r["shape"]: r["k"] for r in doc["rows"]}
+    for r in t.itertuples():
+        q, w, _ = lk.launch_config(r.T * k[r.shape], r.E)
+        assert r.rule == f"{q} w{w}"

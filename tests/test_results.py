@@ -19,6 +19,14 @@ def test_load_results_newest_and_fallback(tmp_path, capsys):
     assert results.load_results("routing-kernel", tmp_path, fallback=True)["rows"] == [{"v": 2}]
 
 
+def test_load_results_takes_only_its_own_topic(tmp_path):
+    """A topic that starts another's name ('pair-layout', 'pair-layout-sweep') gets its own file only."""
+    (tmp_path / "pair-layout-20261129.json").write_text(json.dumps({"rows": [{"v": "layout"}]}))
+    (tmp_path / "pair-layout-sweep-20261130.json").write_text(json.dumps({"rows": [{"v": "sweep"}]}))
+    assert results.load_results("pair-layout", tmp_path)["rows"] == [{"v": "layout"}]
+    assert results.load_results("pair-layout-sweep", tmp_path)["rows"] == [{"v": "sweep"}]
+
+
 def test_load_optional_says_why_there_is_nothing(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(results, "REPO", tmp_path)  # no committed results either
     assert results.load_optional("routing-ablation", tmp_path / "run") is None

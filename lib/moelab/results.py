@@ -14,6 +14,7 @@ import datetime as _dt
 import json
 import os
 import platform
+import re
 import shlex
 import subprocess
 import sys
@@ -137,7 +138,8 @@ def load_results(topic: str, directory: Path | None = None, fallback: bool = Fal
     some benchmark parts still plots the others; every figure names the commit its numbers came from)."""
     committed = REPO / "data" / "results"
     d = Path(directory or committed)
-    files = sorted(d.glob(f"{topic}-*.json"))
+    # exactly <topic>-<yyyymmdd>.json: 'pair-layout' must not pick up 'pair-layout-sweep-...'
+    files = sorted(f for f in d.glob(f"{topic}-*.json") if re.fullmatch(rf"{re.escape(topic)}-\d{{8}}\.json", f.name))
     if not files and fallback and d != committed:
         print(f"{topic}: no results in {d}, using the committed ones in {committed}")
         return load_results(topic)

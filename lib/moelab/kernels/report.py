@@ -1,5 +1,6 @@
 """The issue-5 targets checked against benchmark results (`routing-kernel`, `moe-layer` documents), the
-layer's time step by step (`layer-stages` documents) and the expert GEMMs' tuning (`experts-tune`).
+layer's time step by step (`layer-stages` documents), the expert GEMMs' tuning (`experts-tune`) and the
+pair layout's launch choices (`pair-layout-sweep`).
 
 Each check is a row: target, shape, T, what was measured, the limit it must meet, and whether it
 does. Nothing is measured here: the numbers come from the results files written on the GPU by
@@ -11,7 +12,7 @@ from __future__ import annotations
 import pandas as pd
 
 __all__ = ["routing_targets", "layer_targets", "machine_line", "stage_table", "stage_time", "gemm_scaling",
-           "least_regret", "expert_gemms", "stage_paths", "STAGES", "STAGE_TIMES", "GEMM_KEYS"]
+           "least_regret", "expert_gemms", "layout_sweep", "stage_paths", "STAGES", "STAGE_TIMES", "GEMM_KEYS"]
 
 GRAPH_LIMIT_US = 5.0  # routing in a CUDA graph, T <= 4096
 HBM_FRACTION = 0.5  # routing at T = 65536, E = 64 and 128: fraction of the HBM bound
@@ -226,4 +227,21 @@ def expert_gemms(doc: dict) -> pd.DataFrame:
                         "tuned": tuned.loc[tuned["plan"] == plan, "time_us"].min(),
                         "tuned_config": "x".join(str(int(v)) for v in pick[:3]) + f" w{int(pick[3])} s{int(pick[4])}"
                                         + (" tma" if pick[6] else "") + (" persistent" if pick[7] else "")})
+    return pd.DataFrame(out)
+
+
+def layout_sweep(doc: dict) -> pd.DataFrame:
+    """Per (shape, T) of a `pair-layout-sweep` document: the rule's launch (plan slots per block, warps) and
+    time beside the fastest configuration swept, and their ratio."""
+    df = pd.DataFrame(doc["rows"])
+    out = []
+    for (shape, T), g in df.groupby(["shape", "T"], sort=False):
+        best = g.loc[g["graph_us"].idxmin()]
+        rule = g[g["rule_pick"]]
+        r = rule.iloc[0] if len(rule) else None  # several rows when Q is cut to the slots there are
+        out.append({"shape": shape, "E": int(g["E"].iloc[0]), "T": int(T),
+                    "rule": f"{int(g['rule_block_slots'].iloc[0])} w{int(g['rule_warps'].iloc[0])}",
+                    "rule_us": r["graph_us"] if r is not None else float("nan"),
+                    "fastest": f"{int(best['block_slots_used'])} w{int(best['warps'])}", "fastest_us": best["graph_us"],
+                    "rule_over_fastest": r["graph_us"] / best["graph_us"] if r is not None else float("nan")})
     return pd.DataFrame(out)
