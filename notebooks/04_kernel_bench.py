@@ -345,7 +345,9 @@ for path in stage_paths(stages_doc) if stages_doc is not None else []:
 
 # %% [markdown]
 # ## 5 · The targets, met or not
-# Checked by `moelab.kernels.report` on the results above; `met` is False where the target is missed.
+# Checked by `moelab.kernels.report` on the results above; `met` is False where the target is missed. A layer
+# with a shared expert (Qwen-like) also gets rows that count the shared expert's work as always-kept pairs
+# (shared width / expert width per token), beside the issue's own kept / native.
 
 # %%
 targets = pd.concat([routing_targets(routing_doc), layer_targets(layer_doc)], ignore_index=True)

@@ -200,3 +200,20 @@ def test_committed_layout_sweep_matches_the_layout_rule():
     for r in t.itertuples():
         q, w, _ = lk.launch_config(r.T * k[r.shape], r.E)
         assert r.rule == f"{q} w{w}"
+
+
+def test_layer_targets_count_a_shared_expert_as_kept_pairs():
+    """A shared expert of width 4 F does four routed experts' work per token that never shrinks: the second
+    row's bound is 1.1 x (kept + 4 T) / (native + 4 T); routed-only rows get no such row."""
+    def row(var, t, kept, shared=4096):
+        return {"shape": "qwen15", "T": 100, "variant": var, "time_us": t, "graph_us": None, "kept_pairs": kept,
+                "native_pairs": 400, "gemm_tiles_128": 4, "F": 1024, "shared_ffn": shared}
+
+    rows = [row("moelab_topk", 100.0, 400), row("moelab_adaptive", 80.0, 240), row("hf_grouped_mm", 150.0, 400),
+            row("moelab_topk_routed_only", 50.0, 400), row("moelab_adaptive_routed_only", 31.0, 240)]
+    t = layer_targets({"rows": rows}, tokens=100).set_index("target")
+    plain = t.loc["moelab_adaptive / native layer time_us (kept 0.600, 128-row tiles 1.000)"]
+    assert plain["measured"] == pytest.approx(0.8) and not plain["met"]  # 0.8 > 1.1 x 0.6
+    shared = t.loc["moelab_adaptive, shared expert as kept pairs / native layer time_us (kept 0.800: 4 per token)"]
+    assert shared["limit"] == pytest.approx(1.1 * 640 / 800) and shared["met"]
+    assert sum("shared expert" in x for x in t.index) == 1  # none for the routed-only rows

@@ -63,7 +63,8 @@ def routing_targets(doc: dict) -> pd.DataFrame:
 
 def layer_targets(doc: dict, tokens: int = 4096) -> pd.DataFrame:
     """Adaptive layer time <= 1.1 x kept/native x native time; native no slower than hf grouped_mm. Runs
-    timed in interleaved rounds also give each ratio's lowest and highest round (round_min, round_max)."""
+    timed in interleaved rounds also give each ratio's lowest and highest round (round_min, round_max).
+    Layers with a shared expert get a second row that counts its work as kept pairs (shared_ffn / F per token)."""
     df = pd.DataFrame(doc["rows"])
     out = []
     for (shape, T), g in df.groupby(["shape", "T"]):
@@ -88,12 +89,22 @@ def layer_targets(doc: dict, tokens: int = 4096) -> pd.DataFrame:
             # GEMMs, which have no gemm_tiles_64), 64 for the Triton path
             rows = 64 if var.endswith("triton") and pd.notna(ada.get("gemm_tiles_64")) else 128
             tiles = ada[f"gemm_tiles_{rows}"] / base[f"gemm_tiles_{rows}"]
+            # a shared expert (Qwen-like) does shared_ffn / F routed experts' work for every token and never
+            # shrinks with k: a second row counts it as that many always-kept pairs per token
+            shared = ada.get("shared_ffn") if "shared_ffn" in ada and not var.endswith("routed_only") else None
             for col in ("time_us", "graph_us"):
                 if pd.notna(ada[col]) and pd.notna(base[col]):
                     ratio = ada[col] / base[col]
                     out.append(_row(f"{var} / native layer {col} (kept {kept:.3f}, {rows}-row tiles {tiles:.3f})",
                                     shape, T, ratio, LAYER_SLACK * kept, ratio <= LAYER_SLACK * kept, "x"))
                     out[-1].update(_round_ratios(ada, base, col.replace("_us", "_rounds_us")))
+                    if pd.notna(shared) and shared > 0:
+                        per_tok = shared / ada["F"]
+                        fixed = T * per_tok
+                        kept_s = (ada["kept_pairs"] + fixed) / (ada["native_pairs"] + fixed)
+                        out.append(_row(f"{var}, shared expert as kept pairs / native layer {col} (kept {kept_s:.3f}: "
+                                        f"{per_tok:g} per token)", shape, T, ratio, LAYER_SLACK * kept_s,
+                                        ratio <= LAYER_SLACK * kept_s, "x"))
     return pd.DataFrame(out)
 
 
