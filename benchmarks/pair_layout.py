@@ -57,9 +57,9 @@ def sweep(tokens: list[int], bw: float) -> None:
                         if not torch.equal(getattr(got, f), getattr(ref, f)):
                             raise SystemExit(f"{name} T={T} Q={q} warps={warps}: {f} differs from the rule's layout")
                     us = graph_us(lambda _, plan=plan: pair_layout_padded(plan), [None], 10)
+                    q_used = lk.launch_config(T * k, E)[0]  # Q cut to the slots there are
                 finally:
                     lk.LAUNCH.update(block_slots=None, warps=None)
-                q_used = lk.pow2(max(2, min(q, lk.pow2(T * k))))
                 point.append({"shape": name, "E": E, "k": k, "T": T, "block_slots": q, "block_slots_used": q_used,
                               "warps": warps, "graph_us": us, "rule_pick": (q_used, warps) == rule[:2],
                               "rule_block_slots": rule[0], "rule_warps": rule[1]})

@@ -91,7 +91,7 @@ def layer_targets(doc: dict, tokens: int = 4096) -> pd.DataFrame:
             tiles = ada[f"gemm_tiles_{rows}"] / base[f"gemm_tiles_{rows}"]
             # a shared expert (Qwen-like) does shared_ffn / F routed experts' work for every token and never
             # shrinks with k: a second row counts it as that many always-kept pairs per token
-            shared = ada.get("shared_ffn") if "shared_ffn" in ada and not var.endswith("routed_only") else None
+            shared = None if var.endswith("routed_only") else ada.get("shared_ffn")
             for col in ("time_us", "graph_us"):
                 if pd.notna(ada[col]) and pd.notna(base[col]):
                     ratio = ada[col] / base[col]
