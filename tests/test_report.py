@@ -152,8 +152,8 @@ def test_committed_experts_tune_picks_what_grouped_tuned_holds():
 
 
 def test_layer_targets_limit_and_rounds():
-    """Adaptive over native at T = 4096 against 1.1 x kept/native; with interleaved rounds, the lowest and
-    highest same-round ratio beside the ratio of medians."""
+    """Adaptive over native at T = 4096 against 1.1 x kept/native; with interleaved rounds, the lowest, median
+    and highest same-round ratio beside the ratio of medians."""
     def row(var, t, g, kept, rounds=None):
         r = {"shape": "olmoe", "T": 4096, "variant": var, "time_us": t, "graph_us": g, "kept_pairs": kept,
              "native_pairs": 100, "gemm_tiles_128": kept // 10, "gemm_tiles_64": kept // 5}
@@ -170,6 +170,7 @@ def test_layer_targets_limit_and_rounds():
     eager = t[t["target"].str.contains("time_us")].iloc[0]
     assert eager["limit"] == pytest.approx(0.66) and eager["measured"] == pytest.approx(0.65) and eager["met"]
     assert eager["round_min"] == pytest.approx(70 / 110) and eager["round_max"] == pytest.approx(63 / 90)
+    assert eager["round_median"] == pytest.approx(65 / 100)  # the middle of 0.636, 0.65, 0.7
     graph = t[t["target"].str.contains("graph_us")].iloc[0]
     assert graph["measured"] == pytest.approx(60 / 90) and not graph["met"]  # 0.667 > 0.66
     rows[0].pop("time_rounds_us")  # runs before the rounds: no spread

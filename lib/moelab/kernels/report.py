@@ -9,6 +9,7 @@ benchmarks/moe_kernels.py, and the machine they came from travels with them.
 
 from __future__ import annotations
 
+import numpy as np
 import pandas as pd
 
 __all__ = ["routing_targets", "layer_targets", "machine_line", "stage_table", "stage_time", "gemm_scaling",
@@ -63,7 +64,8 @@ def routing_targets(doc: dict) -> pd.DataFrame:
 
 def layer_targets(doc: dict, tokens: int = 4096) -> pd.DataFrame:
     """Adaptive layer time <= 1.1 x kept/native x native time; native no slower than hf grouped_mm. Runs
-    timed in interleaved rounds also give each ratio's lowest and highest round (round_min, round_max).
+    timed in interleaved rounds also give each ratio's lowest, median and highest round (round_min,
+    round_median, round_max: the same round's adaptive and native times, taken side by side).
     Layers with a shared expert get a second row that counts its work as kept pairs (shared_ffn / F per token)."""
     df = pd.DataFrame(doc["rows"])
     out = []
@@ -109,12 +111,12 @@ def layer_targets(doc: dict, tokens: int = 4096) -> pd.DataFrame:
 
 
 def _round_ratios(ada: pd.Series, base: pd.Series, col: str) -> dict:
-    """Lowest and highest ratio of the same round's times (runs with interleaved rounds: `*_rounds_us`)."""
+    """Lowest, median and highest ratio of the same round's times (runs with interleaved rounds: `*_rounds_us`)."""
     a, b = ada.get(col), base.get(col)
     if not isinstance(a, list) or not isinstance(b, list) or len(a) != len(b) or not a:
         return {}
     r = [x / y for x, y in zip(a, b)]
-    return {"round_min": min(r), "round_max": max(r)}
+    return {"round_min": min(r), "round_median": float(np.median(r)), "round_max": max(r)}
 
 
 STAGES = ("router", "routing", "layout", "gather", "gate_up", "swiglu", "down", "combine", "shared")
