@@ -27,6 +27,7 @@ import argparse
 import functools
 import itertools
 import math
+import random
 import time
 
 import torch
@@ -195,11 +196,16 @@ def events_us(fn, rep_ms=50):
 def interleaved_events_us(fns: dict, rounds: int, rep_ms: int) -> dict:
     """events_us of every function, measured in turn for `rounds` rounds: {name: [us per round]}. A slow
     spell of the GPU or host falls on all of them alike, so ratios of medians are steadier than ratios
-    of times taken minutes apart."""
+    of times taken minutes apart. Each round takes the functions in another (seeded) order: on the H200
+    two identical layers timed at fixed places in every round differed by up to 16% (moe-layer at
+    2580876, OLMoE-like T = 4096: 1000 against 1160 us), a bias of the place that a median cannot remove."""
     times = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            times[name].append(events_us(fn, rep_ms=rep_ms))
+    names = list(fns)
+    for r in range(rounds):
+        order = names[:]
+        random.Random(r).shuffle(order)
+        for name in order:
+            times[name].append(events_us(fns[name], rep_ms=rep_ms))
     return times
 
 
@@ -831,7 +837,8 @@ def main():
                  "down GEMM's rows, through tensor descriptors; PERSISTENT: one program per SM looping over the "
                  "tiles that exist, else one program per tile of the worst-case grid), GPU time (CUDA events, L2 "
                  "flushed; since 2026-11-30 12:30 the median of 3 rounds of 20 ms in which every configuration of a "
-                 "(shape, plan) and CUTLASS are timed in turn, rounds_us) on the native top-k plan and the "
+                 "(shape, plan) and CUTLASS are timed in turn (since 2026-11-30 23:30 in a seeded shuffled order per "
+                 "round), rounds_us) on the native top-k plan and the "
                  "entropy-adaptive plan (terciles) of each layer shape at T=4096, bf16, random weights; cutlass "
                  "rows: torch._grouped_mm on the same rows (gate_up: + gather and SwiGLU passes, which the Triton "
                  "gate_up fuses). tuned_table: per (D, F) and kernel the configuration with the smallest worst "
@@ -865,7 +872,8 @@ def main():
                  "time_us: do_bench median (CUDA events, L2 flushed between calls), eager launch; since "
                  "2026-11-30 13:00 every variant of a (shape, T), eager and graph, is timed in turn in 5 rounds "
                  "(20 ms each, 10 at T=65536; at T=4096 since 2026-11-30 23:00 9 rounds of 50 ms): time_us / graph_us "
-                 "are the medians, *_rounds_us every round. "
+                 "are the medians, *_rounds_us every round; since 2026-11-30 23:30 each round takes the timers in a "
+                 "seeded shuffled order. "
                  "gemm_tiles_128: "
                  "sum over experts of ceil(pairs / 128), the row tiles of a grouped GEMM with 128-row tiles. "
                  "graph_us: ours captured in a CUDA graph (T <= 4096). "
