@@ -199,7 +199,7 @@ def _expert_gemm_kernel(
     KD, N, E, NUM_M,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, GROUP_M: tl.constexpr, GATED: tl.constexpr,
-    TMA: tl.constexpr, PERSISTENT: tl.constexpr,
+    TMA: tl.constexpr, PERSISTENT: tl.constexpr, FLATTEN: tl.constexpr = False,
 ):
     """out[r, n] = a[r] . w[e, n] (w: [E, N, KD]) for the rows r of one expert's tile: the down GEMM.
     GATED: the gate_up GEMM + SwiGLU, rows of a gathered through tok, w: [E, 2N, KD],
@@ -213,7 +213,9 @@ def _expert_gemm_kernel(
     starts, ends, tiles, cum, total = _groups(offs_ptr, E, BLOCK_M, BLOCK_E)
     num_n = tl.cdiv(N, BLOCK_N)
     if PERSISTENT:
-        for t in range(tl.program_id(0), total * num_n, tl.num_programs(0)):
+        # FLATTEN: the tile loop and the K loop software-pipelined as one, so the next tile's first loads
+        # are in flight during this tile's last steps and its stores
+        for t in tl.range(tl.program_id(0), total * num_n, tl.num_programs(0), flatten=FLATTEN):
             pid_m, pid_n = _swizzle(t, total, num_n, GROUP_M)
             e, row0, end = _find(pid_m, starts, ends, tiles, cum, BLOCK_M, BLOCK_E)
             _gemm_tile(a_ptr, a_desc, tok_ptr, w_ptr, w_desc, out_ptr, KD, N, e, row0, end, pid_n,
@@ -334,7 +336,8 @@ def _launch_gemm(a: torch.Tensor, tok: torch.Tensor | None, offsets_E: torch.Ten
         a_desc = None if tok is not None else TensorDescriptor.from_tensor(a, [bm, bk])  # gathered rows: pointers
     args = (a, a if a_desc is None else a_desc, rows_from, offsets_E, w, w if w_desc is None else w_desc, out,
             KD, n_out, E, num_m)
-    launch(_expert_gemm_kernel, grid, args, dict(meta, TMA=w_desc is not None, PERSISTENT=persistent),
+    launch(_expert_gemm_kernel, grid, args, dict(meta, TMA=w_desc is not None, PERSISTENT=persistent,
+                                                  FLATTEN=persistent and bool(cfg.get("FLATTEN"))),
            cfg["num_warps"], cfg["num_stages"])
     return out
 
