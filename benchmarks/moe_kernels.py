@@ -684,13 +684,16 @@ GEMM_CONFIGS = {  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, GROUP_M); gate_up
 }
 
 
-# (TMA, PERSISTENT) per configuration: pointer loads, TMA loads, TMA loads in persistent programs (one per SM)
-LOADS = ((False, False), (True, False), (True, True))
+# (TMA, PERSISTENT, FLATTEN) per configuration: pointer loads, TMA loads, TMA loads in persistent programs (one
+# per SM); for down also with the tile and K loops flattened (since 2026-11-30 23:50: a scratch run on the H200
+# found gate_up slower that way at every tile tried, down faster)
+LOADS = {"gate_up": ((False, False, False), (True, False, False), (True, True, False)),
+         "down": ((False, False, False), (True, False, False), (True, True, False), (True, True, True))}
 TUNE_ROUNDS = 3  # tune-gemm: interleaved timing rounds per configuration (median kept, every round recorded)
 
 
 @torch.no_grad()
-def tune_experts(tokens=4096, save=None):
+def tune_experts(tokens=4096, save=None, shapes=None):
     """GPU time of each Triton expert GEMM (gate_up + SwiGLU, down) per launch configuration, with pointer and
     with tensor-descriptor (TMA) loads, the latter also in persistent programs, on the native top-k plan and
     the entropy-adaptive plan (terciles) of each layer shape at T = `tokens`, beside torch._grouped_mm
@@ -700,6 +703,8 @@ def tune_experts(tokens=4096, save=None):
 
     rows = []
     for name, (D, Fd, E, k, renorm, _shared) in LAYERS.items():
+        if shapes is not None and name not in shapes:
+            continue
         g = torch.Generator(device="cuda").manual_seed(0)
         x = torch.randn(tokens, D, device="cuda", generator=g).bfloat16()
         gu = (torch.randn(E, 2 * Fd, D, device="cuda", generator=g) * D ** -0.5).bfloat16()
@@ -715,9 +720,10 @@ def tune_experts(tokens=4096, save=None):
             base = {"shape": name, "T": tokens, "plan": plan_name, "kept_pairs": kept}
             fns, cfgs = {}, {}
             for kernel, configs in GEMM_CONFIGS.items():
-                for (bm, bn, bk, warps, stages, group), (tma, persistent) in itertools.product(configs, LOADS):
+                for (bm, bn, bk, warps, stages, group), (tma, persistent, flatten) in itertools.product(
+                        configs, LOADS[kernel]):
                     cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages,
-                           "GROUP_M": group, "TMA": tma, "PERSISTENT": persistent}
+                           "GROUP_M": group, "TMA": tma, "PERSISTENT": persistent, "FLATTEN": flatten}
                     if kernel == "gate_up":
                         fn = functools.partial(gk.gate_up_swiglu, x, lay.token_idx, offs, gu, cfg)
                     else:
@@ -788,6 +794,9 @@ def main():
                     help="comma list of: tune, routing, host, tune-gemm, layer, cutlass-tiles")
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="comma list of T")
     ap.add_argument("--quick", action="store_true", help="fewer shapes (a first check)")
+    ap.add_argument("--tune-shapes", default=",".join(LAYERS),
+                    help=f"tune-gemm: comma list of layer shapes to tune ({', '.join(LAYERS)}); the others keep their "
+                         "entry in grouped.TUNED")
     ap.add_argument("--tune-selects", default="all", choices=("all", "rowwise"),
                     help="tune: every selection, or the row kernel against the table's current pick")
     args = ap.parse_args()
@@ -849,14 +858,18 @@ def main():
             return write_results("experts-tune", rows, extra={"tuned_table": {str(k): v for k, v in table.items()}},
                                  notes=notes)
 
-        rows = tune_experts(save=save_tune)
+        shapes = args.tune_shapes.split(",")
+        if unknown := [s for s in shapes if s not in LAYERS]:
+            raise SystemExit(f"--tune-shapes {unknown}: must be among {list(LAYERS)}")
+        rows = tune_experts(save=save_tune, shapes=shapes)
         table = tuned_experts_table(rows)
         path = save_tune(rows)
         print("wrote", path)
         print("experts TUNED table:", table)
         from moelab.kernels import grouped as gk
 
-        gk.TUNED[torch.cuda.get_device_name(0)] = table  # the layer part below runs with it
+        dev = torch.cuda.get_device_name(0)
+        gk.TUNED[dev] = {**gk.TUNED.get(dev, {}), **table}  # the layer part below runs with it
         gk._launch_config.cache_clear()
     if "cutlass-tiles" in parts:
         notes = ("torch._grouped_mm expert GEMMs (bf16, random weights N(0, 1/fan_in), random rows) on the padded "

@@ -99,11 +99,13 @@ def test_committed_layer_stages():
     assert t["layer"].notna().all() and (t.index.get_level_values("plan") == "native").sum() == len(g["shape"].unique())
 
 
-def _gemm(plan, us, bm=64, tma=False, kernel="gate_up", persistent=None):
+def _gemm(plan, us, bm=64, tma=False, kernel="gate_up", persistent=None, flatten=None):
     row = {"shape": "olmoe", "T": 4096, "plan": plan, "kernel": kernel, "BLOCK_M": bm, "BLOCK_N": 64,
            "BLOCK_K": 64, "num_warps": 4, "num_stages": 3, "GROUP_M": 16, "TMA": tma, "time_us": us}
     if persistent is not None:  # runs before the persistent programs have no PERSISTENT key
         row["PERSISTENT"] = persistent
+    if flatten is not None:  # nor FLATTEN, before 2026-11-30 23:50
+        row["FLATTEN"] = flatten
     return row
 
 
@@ -112,8 +114,8 @@ def test_least_regret_serves_every_plan():
     rows = [_gemm("native", 100.0, bm=128), _gemm("adaptive", 90.0, bm=128),  # native best, adaptive 1.5x
             _gemm("native", 110.0, bm=64), _gemm("adaptive", 66.0, bm=64),  # 1.1x, 1.1x
             _gemm("native", 105.0, bm=64, tma=True), _gemm("adaptive", 60.0, bm=64, tma=True)]  # 1.05x, best
-    assert least_regret(rows) == (64, 64, 64, 4, 3, 16, True, False)
-    assert least_regret(rows[:2]) == (128, 64, 64, 4, 3, 16, False, False)
+    assert least_regret(rows) == (64, 64, 64, 4, 3, 16, True, False, False)
+    assert least_regret(rows[:2]) == (128, 64, 64, 4, 3, 16, False, False, False)
     with pytest.raises(ValueError, match="rows="):
         least_regret([])
 
@@ -127,12 +129,18 @@ def test_expert_gemms_table():
     assert t.loc["native", "cutlass"] == 95.0 and t.loc["native", "triton_pointer"] == 100.0
     assert t.loc["adaptive", "triton_tma"] == 66.0 and t.loc["adaptive", "tuned"] == 66.0
     assert t.loc["native", "tuned"] == 110.0 and t.loc["native", "tuned_config"] == "64x64x64 w4 s3 tma"
-    assert t["triton_persistent"].isna().all()  # not timed in this (older) run
+    assert t["triton_persistent"].isna().all() and t["triton_flatten"].isna().all()  # not timed in this older run
 
     rows += [_gemm("native", 104.0, tma=True, persistent=True), _gemm("adaptive", 62.0, tma=True, persistent=True)]
     t = expert_gemms({"rows": rows}).set_index("plan")
     assert t.loc["adaptive", "triton_tma"] == 66.0 and t.loc["adaptive", "triton_persistent"] == 62.0
     assert t.loc["native", "tuned"] == 104.0 and t.loc["native", "tuned_config"] == "64x64x64 w4 s3 tma persistent"
+
+    rows += [_gemm("native", 103.0, tma=True, persistent=True, flatten=True),
+             _gemm("adaptive", 63.0, tma=True, persistent=True, flatten=True)]
+    t = expert_gemms({"rows": rows}).set_index("plan")
+    assert t.loc["adaptive", "triton_persistent"] == 62.0 and t.loc["adaptive", "triton_flatten"] == 63.0
+    assert t.loc["native", "tuned_config"] == "64x64x64 w4 s3 tma persistent flatten"  # worst 1.03x, persistent 1.04x
 
 
 def test_committed_experts_tune_picks_what_grouped_tuned_holds():
@@ -148,6 +156,7 @@ def test_committed_experts_tune_picks_what_grouped_tuned_holds():
         cfg = gk.TUNED["NVIDIA H200"][shapes[shape]][0][1][kernel]
         want = f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']}x{cfg['BLOCK_K']} w{cfg['num_warps']} s{cfg['num_stages']}"
         want += (" tma" if cfg["TMA"] else "") + (" persistent" if cfg.get("PERSISTENT") else "")
+        want += " flatten" if cfg.get("FLATTEN") else ""
         assert set(g["tuned_config"]) == {want}
 
 

@@ -194,7 +194,7 @@ def gemm_scaling(doc: dict, gemm: str = "grouped", col: str | None = None) -> pd
     return pd.DataFrame(out)
 
 
-GEMM_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "GROUP_M", "TMA", "PERSISTENT")
+GEMM_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "GROUP_M", "TMA", "PERSISTENT", "FLATTEN")
 
 
 def least_regret(rows: list[dict], keys: tuple = GEMM_KEYS, over: str = "plan") -> tuple:
@@ -217,12 +217,13 @@ def least_regret(rows: list[dict], keys: tuple = GEMM_KEYS, over: str = "plan") 
 def expert_gemms(doc: dict) -> pd.DataFrame:
     """us per expert GEMM of an `experts-tune` document, one row per (shape, plan, kernel): CUTLASS (gate_up
     with its gather and SwiGLU passes), the fastest Triton configuration with pointer loads, with TMA
-    loads and in persistent programs (NaN in runs that did not time them), and the tuned pick
+    loads, in persistent programs and in persistent programs with the tile and K loops flattened (NaN in
+    runs that did not time them), and the tuned pick
     (`least_regret` over the plans, as the tuning run chose it)."""
     df = pd.DataFrame(doc["rows"])
     if "plan" not in df:
         df["plan"] = "native"  # runs before 2026-11-30 11:00 tuned on the native plan only
-    for k in ("TMA", "PERSISTENT", "cutlass"):  # PERSISTENT: tuning runs since 2026-11-30 12:00
+    for k in ("TMA", "PERSISTENT", "FLATTEN", "cutlass"):  # PERSISTENT since 2026-11-30 12:00, FLATTEN 23:50
         df[k] = df[k].fillna(False).astype(bool) if k in df else False
     out = []
     for (shape, kernel), g in df.groupby(["shape", "kernel"], sort=False):
@@ -236,10 +237,12 @@ def expert_gemms(doc: dict) -> pd.DataFrame:
                         "cutlass": gp.loc[gp["cutlass"], "time_us"].min(),
                         "triton_pointer": mine.loc[~mine["TMA"], "time_us"].min(),
                         "triton_tma": mine.loc[mine["TMA"] & ~mine["PERSISTENT"], "time_us"].min(),
-                        "triton_persistent": mine.loc[mine["PERSISTENT"], "time_us"].min(),
+                        "triton_persistent": mine.loc[mine["PERSISTENT"] & ~mine["FLATTEN"], "time_us"].min(),
+                        "triton_flatten": mine.loc[mine["FLATTEN"], "time_us"].min(),
                         "tuned": tuned.loc[tuned["plan"] == plan, "time_us"].min(),
                         "tuned_config": "x".join(str(int(v)) for v in pick[:3]) + f" w{int(pick[3])} s{int(pick[4])}"
-                                        + (" tma" if pick[6] else "") + (" persistent" if pick[7] else "")})
+                                        + (" tma" if pick[6] else "") + (" persistent" if pick[7] else "")
+                                        + (" flatten" if pick[8] else "")})
     return pd.DataFrame(out)
 
 
