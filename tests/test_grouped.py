@@ -150,7 +150,8 @@ def test_tma_loads_match_pointer_loads(T, D, Fd, E, policy):
 ])
 def test_persistent_programs_match_one_program_per_tile(T, D, Fd, E, policy, tma):
     """PERSISTENT: INTERPRET_PROGRAMS programs loop over the tiles that exist (strided, in the swizzled order)
-    and give the one-program-per-tile layer bit for bit, with pointer and with TMA loads."""
+    and give the one-program-per-tile layer bit for bit, with pointer and with TMA loads (FLATTEN too: the
+    interpreter runs its loops as written, so this checks the plumbing; the gpu test checks the pipelining)."""
     x, gu, dn, logits = layer(T, D, Fd, E, torch.float16, seed=T + 2)
     plan = route(logits, policy, renormalize=True)
     lay = pair_layout_padded(plan)
@@ -158,6 +159,8 @@ def test_persistent_programs_match_one_program_per_tile(T, D, Fd, E, policy, tma
     per = {name: {**c, "PERSISTENT": True} for name, c in base.items()}
     y = fused_experts(x, lay, gu, dn, plan, config=per)
     assert torch.equal(y, fused_experts(x, lay, gu, dn, plan, config=base))
+    flat = {name: {**c, "FLATTEN": True} for name, c in per.items()}  # tile and K loops as one (same sums)
+    assert torch.equal(fused_experts(x, lay, gu, dn, plan, config=flat), y)
     assert_matches(y, reference(x, plan, gu, dn))
 
 
@@ -327,8 +330,8 @@ def test_gpu_matches_reference_at_real_shapes():
 def test_gpu_tma_loads_at_real_shapes():
     """bf16, OLMoE-like width, 64- and 128-row tiles: tensor-descriptor loads give the pointer loads' layer
     (same tiles, same sums) on native and adaptive plans, also replayed in a CUDA graph; from the second
-    call on, the descriptors go through moelab's direct launch too. Persistent programs (one per SM) give
-    the same layer bit for bit, in the graph too."""
+    call on, the descriptors go through moelab's direct launch too. Persistent programs (one per SM), also
+    with the tile and K loops flattened, give the same layer bit for bit, in the graph too."""
     from moelab import kernels
 
     D, Fd, E, T = 2048, 1024, 64, 2048
@@ -352,12 +355,15 @@ def test_gpu_tma_loads_at_real_shapes():
             torch.testing.assert_close(y.float(), y_ptr.float(), atol=1e-2, rtol=1e-2)
             per = {name: {**c, "PERSISTENT": True} for name, c in tma.items()}  # one program per SM, looping
             assert torch.equal(fused_experts(x, lay, gu, dn, plan, config=per), y)
+            flat = {name: {**c, "FLATTEN": True} for name, c in per.items()}  # tile and K loops pipelined as one
+            assert torch.equal(fused_experts(x, lay, gu, dn, plan, config=flat), y)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 y_g = fused_experts(x, lay, gu, dn, plan, config=tma)
                 y_pg = fused_experts(x, lay, gu, dn, plan, config=per)
+                y_fg = fused_experts(x, lay, gu, dn, plan, config=flat)
             graph.replay()
-            assert torch.equal(y_g, y) and torch.equal(y_pg, y)
+            assert torch.equal(y_g, y) and torch.equal(y_pg, y) and torch.equal(y_fg, y)
 
 
 @gpu
