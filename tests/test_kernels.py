@@ -324,26 +324,6 @@ def test_rows16_split_rows(split, sel, monkeypatch):
                 assert_same_plan(logits.to(dtype).to(DEV), pol, E % 2 == 0)
 
 
-@pytest.mark.parametrize("flat", [False, True])
-def test_rows16_persistent_programs(flat, monkeypatch):
-    """persist: fewer programs than row blocks (INTERPRET_SMS per 'SM' here), each looping over blocks: the same
-    plan and statistics (flat: the loops pipelined as one on a GPU; the interpreter runs them as written)."""
-    monkeypatch.setitem(kr.LAUNCH, "select", "rowsort")
-    monkeypatch.setitem(kr.LAUNCH, "split", 2)
-    monkeypatch.setitem(kr.LAUNCH, "tile", 256)  # 8 rows of E = 64 per block: 5 blocks for 37 tokens
-    monkeypatch.setitem(kr.LAUNCH, "persist", 1)
-    monkeypatch.setitem(kr.LAUNCH, "flat", flat)
-    assert kr._shape_launch(37, 64, 8, -1, tuple(kr.LAUNCH.values()), 2, 64)[1] == (kr.INTERPRET_SMS,)
-    logits = (torch.randn(37, 64, generator=torch.Generator().manual_seed(3)) * 2).to(torch.bfloat16).to(DEV)
-    stats = RoutingStats.zeros(8, DEV)
-    ent = route_torch(logits, TopK(8), False).entropy
-    assert_same_plan(logits, EntropyAdaptiveK((2, 8), (float(ent.median()),)), False, stats)
-    assert stats.summary()["tokens"] == 37
-    monkeypatch.setitem(kr.LAUNCH, "persist", -1)
-    with pytest.raises(ValueError, match=r"persist=-1: must be an int >= 0"):
-        route_triton(logits, TopK(8), False)
-
-
 @gpu
 @pytest.mark.gpu
 def test_gpu_direct_launch_is_used_and_specialises(monkeypatch):

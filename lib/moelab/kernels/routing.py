@@ -41,11 +41,8 @@ _TOPK, _ADAPTIVE, _TOPP, _RATIO = 0, 1, 2, 3
 # split}), tile = logits per program (rowwise: rows per program x BLOCK_E), split = threads per row (the
 # 16-bit row kernel). Measured by `benchmarks/moe_kernels.py --parts tune` (data/results/routing-tune-*.json);
 # a (BLOCK_E, BLOCK_K) not listed takes the entry of the same BLOCK_E with the nearest BLOCK_K, devices not
-# listed use DEFAULT. LAUNCH overrides any of them (benchmarks and tests set it). persist (16-bit row kernel):
-# 0, one program per block of rows; n > 0, n programs per SM looping over the blocks (flat: the block and
-# chunk loops pipelined as one).
-DEFAULT = {"select": "rounds", "warps": None, "tile": 1024, "split": 1,  # warps None: 8 for E <= 16, else 4
-           "persist": 0, "flat": False}
+# listed use DEFAULT. LAUNCH overrides any of the four (benchmarks and tests set it).
+DEFAULT = {"select": "rounds", "warps": None, "tile": 1024, "split": 1}  # warps None: 8 for E <= 16, else 4
 _R4 = {"select": "rounds", "warps": 4, "tile": 1024, "split": 1}
 
 
@@ -66,7 +63,7 @@ TUNED: dict[str, dict[tuple[int, int], list]] = {
                    (2**62, _rows(4, 8192, 2, "rowsort"))],
     },
 }
-LAUNCH = {"select": None, "warps": None, "tile": None, "split": None, "persist": None, "flat": None}
+LAUNCH = {"select": None, "warps": None, "tile": None, "split": None}
 
 
 @functools.lru_cache(maxsize=16)
@@ -613,40 +610,18 @@ def _route_rows16_kernel(
     POLICY: tl.constexpr, NTH: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, RENORM: tl.constexpr, STATS: tl.constexpr,
     BLOCK_K1: tl.constexpr, CH: tl.constexpr, EC: tl.constexpr, SC: tl.constexpr, SPLIT: tl.constexpr,
-    SORT: tl.constexpr, PERSIST: tl.constexpr = False, FLAT: tl.constexpr = False,
-):
-    # as _route_rows_kernel (EC, SC: E and the row stride as constants), for bf16 / fp16 logits.
-    # PERSIST: fewer programs than blocks of BLOCK_T rows, each looping over blocks (FLAT: the block and
-    # chunk loops software-pipelined as one, so the next block's loads are in flight during this one's work)
-    if PERSIST:
-        for blk in tl.range(tl.program_id(0), tl.cdiv(T, BLOCK_T), tl.num_programs(0), flatten=FLAT):
-            _rows16_block(blk, logits_ptr, ids_ptr, w_ptr, k_ptr, ent_ptr, hist_ptr, entsum_ptr, tok_ptr, T,
-                          fpar, th0, th1, th2, th3, th4, th5, th6, kv_packed, KMIN, NSLOT,
-                          POLICY, NTH, K, BLOCK_K, BLOCK_T, RENORM, STATS, BLOCK_K1, CH, EC, SC, SPLIT, SORT)
-    else:
-        _rows16_block(tl.program_id(0), logits_ptr, ids_ptr, w_ptr, k_ptr, ent_ptr, hist_ptr, entsum_ptr, tok_ptr,
-                      T, fpar, th0, th1, th2, th3, th4, th5, th6, kv_packed, KMIN, NSLOT,
-                      POLICY, NTH, K, BLOCK_K, BLOCK_T, RENORM, STATS, BLOCK_K1, CH, EC, SC, SPLIT, SORT)
-
-
-@triton.jit
-def _rows16_block(
-    pid, logits_ptr, ids_ptr, w_ptr, k_ptr, ent_ptr, hist_ptr, entsum_ptr, tok_ptr, T,
-    fpar, th0, th1, th2, th3, th4, th5, th6, kv_packed, KMIN, NSLOT,
-    POLICY: tl.constexpr, NTH: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_T: tl.constexpr, RENORM: tl.constexpr, STATS: tl.constexpr,
-    BLOCK_K1: tl.constexpr, CH: tl.constexpr, EC: tl.constexpr, SC: tl.constexpr, SPLIT: tl.constexpr,
     SORT: tl.constexpr,
 ):
-    """Rows pid * BLOCK_T.. of _route_rows16_kernel. The block's R = BLOCK_T * SPLIT row pieces are
-    rows-major (a row's pieces in neighbouring threads: the merge is a warp shuffle); piece s of a row
-    scans columns [s * CPS, (s + 1) * CPS), CPC chunks of CH."""
+    # as _route_rows_kernel (EC, SC: E and the row stride as constants), for bf16 / fp16 logits. The
+    # program's R = BLOCK_T * SPLIT row pieces are rows-major (a row's pieces in neighbouring threads: the
+    # merge is a warp shuffle); piece s of a row scans columns [s * CPS, (s + 1) * CPS), CPC chunks of CH
     R: tl.constexpr = BLOCK_T * SPLIT
     CPC: tl.constexpr = (EC + CH * SPLIT - 1) // (CH * SPLIT)
     CPS: tl.constexpr = CPC * CH
     RB: tl.constexpr = SPLIT * CPS - 1  # reversed column = RB - column (< 2^16)
     MASKED: tl.constexpr = SPLIT * CPS != EC
     BF16: tl.constexpr = logits_ptr.dtype.element_ty == tl.bfloat16
+    pid = tl.program_id(0)
     q = tl.arange(0, R)
     rq = pid * BLOCK_T + q // SPLIT
     col0 = (q % SPLIT)[:, None] * CPS + tl.arange(0, CH)[None, :]  # [R, CH]
@@ -857,19 +832,9 @@ def _shape_launch(T: int, E: int, K: int, cuda: int, overrides: tuple, elsize: i
             launch = _launch_rows16
             meta["SPLIT"] = max(1, min(cfg["split"], block_e // ch))
             meta["SORT"] = cfg["select"] == "rowsort" and ch == 8 and pow2(K) == 8
-            persist = cfg["persist"]
-            if isinstance(persist, bool) or not isinstance(persist, int) or persist < 0:
-                raise ValueError(f"persist={persist!r}: must be an int >= 0 (programs per SM; 0: one per block)")
-            meta.update(PERSIST=persist > 0, FLAT=persist > 0 and bool(cfg["flat"]))
-            if persist:
-                sms = torch.cuda.get_device_properties(cuda).multi_processor_count if cuda >= 0 else INTERPRET_SMS
-                return launch, (min(cdiv(T, block_t), persist * sms),), meta, cfg["warps"]
     else:
         meta["SELECT"] = select
     return launch, (cdiv(T, block_t),), meta, cfg["warps"]
-
-
-INTERPRET_SMS = 2  # persistent row programs under TRITON_INTERPRET: per 'SM', so each loops over several blocks
 
 
 _launch = Launcher(_route_kernel)
