@@ -42,8 +42,8 @@ import pandas as pd
 import torch
 
 from moelab import results
-from moelab.kernels.report import (STAGES, expert_gemms, gemm_scaling, layer_targets, layout_sweep, machine_line,
-                                   routing_targets, stage_paths, stage_table, stage_time)
+from moelab.kernels.report import (STAGES, expert_gemms, gemm_scaling, layer_runs, layer_targets, layout_sweep,
+                                   machine_line, power_trace, routing_targets, stage_paths, stage_table, stage_time)
 from moelab.plots import figure, save_table, savefig
 
 REPO = results.REPO
@@ -357,6 +357,36 @@ save_table(targets.round(3), "04_targets", caption=machine_line(routing_doc))
 results.save("kernel_targets", targets)
 results.save("kernel_targets_summary", {k: [int(r.met), int(r.checks)] for k, r in summary.iterrows()})
 summary
+
+# %% [markdown]
+# ## 5b · How far the layer ratios move between runs
+# Every committed `moe-layer` run that routed the same pairs as the newest (`results.load_runs`: the current
+# file and the archived ones it replaced), one column per run, beside the limit. Runs on one machine differ
+# by a few percent: the H200 runs these layers at its power cap (the nvidia-smi traces below, taken during
+# the layer runs), so a point within a few percent of its bound meets it in some runs and not in others.
+
+# %%
+runs = layer_runs(results.load_runs("moe-layer"))
+adaptive_default = runs[runs.index.get_level_values("target").str.match(r"moelab_adaptive(_q50)? /")]
+display(adaptive_default.round(3))
+shapes_r = list(dict.fromkeys(adaptive_default.index.get_level_values("shape")))
+fig, axes = figure("full", aspect=0.3, ncols=len(shapes_r), squeeze=False, layout="constrained")
+for ax, shape in zip(axes.flat, shapes_r):
+    for target, row in adaptive_default.loc[shape].iterrows():
+        r = row.drop("limit")
+        policy = "median (k/2, k)" if "_q50" in target else "terciles (k/4, k/2, k)"
+        timing = "graph" if "graph_us" in target else "eager"
+        line, = ax.plot(range(len(r)), r.values, "--" if timing == "graph" else "-", marker="o", ms=2.5,
+                        label=f"{policy}, {timing}")
+        ax.axhline(row["limit"], color=line.get_color(), ls=":", lw=0.8)
+    ax.set_xticks(range(len(r)), r.index, rotation=60, fontsize=5)
+    ax.set(title=shape, xlabel="run (commit)")
+axes.flat[0].set_ylabel("adaptive / native (dotted: limit)")
+axes.flat[0].legend(fontsize=5)
+savefig(fig, "04_layer_runs")
+plt.show()
+traces = sorted((REPO / "data" / "results" / "logs").glob("smi-trace-*.csv"))
+pd.DataFrame({f.stem: power_trace(f) for f in traces}).T
 
 # %% [markdown]
 # ## 6 · Explorer (`interactive=True`)

@@ -8,9 +8,11 @@ from moelab.kernels.report import (
     STAGES,
     expert_gemms,
     gemm_scaling,
+    layer_runs,
     layer_targets,
     layout_sweep,
     least_regret,
+    power_trace,
     routing_targets,
     stage_paths,
     stage_table,
@@ -227,3 +229,40 @@ def test_layer_targets_count_a_shared_expert_as_kept_pairs():
     shared = t.loc["moelab_adaptive, shared expert as kept pairs / native layer time_us (kept 0.800: 4 per token)"]
     assert shared["limit"] == pytest.approx(1.1 * 640 / 800) and shared["met"]
     assert sum("shared expert" in x for x in t.index) == 1  # none for the routed-only rows
+
+
+def test_layer_runs_side_by_side():
+    """One column per run that routed the same pairs as the newest, labelled by commit, beside the newest
+    limit; a run with other kept pairs (another seed or policy) is left out."""
+    def doc(sha, created, nat, ada, kept=60):
+        rows = [{"shape": "olmoe", "T": 4096, "variant": v, "time_us": t, "graph_us": t, "kept_pairs": k,
+                 "native_pairs": 100, "gemm_tiles_128": k // 10, "gemm_tiles_64": k // 5}
+                for v, t, k in (("moelab_topk", nat, 100), ("moelab_adaptive", ada, kept),
+                                ("hf_grouped_mm", 200.0, 100))]
+        return {"commit": sha + "0" * 33, "created": created, "rows": rows}
+
+    docs = [doc("aaaaaaa", "1", 100.0, 70.0, kept=50), doc("bbbbbbb", "2", 100.0, 65.0),
+            doc("ccccccc", "3", 100.0, 68.0), doc("ccccccc", "2026-11-30T23:10:00", 100.0, 64.0)]
+    t = layer_runs(docs)
+    assert list(t.columns) == ["limit", "bbbbbbb", "ccccccc", "ccccccc 2026-11-30T23:10"]  # aaaaaaa: other pairs
+    row = t.loc[("olmoe", "moelab_adaptive / native layer time_us (kept 0.600, 128-row tiles 0.600)")]
+    assert row["limit"] == pytest.approx(0.66) and row["bbbbbbb"] == pytest.approx(0.65)
+    assert row["ccccccc 2026-11-30T23:10"] == pytest.approx(0.64)
+    with pytest.raises(ValueError, match="docs="):
+        layer_runs([])
+
+
+def test_power_trace_summary(tmp_path):
+    """Share of nvidia-smi samples at the software power cap (reason bit 0x4), clock and power there; idle
+    samples (0x1) count in the share's denominator but not among the 'other' clocks."""
+    lines = ["timestamp, clocks.current.sm [MHz], power.draw [W], temperature.gpu, clocks_event_reasons.active"]
+    for mhz, w, reason in ((1980, 300.0, 0), (1500, 700.0, 4), (1700, 690.0, 4), (345, 80.0, 1), (1980, 500.0, 0)):
+        lines.append(f"2026/11/30 23:00:00.000, {mhz} MHz, {w} W, 40, 0x{reason:016x}")
+    path = tmp_path / "smi.csv"
+    path.write_text("\n".join(lines) + "\n")
+    p = power_trace(path)
+    assert p["samples"] == 5 and p["capped_share"] == pytest.approx(0.4)
+    assert p["capped_mhz"] == (1500.0, 1600.0, 1700.0) and p["capped_watts_median"] == pytest.approx(695.0)
+    assert p["other_mhz"] == (1980.0, 1980.0, 1980.0)
+    committed = sorted((results.REPO / "data" / "results" / "logs").glob("smi-trace-*.csv"))
+    assert committed and all(0 < power_trace(f)["capped_share"] < 1 for f in committed)

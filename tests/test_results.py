@@ -31,3 +31,22 @@ def test_load_optional_says_why_there_is_nothing(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(results, "REPO", tmp_path)  # no committed results either
     assert results.load_optional("routing-ablation", tmp_path / "run") is None
     assert "no results for topic 'routing-ablation'" in capsys.readouterr().out
+
+
+def test_load_runs_current_and_archived_oldest_first(tmp_path):
+    """Every run of a topic: the current file and its archived predecessors, ordered by when they ran; other
+    topics (a longer name that starts the same) and other file names stay out."""
+    (tmp_path / "archive").mkdir()
+    docs = {"moe-layer-20261130.json": "2026-11-30T23:00",
+            "archive/moe-layer-20261130-abc1234.json": "2026-11-30T20:00",
+            "archive/moe-layer-20261129-def5678.json": "2026-11-29T10:00",
+            "archive/moe-layer-extra-20261130-abc1234.json": "2026-11-30T21:00",
+            "archive/moe-layer-20261130-notes.json": "2026-11-30T22:00"}
+    for name, created in docs.items():
+        (tmp_path / name).write_text(json.dumps({"created": created, "rows": []}))
+    got = [d["created"] for d in results.load_runs("moe-layer", tmp_path)]
+    assert got == ["2026-11-29T10:00", "2026-11-30T20:00", "2026-11-30T23:00"]
+    with pytest.raises(FileNotFoundError, match="'routing-kernel'"):
+        results.load_runs("routing-kernel", tmp_path)
+    committed = results.load_runs("moe-layer")  # the committed runs: the newest is the current file
+    assert len(committed) >= 2 and committed[-1] == results.load_results("moe-layer")

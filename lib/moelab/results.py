@@ -148,6 +148,18 @@ def load_results(topic: str, directory: Path | None = None, fallback: bool = Fal
     return json.loads(files[-1].read_text())
 
 
+def load_runs(topic: str, directory: Path | None = None) -> list[dict]:
+    """Every committed run of a topic, oldest first (by `created`): the current `<topic>-<yyyymmdd>.json` and
+    the runs it replaced, `archive/<topic>-<yyyymmdd>-<commit>.json`: how far a number moves between runs."""
+    d = Path(directory or REPO / "data" / "results")
+    name = re.compile(rf"{re.escape(topic)}-\d{{8}}(-[0-9a-f]{{7,40}})?\.json")
+    candidates = (*d.glob(f"{topic}-*.json"), *(d / "archive").glob(f"{topic}-*.json"))
+    files = [f for f in candidates if name.fullmatch(f.name)]
+    if not files:
+        raise FileNotFoundError(f"no results for topic {topic!r} in {d} or {d / 'archive'}")
+    return sorted((json.loads(f.read_text()) for f in files), key=lambda doc: doc["created"])
+
+
 def load_optional(topic: str, directory: Path | None = None) -> dict | None:
     """load_results(topic, directory, fallback=True), or None with the reason printed: for a notebook
     section that plots a topic only where it has been measured."""

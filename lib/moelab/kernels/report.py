@@ -13,7 +13,8 @@ import numpy as np
 import pandas as pd
 
 __all__ = ["routing_targets", "layer_targets", "machine_line", "stage_table", "stage_time", "gemm_scaling",
-           "least_regret", "expert_gemms", "layout_sweep", "stage_paths", "STAGES", "STAGE_TIMES", "GEMM_KEYS"]
+           "least_regret", "expert_gemms", "layout_sweep", "layer_runs", "power_trace", "stage_paths", "STAGES",
+           "STAGE_TIMES", "GEMM_KEYS"]
 
 GRAPH_LIMIT_US = 5.0  # routing in a CUDA graph, T <= 4096
 HBM_FRACTION = 0.5  # routing at T = 65536, E = 64 and 128: fraction of the HBM bound
@@ -108,6 +109,56 @@ def layer_targets(doc: dict, tokens: int = 4096) -> pd.DataFrame:
                                         f"{per_tok:g} per token)", shape, T, ratio, LAYER_SLACK * kept_s,
                                         ratio <= LAYER_SLACK * kept_s, "x"))
     return pd.DataFrame(out)
+
+
+def layer_runs(docs: list[dict], tokens: int = 4096) -> pd.DataFrame:
+    """The adaptive-layer ratios of several `moe-layer` runs side by side (a column per run, labelled by
+    commit, in the order given) beside the newest run's limit: how far a ratio moves between runs. Only runs
+    that routed the same pairs as the newest one at `tokens` (same kept pairs per shape and variant) are kept,
+    so every column times the same work."""
+    if not docs:
+        raise ValueError("docs=[]: need at least one moe-layer run")
+
+    def kept(doc):
+        df = pd.DataFrame(doc["rows"])
+        df = df[df["T"] == tokens]
+        return dict(zip(zip(df["shape"], df["variant"]), df["kept_pairs"]))
+
+    newest = kept(docs[-1])
+    frames, labels = [], []
+    for doc in docs:
+        if kept(doc) != newest:
+            continue
+        t = layer_targets(doc, tokens)
+        t = t[(t["T"] == tokens) & ~t["target"].str.startswith("native")]
+        label = doc["commit"][:7]
+        label = label if label not in labels else f"{label} {doc['created'][:16]}"
+        labels.append(label)
+        frames.append(t.assign(run=label))
+    df = pd.concat(frames)
+    out = df.pivot_table(index=["shape", "target"], columns="run", values="measured", sort=False)[labels]
+    out.insert(0, "limit", df[df["run"] == labels[-1]].set_index(["shape", "target"])["limit"])
+    return out
+
+
+POWER_CAP = 0x4  # nvidia-smi clocks_event_reasons bit: software power cap
+
+
+def power_trace(path) -> dict:
+    """Summary of an `nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu,
+    clocks_throttle_reasons.active --format=csv -lms N` log: the samples, the share at the software power
+    cap, and the SM clock and power there and elsewhere (idle samples, reason 0x1, left out of 'other')."""
+    df = pd.read_csv(path, skipinitialspace=True)
+    mhz = df.iloc[:, 1].astype(str).str.replace(" MHz", "").astype(float)
+    watts = df.iloc[:, 2].astype(str).str.replace(" W", "").astype(float)
+    reason = df.iloc[:, 4].astype(str).map(lambda v: int(v, 16))
+    capped = (reason & POWER_CAP) > 0
+    other = (reason == 0)
+    def spread(x):  # (min, median, max)
+        return tuple(float(v) for v in (x.min(), x.median(), x.max()))
+
+    return {"samples": len(df), "capped_share": float(capped.mean()), "capped_mhz": spread(mhz[capped]),
+            "capped_watts_median": float(watts[capped].median()), "other_mhz": spread(mhz[other])}
 
 
 def _round_ratios(ada: pd.Series, base: pd.Series, col: str) -> dict:
