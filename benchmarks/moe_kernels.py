@@ -444,7 +444,7 @@ def layer_policies(block, k, renorm, D):
 
 ROUNDS = 5  # layer benchmark: interleaved timing rounds per variant (median reported, every round kept)
 # at the wall-clock target's T (4096) more and longer rounds: a Mixtral-like layer call takes about 5 ms, so a
-# 20 ms round times only about four calls and one slow call moves a ratio by a few percent (since 2026-11-30 23:00)
+# 20 ms round times only about four calls and one slow call moves a ratio by a few percent (since 2580876)
 TARGET_T, TARGET_ROUNDS, TARGET_REP_MS = 4096, 9, 50
 
 
@@ -686,8 +686,8 @@ GEMM_CONFIGS = {  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, GROUP_M); gate_up
 
 
 # (TMA, PERSISTENT, FLATTEN) per configuration: pointer loads, TMA loads, TMA loads in persistent programs (one
-# per SM); for down also with the tile and K loops flattened (since 2026-11-30 23:50: a scratch run on the H200
-# found gate_up slower that way at every tile tried, down faster)
+# per SM); for down also with the tile and K loops flattened (since 1154eea; gate_up not: a first probe on the
+# H200, not kept, found it slower that way at each tile it tried)
 LOADS = {"gate_up": ((False, False, False), (True, False, False), (True, True, False)),
          "down": ((False, False, False), (True, False, False), (True, True, False), (True, True, True))}
 TUNE_ROUNDS = 3  # tune-gemm: interleaved timing rounds per configuration (median kept, every round recorded)
@@ -847,8 +847,8 @@ def main():
                  "down GEMM's rows, through tensor descriptors; PERSISTENT: one program per SM looping over the "
                  "tiles that exist, else one program per tile of the worst-case grid), GPU time (CUDA events, L2 "
                  "flushed; since 2026-11-30 12:30 the median of 3 rounds of 20 ms in which every configuration of a "
-                 "(shape, plan) and CUTLASS are timed in turn (since 2026-11-30 23:30 in a seeded shuffled order per "
-                 "round), rounds_us) on the native top-k plan and the "
+                 "(shape, plan) and CUTLASS are timed in turn (since 1356df0, 2026-11-30 22:44 UTC, in a seeded "
+                 "shuffled order per round), rounds_us) on the native top-k plan and the "
                  "entropy-adaptive plan (terciles) of each layer shape at T=4096, bf16, random weights; cutlass "
                  "rows: torch._grouped_mm on the same rows (gate_up: + gather and SwiGLU passes, which the Triton "
                  "gate_up fuses). tuned_table: per (D, F) and kernel the configuration with the smallest worst "
@@ -885,9 +885,9 @@ def main():
                  "same weights for all variants. "
                  "time_us: do_bench median (CUDA events, L2 flushed between calls), eager launch; since "
                  "2026-11-30 13:00 every variant of a (shape, T), eager and graph, is timed in turn in 5 rounds "
-                 "(20 ms each, 10 at T=65536; at T=4096 since 2026-11-30 23:00 9 rounds of 50 ms): time_us / graph_us "
-                 "are the medians, *_rounds_us every round; since 2026-11-30 23:30 each round takes the timers in a "
-                 "seeded shuffled order. "
+                 "(20 ms each, 10 at T=65536; at T=4096 since 2580876, 2026-11-30 22:37 UTC, 9 rounds of 50 ms): "
+                 "time_us / graph_us are the medians, *_rounds_us every round; since 1356df0 (22:44 UTC) each round "
+                 "takes the timers in a seeded shuffled order. "
                  "gemm_tiles_128: "
                  "sum over experts of ceil(pairs / 128), the row tiles of a grouped GEMM with 128-row tiles. "
                  "graph_us: ours captured in a CUDA graph (T <= 4096). "

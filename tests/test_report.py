@@ -106,7 +106,7 @@ def _gemm(plan, us, bm=64, tma=False, kernel="gate_up", persistent=None, flatten
            "BLOCK_K": 64, "num_warps": 4, "num_stages": 3, "GROUP_M": 16, "TMA": tma, "time_us": us}
     if persistent is not None:  # runs before the persistent programs have no PERSISTENT key
         row["PERSISTENT"] = persistent
-    if flatten is not None:  # nor FLATTEN, before 2026-11-30 23:50
+    if flatten is not None:  # nor FLATTEN, before 1154eea
         row["FLATTEN"] = flatten
     return row
 

@@ -154,6 +154,7 @@ def power_trace(path) -> dict:
     reason = df.iloc[:, 4].astype(str).map(lambda v: int(v, 16))
     capped = (reason & POWER_CAP) > 0
     other = (reason == 0)
+
     def spread(x):  # (min, median, max)
         return tuple(float(v) for v in (x.min(), x.median(), x.max()))
 
@@ -274,7 +275,7 @@ def expert_gemms(doc: dict) -> pd.DataFrame:
     df = pd.DataFrame(doc["rows"])
     if "plan" not in df:
         df["plan"] = "native"  # runs before 2026-11-30 11:00 tuned on the native plan only
-    for k in ("TMA", "PERSISTENT", "FLATTEN", "cutlass"):  # PERSISTENT since 2026-11-30 12:00, FLATTEN 23:50
+    for k in ("TMA", "PERSISTENT", "FLATTEN", "cutlass"):  # PERSISTENT since 2026-11-30 12:00, FLATTEN 1154eea
         df[k] = df[k].fillna(False).astype(bool) if k in df else False
     out = []
     for (shape, kernel), g in df.groupby(["shape", "kernel"], sort=False):
