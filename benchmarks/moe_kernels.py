@@ -27,6 +27,7 @@ import argparse
 import functools
 import itertools
 import math
+import os
 import random
 import time
 
@@ -208,6 +209,37 @@ def interleaved_events_us(fns: dict, rounds: int, rep_ms: int) -> dict:
         for name in order:
             times[name].append(events_us(fns[name], rep_ms=rep_ms))
     return times
+
+
+def _host_probe_us(n=200):
+    """Host time of four small CUDA allocations (the plan buffers of a routing call), best of 5 loops."""
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            (torch.empty(64, 8, dtype=torch.int32, device="cuda"), torch.empty(64, 8, device="cuda"),
+             torch.empty(64, dtype=torch.int32, device="cuda"), torch.empty(64, device="cuda"))
+        best = min(best, (time.perf_counter() - t0) / n * 1e6)
+    return best
+
+
+def pin_fastest_cpu() -> dict:
+    """Pin this process to the allowed CPU whose host probe is fastest; {"pinned", "probe_us"} for the results file.
+    On the H200 machine (a 16-vCPU KVM guest) some vCPUs run host code 1.5-1.7x slower than others, and an
+    unpinned eager timing took either level depending on where the scheduler put it (routing-host files at
+    2580876: plan allocations 9-10 or 17-18 us per call), so an eager ratio mixed a fast and a slow level."""
+    if not hasattr(os, "sched_setaffinity"):
+        return {"pinned": None, "probe_us": {}}
+    allowed = sorted(os.sched_getaffinity(0))
+    probe = {}
+    for cpu in allowed:
+        os.sched_setaffinity(0, {cpu})
+        probe[cpu] = _host_probe_us()
+    best = min(probe, key=probe.get)
+    os.sched_setaffinity(0, {best})
+    print(f"host: pinned to CPU {best} ({probe[best]:.1f} us per probe; slowest CPU {max(probe.values()):.1f} us)",
+          flush=True)
+    return {"pinned": best, "probe_us": probe}
 
 
 def copy_bandwidth_gbs():
@@ -800,6 +832,8 @@ def main():
                          "entry in grouped.TUNED")
     ap.add_argument("--tune-selects", default="all", choices=("all", "rowwise"),
                     help="tune: every selection, or the row kernel against the table's current pick")
+    ap.add_argument("--no-pin", action="store_true", help="leave the process unpinned (default: pinned to the "
+                    "allowed CPU with the fastest host probe, see pin_fastest_cpu)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs CUDA: this benchmark times GPU kernels (the notebook plots committed results on a CPU)")
@@ -809,7 +843,8 @@ def main():
     l2 = getattr(props, "L2_cache_size", 50 * 2**20)
     bw = copy_bandwidth_gbs()
     print(f"copy bandwidth {bw:.0f} GB/s, L2 {l2 / 2**20:.0f} MiB", flush=True)
-    common = {"copy_bandwidth_gbs": bw, "l2_bytes": l2}
+    host = {"pinned": None, "probe_us": {}} if args.no_pin else pin_fastest_cpu()
+    common = {"copy_bandwidth_gbs": bw, "l2_bytes": l2, "host": host}
     if "tune" in parts:
         rows = tune_routing(bw, args.tune_selects)
         table = tuned_table(rows)
@@ -830,7 +865,9 @@ def main():
                  "graph_us: GPU time per call inside one CUDA graph of >= 20 calls, inputs rotated over >= 3x L2 "
                  "(do_bench median of replays). hbm_bound_us: (logits read + plan written) / measured copy "
                  "bandwidth. Adaptive thresholds at the entropy terciles of a 4096-token calibration batch. "
-                 "graph_us None: the method cannot be captured (graph_note says why).")
+                 "graph_us None: the method cannot be captured (graph_note says why). host: since 2026-12-01 the "
+                 "process runs pinned to the allowed CPU with the fastest host probe (pin_fastest_cpu; probe_us per "
+                 "CPU), before unpinned.")
         save = functools.partial(_save, "routing-kernel", notes, common)
         print("wrote", save(bench_routing(tokens, bw, l2, args.quick, save)))
     if "host" in parts:
@@ -840,7 +877,8 @@ def main():
                  "(moelab Launcher disabled), the four plan allocations alone, and the "
                  "torch TensorRT-LLM version without statistics. experts / experts_public_launch: routing (native "
                  "top-k) + padded layout + fused Triton experts of each layer shape at T = 1 and 16, random bf16 "
-                 "weights; gpu_us: the same call timed with CUDA events (do_bench median).")
+                 "weights; gpu_us: the same call timed with CUDA events (do_bench median). host: since 2026-12-01 "
+                 "pinned to the allowed CPU with the fastest host probe (pin_fastest_cpu), before unpinned.")
         print("wrote", write_results("routing-host", bench_host(), notes=notes, extra=common))
     if "tune-gemm" in parts:
         notes = ("Triton expert GEMMs (moelab.kernels.grouped) per launch configuration (TMA: weight tiles, and the "
