@@ -55,6 +55,7 @@ from moe_kernels import (  # noqa: E402
     gemm_tiles,
     graph_us,
     hf_block,
+    layer_input,
     layer_policies,
     moelab_layer,
 )
@@ -105,9 +106,9 @@ def stage_calls(x, block, layer, pol, renorm, shared, gemm="grouped"):
 def stages_one(name, T, bw, gemms=GEMMS):
     D, Fd, E, k, renorm, shared = LAYERS[name]
     block, _ = hf_block(name, D, Fd, E, k, shared, "cuda")
-    g, pols = layer_policies(block, k, renorm, D)
+    _, pols = layer_policies(block, k, renorm, D)
     pols.pop("adaptive_q25")
-    x = torch.randn(T, D, device="cuda", generator=g).to(torch.bfloat16)
+    x = layer_input(T, D)  # the layer benchmark's batch 0 at this T
     gu, dn = block.experts.gate_up_proj, block.experts.down_proj
     weights_us = {"gate_up": gu.numel() * gu.element_size() / (bw * 1e9) * 1e6,
                   "down": dn.numel() * dn.element_size() / (bw * 1e9) * 1e6}

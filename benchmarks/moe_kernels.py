@@ -460,11 +460,19 @@ def experts_used(plan):
     return int(torch.unique(ids[ids >= 0]).numel())
 
 
+def layer_input(T, D, batch=0):
+    """The layer benchmarks' input: [T, D] bf16 N(0, 1), seeded by (T, batch) alone, so that a batch is the same
+    whatever other sizes a run times (before 2026-12-01 the inputs came one after another from one generator,
+    so T = 4096 got another batch when --tokens changed)."""
+    g = torch.Generator(device="cuda").manual_seed(T + (batch << 32))
+    return torch.randn(T, D, device="cuda", generator=g).to(torch.bfloat16)
+
+
 def layer_policies(block, k, renorm, D):
     """(generator, policies) of the layer benchmarks: native top-k; 'adaptive', (k/4, k/2, k) at the entropy
-    terciles of a seeded 4096-token batch through the block's router; and the milder 'adaptive_q25' /
+    terciles of a seeded 4096-token calibration batch through the block's router; and the milder 'adaptive_q25' /
     'adaptive_q50', (k/2, k) at the 25% / 50% entropy quantile (about 87% / 75% of the native pairs kept,
-    the terciles policy about 58%). The generator goes on to draw the inputs."""
+    the terciles policy about 58%). The inputs come from `layer_input`."""
     g = torch.Generator(device="cuda").manual_seed(0)
     xc = torch.randn(4096, D, device="cuda", generator=g).to(torch.bfloat16)
     ent = route_torch(F.linear(xc, block.gate.weight), TopK(k), renorm).entropy
@@ -478,6 +486,10 @@ ROUNDS = 5  # layer benchmark: interleaved timing rounds per variant (median rep
 # at the wall-clock target's T (4096) more and longer rounds: a Mixtral-like layer call takes about 5 ms, so a
 # 20 ms round times only about four calls and one slow call moves a ratio by a few percent (since 2580876)
 TARGET_T, TARGET_ROUNDS, TARGET_REP_MS = 4096, 9, 50
+# at TARGET_T the target's layers (ours, 'auto' path) are also timed on further input batches: with 128-row
+# tiles the same share of kept pairs makes another share of row tiles on another batch (Mixtral-like median
+# policy: 0.761 or 0.779 of the native tiles at 0.751 of the pairs), so one batch can sit on either side of a bound
+BATCHES = 5
 
 
 @torch.no_grad()
@@ -488,12 +500,12 @@ def bench_layer_one(name, tokens):
     ours = moelab_layer(block, renorm, shared)
     cutlass = moelab_layer(block, renorm, shared, gemm="grouped")  # each expert-GEMM path pinned, same run
     triton_ = moelab_layer(block, renorm, shared, gemm="triton")
-    g, pols = layer_policies(block, k, renorm, D)
+    _, pols = layer_policies(block, k, renorm, D)
     native, ada = pols["native"], pols["adaptive"]
     milder = {f"moelab_{p}": pols[p] for p in ("adaptive_q25", "adaptive_q50")}
     routed = moelab_layer(block, renorm, 0) if shared else None  # without the shared expert (qwen15)
     for T in tokens:
-        x = torch.randn(T, D, device="cuda", generator=g).to(torch.bfloat16)
+        x = layer_input(T, D)
         y_nat, plan_nat = ours(x, native)
         _, plan_ada = ours(x, ada)
         y_cut, _ = cutlass(x, native)
@@ -534,33 +546,78 @@ def bench_layer_one(name, tokens):
             times = interleaved_events_us(timers, ROUNDS, rep_ms=10 if T >= 65536 else 20)
         del graphs
         for var, (_fn, pol, plan) in variants.items():
-            row = {"shape": name, "D": D, "F": Fd, "E": E, "native_k": k, "shared_ffn": shared, "T": T,
-                   "variant": var, "dtype": "bf16", "policy": repr(pol)}
-            for col in ("time_us", "graph_us"):
-                us = times.get((var, col))
-                row[col] = None if us is None else sorted(us)[len(us) // 2]
-                row[col.replace("_us", "_rounds_us")] = us
-            row["kept_pairs"] = int(plan.k.sum())
-            row["native_pairs"] = T * k
-            row["mean_k"] = row["kept_pairs"] / T
-            row["experts_used"] = experts_used(plan)
-            row["gemm_tiles_128"] = gemm_tiles(plan, 128)
-            row["gemm_tiles_64"] = gemm_tiles(plan, 64)  # the Triton path's row tiles (BLOCK_M 64 by default)
-            row["rel_err_vs_hf"] = rel.get(var)
-            rows.append(row)
-            print(f"layer {name:8s} T={T:6d} {var:24s} {row['time_us']:10.1f} us  graph "
-                  f"{row['graph_us'] or float('nan'):10.1f}  kept {row['kept_pairs']}/{T * k} "
-                  f"experts {row['experts_used']}/{E}", flush=True)
+            rows.append(_layer_row(name, T, 0, var, pol, plan, times, rel.get(var)))
     return rows
 
 
-def bench_layer(tokens, quick, save):
+def _layer_row(name, T, batch, var, pol, plan, times, rel_err=None):
+    """One results row of the layer benchmark: medians and every round of the variant's timers, and its plan's
+    pairs, experts and row tiles."""
+    D, Fd, E, k, _renorm, shared = LAYERS[name]
+    row = {"shape": name, "D": D, "F": Fd, "E": E, "native_k": k, "shared_ffn": shared, "T": T, "batch": batch,
+           "variant": var, "dtype": "bf16", "policy": repr(pol)}
+    for col in ("time_us", "graph_us"):
+        us = times.get((var, col))
+        row[col] = None if us is None else sorted(us)[len(us) // 2]
+        row[col.replace("_us", "_rounds_us")] = us
+    row["kept_pairs"] = int(plan.k.sum())
+    row["native_pairs"] = T * k
+    row["mean_k"] = row["kept_pairs"] / T
+    row["experts_used"] = experts_used(plan)
+    row["gemm_tiles_128"] = gemm_tiles(plan, 128)
+    row["gemm_tiles_64"] = gemm_tiles(plan, 64)  # the Triton path's row tiles (BLOCK_M 64 by default)
+    row["rel_err_vs_hf"] = rel_err
+    print(f"layer {name:8s} T={T:6d} b{batch} {var:24s} {row['time_us']:10.1f} us  graph "
+          f"{row['graph_us'] or float('nan'):10.1f}  kept {row['kept_pairs']}/{T * k} "
+          f"experts {row['experts_used']}/{E}", flush=True)
+    return row
+
+
+@torch.no_grad()
+def bench_layer_batches(name, batches=BATCHES, T=TARGET_T):
+    """The target's layers (ours as 'auto' picks its GEMMs: native, and every adaptive policy; qwen15 also
+    without its shared expert) on input batches 1 .. batches-1 (batch 0 is bench_layer_one's), each batch's
+    variants timed in turn, eager and in a graph, as bench_layer_one times them at T."""
     rows = []
+    D, Fd, E, k, renorm, shared = LAYERS[name]
+    block, _cfg = hf_block(name, D, Fd, E, k, shared, "cuda")
+    ours = moelab_layer(block, renorm, shared)
+    routed = moelab_layer(block, renorm, 0) if shared else None
+    _, pols = layer_policies(block, k, renorm, D)
+    names = {"native": "moelab_topk", "adaptive": "moelab_adaptive", "adaptive_q25": "moelab_adaptive_q25",
+             "adaptive_q50": "moelab_adaptive_q50"}
+    for b in range(1, batches):
+        x = layer_input(T, D, b)
+        variants = {var: (ours, pols[p]) for p, var in names.items()}
+        if routed is not None:
+            variants["moelab_topk_routed_only"] = (routed, pols["native"])
+            variants["moelab_adaptive_routed_only"] = (routed, pols["adaptive"])
+        timers, graphs, plans = {}, [], {}
+        for var, (layer, pol) in variants.items():
+            plans[var] = layer(x, pol)[1]
+            timers[var, "time_us"] = functools.partial(layer, x, pol)
+            graphs.append(captured(functools.partial(layer, pol=pol), [x], 1))
+            timers[var, "graph_us"] = graphs[-1].replay
+        times = interleaved_events_us(timers, TARGET_ROUNDS, rep_ms=TARGET_REP_MS)
+        del graphs
+        rows += [_layer_row(name, T, b, var, pol, plans[var], times) for var, (_layer, pol) in variants.items()]
+    return rows
+
+
+def bench_layer(tokens, quick, save, batches=BATCHES):
+    """(rows, batch rows): every shape at every T, and at TARGET_T (when timed) the target's layers on
+    `batches` - 1 further input batches."""
+    rows, extra = [], []
     for name in ["olmoe"] if quick else list(LAYERS):
         rows += bench_layer_one(name, tokens)
         torch.cuda.empty_cache()
-        save(rows)
-    return rows
+        save(rows, extra)
+    for name in ["olmoe"] if quick else list(LAYERS):
+        if TARGET_T in tokens and batches > 1:
+            extra += bench_layer_batches(name, batches)
+            torch.cuda.empty_cache()
+            save(rows, extra)
+    return rows, extra
 
 
 def small_tile_operands(w_ENK, offsets_E, rows):
@@ -832,6 +889,8 @@ def main():
                          "entry in grouped.TUNED")
     ap.add_argument("--tune-selects", default="all", choices=("all", "rowwise"),
                     help="tune: every selection, or the row kernel against the table's current pick")
+    ap.add_argument("--batches", type=int, default=BATCHES,
+                    help="layer: input batches at T=4096 the target's layers are timed on (1: the main batch only)")
     ap.add_argument("--no-pin", action="store_true", help="leave the process unpinned (default: pinned to the "
                     "allowed CPU with the fastest host probe, see pin_fastest_cpu)")
     args = ap.parse_args()
@@ -941,24 +1000,29 @@ def main():
                  "_q25 / _q50 (T=4096): (k/2, k) at the 25% / 50% entropy quantile; "
                  "_routed_only (qwen15, T=4096): without the shared expert, whose time does not shrink with k. "
                  "rel_err_vs_hf: ||ours - hf_grouped_mm|| / ||hf|| (both bf16). layer_targets: at T=4096, "
-                 "adaptive time / native time of the same expert path against 1.1 x kept / native pairs.")
+                 "adaptive time / native time of the same expert path against 1.1 x kept / native pairs. "
+                 "Since 2026-12-01: inputs seeded by (T, batch) alone (layer_input; rows are batch 0), and "
+                 "batches: ours (native, every adaptive policy; qwen15 also routed only) at T=4096 on input "
+                 "batches 1..4, each batch timed as the rows are; batch_targets: layer_targets per batch.")
         save = functools.partial(_save_layer, notes, common)
-        print("wrote", save(bench_layer(tokens, args.quick, save)))
+        print("wrote", save(*bench_layer(tokens, args.quick, save, args.batches)))
 
 
 def _save(topic, notes, common, rows):
     return write_results(topic, rows, notes=notes, extra=common)
 
 
-def _save_layer(notes, common, rows):
+def _save_layer(notes, common, rows, batches=()):
     from moelab.kernels import grouped as gk
-    from moelab.kernels.report import layer_targets
+    from moelab.kernels.report import batch_targets, layer_targets
 
     targets = layer_targets({"rows": rows}).to_dict("records") if rows else []
+    per_batch = batch_targets({"rows": rows, "batches": list(batches)}).to_dict("records") if batches else []
     # the expert GEMM configurations the run used (a tune-gemm part before it in the same run replaces them)
     tuned = {str(k): v for k, v in gk.TUNED.get(torch.cuda.get_device_name(0), {}).items()}
     return write_results("moe-layer", rows, notes=notes,
-                         extra={**common, "layer_targets": targets, "experts_tuned": tuned})
+                         extra={**common, "layer_targets": targets, "batches": list(batches),
+                                "batch_targets": per_batch, "experts_tuned": tuned})
 
 
 if __name__ == "__main__":

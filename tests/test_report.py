@@ -6,6 +6,8 @@ import pytest
 from moelab import results
 from moelab.kernels.report import (
     STAGES,
+    batch_summary,
+    batch_targets,
     expert_gemms,
     gemm_scaling,
     layer_runs,
@@ -250,6 +252,43 @@ def test_layer_runs_side_by_side():
     assert row["ccccccc 2026-11-30T23:10"] == pytest.approx(0.64)
     with pytest.raises(ValueError, match="docs="):
         layer_runs([])
+
+
+def test_layer_runs_like_picks_the_pairs():
+    """like=i keeps the runs that routed docs[i]'s pairs, whichever run is newest; a bad index is named."""
+    def doc(sha, ada, kept):
+        rows = [{"shape": "olmoe", "T": 4096, "variant": v, "time_us": t, "graph_us": t, "kept_pairs": k,
+                 "native_pairs": 100, "gemm_tiles_128": k // 10, "gemm_tiles_64": k // 5}
+                for v, t, k in (("moelab_topk", 100.0, 100), ("moelab_adaptive", ada, kept))]
+        return {"commit": sha + "0" * 33, "created": sha, "rows": rows}
+
+    docs = [doc("aaaaaaa", 70.0, 60), doc("bbbbbbb", 66.0, 60), doc("ccccccc", 64.0, 58)]
+    assert list(layer_runs(docs, like=0).columns) == ["limit", "aaaaaaa", "bbbbbbb"]
+    assert list(layer_runs(docs).columns) == ["limit", "ccccccc"]
+    with pytest.raises(ValueError, match="like=3"):
+        layer_runs(docs, like=3)
+
+
+def test_batch_targets_per_input_batch():
+    """Batch 0 from the rows (only the variants the further batches time), batches 1.. from doc['batches']:
+    each batch's ratio against its own kept pairs; the summary counts the batches that met the bound."""
+    def row(var, t, kept, batch=None):
+        r = {"shape": "mixtral", "T": 4096, "variant": var, "time_us": t, "graph_us": t, "kept_pairs": kept,
+             "native_pairs": 100, "gemm_tiles_128": kept // 10, "gemm_tiles_64": kept // 5}
+        return r if batch is None else {**r, "batch": batch}
+
+    doc = {"rows": [row("moelab_topk", 100.0, 100), row("moelab_adaptive", 83.0, 75), row("hf_grouped_mm", 150.0, 100),
+                    row("moelab_topk_cutlass", 100.0, 100), row("moelab_adaptive_cutlass", 80.0, 75)],
+           "batches": [row("moelab_topk", 100.0, 100, 1), row("moelab_adaptive", 80.0, 75, 1),
+                       row("moelab_topk", 100.0, 100, 2), row("moelab_adaptive", 84.0, 76, 2)]}
+    t = batch_targets(doc)
+    assert sorted(t["batch"].unique()) == [0, 1, 2] and set(t["variant"]) == {"moelab_adaptive"}
+    b2 = t[(t["batch"] == 2) & (t["timer"] == "time_us")].iloc[0]
+    assert b2["limit"] == pytest.approx(1.1 * 0.76) and not b2["met"]  # 0.84 > 0.836
+    s = batch_summary(doc).set_index(["variant", "timer"]).loc[("moelab_adaptive", "time_us")]
+    assert (s["met"], s["batches"]) == (1, 3)  # 0.80 <= 0.825; 0.83 and 0.84 above their bounds
+    assert s["ratio_min"] == pytest.approx(0.80) and s["ratio_max"] == pytest.approx(0.84)
+    assert batch_targets({"rows": doc["rows"]}).empty and batch_summary({"rows": doc["rows"]}).empty
 
 
 def test_power_trace_summary(tmp_path):

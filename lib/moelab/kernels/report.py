@@ -12,9 +12,9 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-__all__ = ["routing_targets", "layer_targets", "machine_line", "stage_table", "stage_time", "gemm_scaling",
-           "least_regret", "expert_gemms", "layout_sweep", "layer_runs", "power_trace", "stage_paths", "STAGES",
-           "STAGE_TIMES", "GEMM_KEYS"]
+__all__ = ["routing_targets", "layer_targets", "batch_targets", "batch_summary", "machine_line", "stage_table",
+           "stage_time", "gemm_scaling", "least_regret", "expert_gemms", "layout_sweep", "layer_runs", "power_trace",
+           "stage_paths", "STAGES", "STAGE_TIMES", "GEMM_KEYS"]
 
 GRAPH_LIMIT_US = 5.0  # routing in a CUDA graph, T <= 4096
 HBM_FRACTION = 0.5  # routing at T = 65536, E = 64 and 128: fraction of the HBM bound
@@ -72,9 +72,11 @@ def layer_targets(doc: dict, tokens: int = 4096) -> pd.DataFrame:
     out = []
     for (shape, T), g in df.groupby(["shape", "T"]):
         by = g.set_index("variant")
-        nat, hf = by.loc["moelab_topk"], by.loc["hf_grouped_mm"]
-        out.append(_row("native layer time / hf grouped_mm", shape, T, nat["time_us"] / hf["time_us"], 1.0,
-                        nat["time_us"] <= hf["time_us"], "x"))
+        nat = by.loc["moelab_topk"]
+        if "hf_grouped_mm" in by.index:  # (a further input batch times ours only: see batch_targets)
+            hf = by.loc["hf_grouped_mm"]
+            out.append(_row("native layer time / hf grouped_mm", shape, T, nat["time_us"] / hf["time_us"], 1.0,
+                            nat["time_us"] <= hf["time_us"], "x"))
         if T != tokens:
             continue
         # every adaptive policy measured at this T; the qwen15 `_routed_only` rows leave out the shared
@@ -100,7 +102,8 @@ def layer_targets(doc: dict, tokens: int = 4096) -> pd.DataFrame:
                     ratio = ada[col] / base[col]
                     out.append(_row(f"{var} / native layer {col} (kept {kept:.3f}, {rows}-row tiles {tiles:.3f})",
                                     shape, T, ratio, LAYER_SLACK * kept, ratio <= LAYER_SLACK * kept, "x"))
-                    out[-1].update(_round_ratios(ada, base, col.replace("_us", "_rounds_us")))
+                    out[-1].update(_round_ratios(ada, base, col.replace("_us", "_rounds_us")),
+                                   variant=var, timer=col, kept=kept, tiles=tiles)
                     if pd.notna(shared) and shared > 0:
                         per_tok = shared / ada["F"]
                         fixed = T * per_tok
@@ -111,20 +114,57 @@ def layer_targets(doc: dict, tokens: int = 4096) -> pd.DataFrame:
     return pd.DataFrame(out)
 
 
-def layer_runs(docs: list[dict], tokens: int = 4096) -> pd.DataFrame:
+def batch_targets(doc: dict, tokens: int = 4096) -> pd.DataFrame:
+    """The adaptive-layer rows of `layer_targets` per input batch: batch 0 from the document's rows (only the
+    variants that the further batches time too), batches 1.. from doc["batches"] (moe-layer runs from
+    2026-12-01 on); a `batch` column. Empty where the run timed no further batch."""
+    extra = doc.get("batches") or []
+    if not extra:
+        return pd.DataFrame()
+    timed = {(r["shape"], r["variant"]) for r in extra}
+    groups = {0: [r for r in doc["rows"] if r["T"] == tokens and (r["shape"], r["variant"]) in timed]}
+    for r in extra:
+        groups.setdefault(r["batch"], []).append(r)
+    frames = []
+    for b, rows in sorted(groups.items()):
+        t = layer_targets({"rows": rows}, tokens)
+        frames.append(t[t["T"] == tokens].assign(batch=b))
+    return pd.concat(frames, ignore_index=True)
+
+
+def batch_summary(doc: dict, tokens: int = 4096) -> pd.DataFrame:
+    """Per shape, adaptive layer and timer (eager time_us / graph_us): on how many input batches the target
+    held, the ratio's lowest, median and highest value over the batches, the limits' range and the share of
+    128-row tiles beside the share of kept pairs (what moves the ratio from batch to batch)."""
+    t = batch_targets(doc, tokens)
+    if t.empty:
+        return t
+    t = t[t["variant"].notna()]  # the rows that count a shared expert as kept pairs stay in batch_targets
+    g = t.groupby(["shape", "variant", "timer"], sort=False)
+    return pd.DataFrame({
+        "met": g["met"].sum().astype(int), "batches": g["batch"].nunique(),
+        "ratio_min": g["measured"].min(), "ratio_median": g["measured"].median(), "ratio_max": g["measured"].max(),
+        "limit_min": g["limit"].min(), "limit_max": g["limit"].max(),
+        "kept_median": g["kept"].median(), "tiles_median": g["tiles"].median(),
+    }).reset_index()
+
+
+def layer_runs(docs: list[dict], tokens: int = 4096, like: int = -1) -> pd.DataFrame:
     """The adaptive-layer ratios of several `moe-layer` runs side by side (a column per run, labelled by
-    commit, in the order given) beside the newest run's limit: how far a ratio moves between runs. Only runs
-    that routed the same pairs as the newest one at `tokens` (same kept pairs per shape and variant) are kept,
-    so every column times the same work."""
+    commit, in the order given) beside the limit of the last run kept: how far a ratio moves between runs.
+    Only runs that routed the same pairs as docs[like] at `tokens` (same kept pairs per shape and variant:
+    the same input batch and policies) are kept, so every column times the same work."""
     if not docs:
         raise ValueError("docs=[]: need at least one moe-layer run")
+    if not -len(docs) <= like < len(docs):
+        raise ValueError(f"like={like}: must index the {len(docs)} runs given")
 
     def kept(doc):
         df = pd.DataFrame(doc["rows"])
         df = df[df["T"] == tokens]
         return dict(zip(zip(df["shape"], df["variant"]), df["kept_pairs"]))
 
-    newest = kept(docs[-1])
+    newest = kept(docs[like])
     frames, labels = [], []
     for doc in docs:
         if kept(doc) != newest:
