@@ -4,6 +4,8 @@
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -42,8 +44,9 @@ import pandas as pd
 import torch
 
 from moelab import results
-from moelab.kernels.report import (STAGES, expert_gemms, gemm_scaling, layer_runs, layer_targets, layout_sweep,
-                                   machine_line, power_trace, routing_targets, stage_paths, stage_table, stage_time)
+from moelab.kernels.report import (LAYER_SLACK, STAGES, batch_summary, batch_targets, expert_gemms, gemm_scaling,
+                                   layer_runs, layer_targets, layout_sweep, machine_line, power_trace,
+                                   routing_targets, stage_paths, stage_table, stage_time)
 from moelab.plots import figure, save_table, savefig
 
 REPO = results.REPO
@@ -359,14 +362,48 @@ results.save("kernel_targets_summary", {k: [int(r.met), int(r.checks)] for k, r 
 summary
 
 # %% [markdown]
-# ## 5b · How far the layer ratios move between runs
-# Every committed `moe-layer` run that routed the same pairs as the newest (`results.load_runs`: the current
-# file and the archived ones it replaced), one column per run, beside the limit. Runs on one machine differ
-# by a few percent: the H200 runs these layers at its power cap (the nvidia-smi traces below, taken during
-# the layer runs), so a point within a few percent of its bound meets it in some runs and not in others.
+# ## 5a · The layer target on several input batches
+# Runs from 2026-12-01 on also time the target's layers (ours, native and every adaptive policy) on four
+# more input batches at T = 4096 (`batch_targets` / `batch_summary`). With 128-row GEMM tiles the same share
+# of kept pairs makes another share of row tiles on another batch, and the ratio follows the tiles: the
+# right panel puts each batch's ratio against its tile share.
 
 # %%
-runs = layer_runs(results.load_runs("moe-layer"))
+per_batch = batch_targets(layer_doc)
+if per_batch.empty:
+    print("this moe-layer run timed one input batch")
+else:
+    display(batch_summary(layer_doc).round(3))
+    pb = per_batch[per_batch["variant"].notna() & per_batch["variant"].isin(["moelab_adaptive", "moelab_adaptive_q50"])]
+    fig, (ax1, ax2) = figure("full", aspect=0.35, ncols=2, layout="constrained")
+    for i, ((shape, var), g) in enumerate(pb.groupby(["shape", "variant"], sort=False)):
+        for timer, mark in (("time_us", "o"), ("graph_us", "x")):
+            gt = g[g["timer"] == timer]
+            ax1.plot(gt["batch"] + 0.08 * i, gt["measured"], mark, color=f"C{i}", ms=3,
+                     label=f"{shape} {var.removeprefix('moelab_')}" if timer == "time_us" else None)
+            ax2.plot(gt["tiles"], gt["measured"], mark, color=f"C{i}", ms=3)
+        ax1.plot(g["batch"] + 0.08 * i, g["limit"], "_", color=f"C{i}", ms=9)
+    ax1.set(xlabel="input batch", ylabel="adaptive / native (o eager, x graph; dash: limit)",
+            xticks=sorted(pb["batch"].unique()))
+    ax2.set(xlabel="share of the native plan's 128-row tiles", ylabel="adaptive / native")
+    lo, hi = ax2.get_xlim()
+    ax2.plot([lo, hi], [lo * LAYER_SLACK, hi * LAYER_SLACK], ":", color="grey", lw=0.8)
+    ax2.text(hi, hi * LAYER_SLACK, "1.1 x tile share", fontsize=5, ha="right", va="bottom", color="grey")
+    fig.legend(loc="outside lower center", ncols=3, fontsize=5)
+    fig.suptitle(machine_line(layer_doc), fontsize=7)
+    savefig(fig, "04_layer_batches")
+    plt.show()
+
+# %% [markdown]
+# ## 5b · How far the layer ratios move between runs
+# The committed `moe-layer` runs that routed the same pairs (`results.load_runs`: the current file and the
+# archived ones it replaced; `like=None`: the pairs the most runs routed, one input batch and the same
+# policies), one column per run, beside the limit. Runs on one machine differ by a few percent: the H200
+# runs these layers at its power cap (the nvidia-smi traces below, taken during the layer runs), so a point
+# within a few percent of its bound meets it in some runs and not in others.
+
+# %%
+runs = layer_runs(results.load_runs("moe-layer"), like=None)
 adaptive_default = runs[runs.index.get_level_values("target").str.match(r"moelab_adaptive(_q50)? /")]
 display(adaptive_default.round(3))
 shapes_r = list(dict.fromkeys(adaptive_default.index.get_level_values("shape")))

@@ -265,6 +265,7 @@ def test_layer_runs_like_picks_the_pairs():
     docs = [doc("aaaaaaa", 70.0, 60), doc("bbbbbbb", 66.0, 60), doc("ccccccc", 64.0, 58)]
     assert list(layer_runs(docs, like=0).columns) == ["limit", "aaaaaaa", "bbbbbbb"]
     assert list(layer_runs(docs).columns) == ["limit", "ccccccc"]
+    assert list(layer_runs(docs, like=None).columns) == ["limit", "aaaaaaa", "bbbbbbb"]  # the most runs
     with pytest.raises(ValueError, match="like=3"):
         layer_runs(docs, like=3)
 

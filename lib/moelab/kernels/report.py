@@ -149,14 +149,15 @@ def batch_summary(doc: dict, tokens: int = 4096) -> pd.DataFrame:
     }).reset_index()
 
 
-def layer_runs(docs: list[dict], tokens: int = 4096, like: int = -1) -> pd.DataFrame:
+def layer_runs(docs: list[dict], tokens: int = 4096, like: int | None = -1) -> pd.DataFrame:
     """The adaptive-layer ratios of several `moe-layer` runs side by side (a column per run, labelled by
     commit, in the order given) beside the limit of the last run kept: how far a ratio moves between runs.
     Only runs that routed the same pairs as docs[like] at `tokens` (same kept pairs per shape and variant:
-    the same input batch and policies) are kept, so every column times the same work."""
+    the same input batch and policies) are kept, so every column times the same work; like=None: the pairs
+    that the most runs routed (the newest such group on a tie)."""
     if not docs:
         raise ValueError("docs=[]: need at least one moe-layer run")
-    if not -len(docs) <= like < len(docs):
+    if like is not None and not -len(docs) <= like < len(docs):
         raise ValueError(f"like={like}: must index the {len(docs)} runs given")
 
     def kept(doc):
@@ -164,6 +165,9 @@ def layer_runs(docs: list[dict], tokens: int = 4096, like: int = -1) -> pd.DataF
         df = df[df["T"] == tokens]
         return dict(zip(zip(df["shape"], df["variant"]), df["kept_pairs"]))
 
+    if like is None:
+        pairs = [tuple(sorted(kept(doc).items())) for doc in docs]
+        like = max(range(len(docs)), key=lambda i: (pairs.count(pairs[i]), i))
     newest = kept(docs[like])
     frames, labels = [], []
     for doc in docs:
