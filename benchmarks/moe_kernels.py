@@ -211,30 +211,32 @@ def interleaved_events_us(fns: dict, rounds: int, rep_ms: int) -> dict:
     return times
 
 
-def _host_probe_us(n=200):
-    """Host time of four small CUDA allocations (the plan buffers of a routing call), best of 5 loops."""
+def _host_probe_us(n=200, device="cuda"):
+    """Host time of four small allocations (the plan buffers of a routing call), best of 5 loops."""
     best = float("inf")
     for _ in range(5):
         t0 = time.perf_counter()
         for _ in range(n):
-            (torch.empty(64, 8, dtype=torch.int32, device="cuda"), torch.empty(64, 8, device="cuda"),
-             torch.empty(64, dtype=torch.int32, device="cuda"), torch.empty(64, device="cuda"))
+            (torch.empty(64, 8, dtype=torch.int32, device=device), torch.empty(64, 8, device=device),
+             torch.empty(64, dtype=torch.int32, device=device), torch.empty(64, device=device))
         best = min(best, (time.perf_counter() - t0) / n * 1e6)
     return best
 
 
 def pin_fastest_cpu() -> dict:
-    """Pin this process to the allowed CPU whose host probe is fastest; {"pinned", "probe_us"} for the results file.
+    """Pin this process to the allowed CPU whose host probe (`_host_probe_us`: on the GPU, or on the CPU without
+    one) is fastest; {"pinned", "probe_us"} for the results file.
     On the H200 machine (a 16-vCPU KVM guest) some vCPUs run host code 1.5-1.7x slower than others, and an
     unpinned eager timing took either level depending on where the scheduler put it (routing-host files at
     2580876: plan allocations 9-10 or 17-18 us per call), so an eager ratio mixed a fast and a slow level."""
     if not hasattr(os, "sched_setaffinity"):
         return {"pinned": None, "probe_us": {}}
     allowed = sorted(os.sched_getaffinity(0))
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     probe = {}
     for cpu in allowed:
         os.sched_setaffinity(0, {cpu})
-        probe[cpu] = _host_probe_us()
+        probe[cpu] = _host_probe_us(device=device)
     best = min(probe, key=probe.get)
     os.sched_setaffinity(0, {best})
     print(f"host: pinned to CPU {best} ({probe[best]:.1f} us per probe; slowest CPU {max(probe.values()):.1f} us)",
