@@ -106,7 +106,7 @@ def stage_calls(x, block, layer, pol, renorm, shared, gemm="grouped"):
 def stages_one(name, T, bw, gemms=GEMMS):
     D, Fd, E, k, renorm, shared = LAYERS[name]
     block, _ = hf_block(name, D, Fd, E, k, shared, "cuda")
-    _, pols = layer_policies(block, k, renorm, D)
+    pols = layer_policies(block, k, renorm, D)
     pols.pop("adaptive_q25")
     x = layer_input(T, D)  # the layer benchmark's batch 0 at this T
     gu, dn = block.experts.gate_up_proj, block.experts.down_proj

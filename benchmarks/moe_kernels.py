@@ -471,7 +471,7 @@ def layer_input(T, D, batch=0):
 
 
 def layer_policies(block, k, renorm, D):
-    """(generator, policies) of the layer benchmarks: native top-k; 'adaptive', (k/4, k/2, k) at the entropy
+    """The layer benchmarks' policies: native top-k; 'adaptive', (k/4, k/2, k) at the entropy
     terciles of a seeded 4096-token calibration batch through the block's router; and the milder 'adaptive_q25' /
     'adaptive_q50', (k/2, k) at the 25% / 50% entropy quantile (about 87% / 75% of the native pairs kept,
     the terciles policy about 58%). The inputs come from `layer_input`."""
@@ -481,7 +481,7 @@ def layer_policies(block, k, renorm, D):
     pols = {"native": TopK(k), "adaptive": adaptive_policy(ent, k)}
     for q in (0.25, 0.5):
         pols[f"adaptive_q{int(q * 100)}"] = EntropyAdaptiveK((max(1, k // 2), k), (float(ent.quantile(q)),))
-    return g, pols
+    return pols
 
 
 ROUNDS = 5  # layer benchmark: interleaved timing rounds per variant (median reported, every round kept)
@@ -502,7 +502,7 @@ def bench_layer_one(name, tokens):
     ours = moelab_layer(block, renorm, shared)
     cutlass = moelab_layer(block, renorm, shared, gemm="grouped")  # each expert-GEMM path pinned, same run
     triton_ = moelab_layer(block, renorm, shared, gemm="triton")
-    _, pols = layer_policies(block, k, renorm, D)
+    pols = layer_policies(block, k, renorm, D)
     native, ada = pols["native"], pols["adaptive"]
     milder = {f"moelab_{p}": pols[p] for p in ("adaptive_q25", "adaptive_q50")}
     routed = moelab_layer(block, renorm, 0) if shared else None  # without the shared expert (qwen15)
@@ -585,7 +585,7 @@ def bench_layer_batches(name, batches=BATCHES, T=TARGET_T):
     block, _cfg = hf_block(name, D, Fd, E, k, shared, "cuda")
     ours = moelab_layer(block, renorm, shared)
     routed = moelab_layer(block, renorm, 0) if shared else None
-    _, pols = layer_policies(block, k, renorm, D)
+    pols = layer_policies(block, k, renorm, D)
     names = {"native": "moelab_topk", "adaptive": "moelab_adaptive", "adaptive_q25": "moelab_adaptive_q25",
              "adaptive_q50": "moelab_adaptive_q50"}
     for b in range(1, batches):
