@@ -75,11 +75,11 @@ TUNED: dict[str, dict[tuple[int, int], list]] = {
     # triton 3.6, at c56b190, T = 4096, median of 3 interleaved rounds in shuffled order). The first few
     # configurations of a GEMM are within a few percent, less than one round's spread, so picks move between runs.
     # The down GEMMs of OLMoE-like and Qwen-like run in persistent programs with the tile and K loops flattened and
-    # five stages of 64-row tiles (OLMoE-like 241 us native, 160 adaptive, against 268 / 176 for the run
-    # before's pick, 128-row tiles with four stages, timed in the same run). Triton against CUTLASS (gather,
-    # GEMM + SwiGLU, GEMM), gate_up + down: OLMoE-like 835 against 909 us native, 555 against 701 adaptive;
-    # Qwen-like 664 against 815 and 468 against 478: both faster on every plan, so 'auto' takes them.
-    # Mixtral-like: 5145 against 5016 native (gate_up 3658 against 3283), CUTLASS stays 'auto'.
+    # five stages of 64-row tiles (OLMoE-like 241 us native, 160 adaptive, against 268 / 176 for the run before's
+    # pick, 128-row tiles with four stages, timed in the same run). Triton against CUTLASS (gather, GEMM + SwiGLU, GEMM),
+    # gate_up + down: OLMoE-like 835 against 909 us native, 555 against 701 adaptive; Qwen-like 664 against 815 and
+    # 468 against 478: both faster on every plan, so 'auto' takes them. Mixtral-like: 5145 against 5016 native
+    # (gate_up 3658 against 3283), CUTLASS stays 'auto'.
     "NVIDIA H200": {
         (4096, 14336): [(2**62, {"gate_up": {**_TMA_128, "num_stages": 4},
                                  "down": {**_64, "BLOCK_N": 256, "PERSISTENT": True},
