@@ -71,25 +71,24 @@ _TMA_128 = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "GROU
 _64 = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4, "GROUP_M": 16, "TMA": True}
 _FLAT = {"TMA": True, "PERSISTENT": True, "FLATTEN": True}
 TUNED: dict[str, dict[tuple[int, int], list]] = {
-    # benchmarks/moe_kernels.py tuned_experts_table() on data/results/experts-tune-20261201.json (H200, torch 2.11,
-    # triton 3.6, at c56b190, T = 4096, median of 3 interleaved rounds in shuffled order). The first few
+    # benchmarks/moe_kernels.py tuned_experts_table() on data/results/experts-tune-20261130.json (H200, torch 2.11,
+    # triton 3.6, at 1154eea, T = 4096, median of 3 interleaved rounds in shuffled order). The first few
     # configurations of a GEMM are within a few percent, less than one round's spread, so picks move between runs.
-    # The down GEMMs of OLMoE-like and Qwen-like run in persistent programs with the tile and K loops flattened and
-    # five stages of 64-row tiles (OLMoE-like 241 us native, 160 adaptive, against 268 / 176 for the run before's
-    # pick, 128-row tiles with four stages, timed in the same run). Triton against CUTLASS (gather, GEMM + SwiGLU, GEMM),
-    # gate_up + down: OLMoE-like 835 against 909 us native, 555 against 701 adaptive; Qwen-like 664 against 815 and
-    # 468 against 478: both faster on every plan, so 'auto' takes them. Mixtral-like: 5145 against 5016 native
-    # (gate_up 3658 against 3283), CUTLASS stays 'auto'.
+    # The down GEMMs of OLMoE-like and Qwen-like run in persistent programs with the tile and K loops flattened
+    # (252 / 216 us native, 175 / 149 adaptive, against 285 / 233 and 196 / 176 with TMA loads alone).
+    # OLMoE-like: faster than CUTLASS on both plans (gate_up + down 844 against 927 us native, 572 against 763
+    # adaptive); Mixtral-like and Qwen-like: not on every plan (Mixtral-like gate_up 3682 against 3329 us native,
+    # Qwen-like gate_up 345 against 314 adaptive), CUTLASS stays 'auto'
     "NVIDIA H200": {
-        (4096, 14336): [(2**62, {"gate_up": {**_TMA_128, "num_stages": 4},
-                                 "down": {**_64, "BLOCK_N": 256, "PERSISTENT": True},
+        (4096, 14336): [(2**62, {"gate_up": {**_TMA_128, "num_stages": 3, "TMA": False},
+                                 "down": {**_TMA_128, "BLOCK_N": 256, "num_stages": 4, "PERSISTENT": True},
                                  "beats_cutlass": False})],
-        (2048, 1024): [(2**62, {"gate_up": {**_TMA_128, "num_stages": 4},
-                                "down": {**_64, "BLOCK_N": 256, "num_stages": 5, **_FLAT},
+        (2048, 1024): [(2**62, {"gate_up": dict(_64),
+                                "down": {**_TMA_128, "BLOCK_N": 256, "num_stages": 4, **_FLAT},
                                 "beats_cutlass": True})],
-        (2048, 1408): [(2**62, {"gate_up": {**_64, "num_stages": 5},
-                                "down": {**_64, "BLOCK_N": 256, "num_stages": 5, **_FLAT},
-                                "beats_cutlass": True})],
+        (2048, 1408): [(2**62, {"gate_up": dict(_64),
+                                "down": {**_64, "BLOCK_N": 256, **_FLAT},
+                                "beats_cutlass": False})],
     },
 }
 
