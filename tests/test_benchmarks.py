@@ -26,3 +26,45 @@ def test_pin_fastest_cpu_pins_to_the_fastest_allowed_cpu():
     probe = {int(c): us for c, us in got["host"]["probe_us"].items()}
     assert set(probe) == os.sched_getaffinity(0) and all(us > 0 for us in probe.values())
     assert got["now"] == [got["host"]["pinned"]] and probe[got["host"]["pinned"]] == min(probe.values())
+
+
+def _ablation():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import routing_ablation
+
+    return routing_ablation
+
+
+def test_sass_loop_mix_counts_the_loop_body_only():
+    """Instructions between a label and the later branch back to it, by mnemonic (predicates and modifiers
+    dropped); the code before the label and after the branch is not counted; a listing without a loop is an error."""
+    ra = _ablation()
+    sass = "\n".join([
+        "Function:k",
+        "--:-:0:-:1\tLDC R1, c[0x0][0x28];",
+        "--:-:0:-:1\tVIMNMX R2, R3, R4, !PT;",
+        "LBB0:",
+        "--:-:0:-:1\tVIMNMX R2, R3, R4, !PT;",
+        "--:-:0:-:1\tVIMNMX.U32 R5, R3, R4, PT;",
+        "--:-:2:-:1\t@!P1 LDG.E.128 R4, desc[UR6][R14.64];",
+        "--:-:0:-:1\tMUFU.EX2 R11, R11;",
+        "--:-:-:-:6\t@P0 BRA LBB0;",
+        "--:-:-:-:1\tSTG.E desc[UR6][R2.64], R5;",
+        "LBB1:",
+        "--:-:-:Y:0\tBRA LBB1;",
+    ])
+    assert ra.sass_loop_mix(sass) == {"VIMNMX": 2, "LDG": 1, "MUFU": 1, "BRA": 1}
+    with pytest.raises(ValueError, match="no backward branch"):
+        ra.sass_loop_mix("LBB0:\n--:-:-:-:1\tEXIT;\n--:-:-:-:1\tBRA LBB2;\nLBB2:")
+
+
+def test_occupancy_takes_the_tightest_sm_limit():
+    """Programs per SM on compute capability 9.0: registers given out per warp in 256-register units, 2048 threads,
+    32 blocks, 228 KB of shared memory with 1 KB kept per block."""
+    ra = _ablation()
+    assert ra.occupancy(40, 2, 128) == 25  # registers: 1280 per warp -> 51 warps -> 25 two-warp programs
+    assert ra.occupancy(64, 4, 256) == 8
+    assert ra.occupancy(16, 1, 0) == 32  # the block limit
+    assert ra.occupancy(32, 8, 0) == 8  # the thread limit: 2048 / 256
+    assert ra.occupancy(32, 4, 120_000) == 1  # shared memory
+    assert ra.occupancy(255, 8, 0) == 1  # 255 -> 8192 registers per warp: 8 warps
