@@ -199,7 +199,7 @@ def interleaved_events_us(fns: dict, rounds: int, rep_ms: int) -> dict:
     spell of the GPU or host falls on all of them alike, so ratios of medians are steadier than ratios
     of times taken minutes apart. Each round takes the functions in another (seeded) order: on the H200
     two identical layers timed at fixed places in every round differed by up to 16%
-    (archive/moe-layer-20261130-2580876.json, OLMoE-like T = 4096: 1000 against 1160 us in a graph), a bias
+    (archive/moe-layer-20261130-2580876.json.xz, OLMoE-like T = 4096: 1000 against 1160 us in a graph), a bias
     of the place that a median cannot remove."""
     times = {name: [] for name in fns}
     names = list(fns)

@@ -1,6 +1,7 @@
 """Results files: newest by date, and the fallback to the committed results for topics a run did not write."""
 
 import json
+import lzma
 
 import pytest
 
@@ -44,8 +45,13 @@ def test_load_runs_current_and_archived_oldest_first(tmp_path):
             "archive/moe-layer-20261130-notes.json": "2026-11-30T22:00"}
     for name, created in docs.items():
         (tmp_path / name).write_text(json.dumps({"created": created, "rows": []}))
+    # the archive's compressed form; a compressed file beside the current one is not a run
+    for name, created in {"archive/moe-layer-20261128-0123abc.json.xz": "2026-11-28T09:00",
+                          "moe-layer-20261201.json.xz": "2026-12-01T09:00"}.items():
+        (tmp_path / name).write_bytes(lzma.compress(json.dumps({"created": created, "rows": []}).encode()))
     got = [d["created"] for d in results.load_runs("moe-layer", tmp_path)]
-    assert got == ["2026-11-29T10:00", "2026-11-30T20:00", "2026-11-30T23:00"]
+    assert got == ["2026-11-28T09:00", "2026-11-29T10:00", "2026-11-30T20:00", "2026-11-30T23:00"]
+    assert results.read_file(tmp_path / "archive/moe-layer-20261128-0123abc.json.xz")["created"] == "2026-11-28T09:00"
     with pytest.raises(FileNotFoundError, match="'routing-kernel'"):
         results.load_runs("routing-kernel", tmp_path)
     committed = results.load_runs("moe-layer")  # the committed runs: the newest is the current file

@@ -119,7 +119,7 @@ def get_gemm() -> str:
 
 
 # 'auto' takes the Triton experts up to this many padded rows (T * k_max) per expert: on the H200
-# (archive/moe-layer-20261130-c17d25a.json) the Triton layer was faster at T = 16 and 64 (4-16 rows per expert;
+# (archive/moe-layer-20261130-c17d25a.json.xz) the Triton layer was faster at T = 16 and 64 (4-16 rows per expert;
 # e.g. Mixtral-like T = 16: 0.69 against 1.08 ms, OLMoE-like T = 64 in a graph: 0.24 against 0.33 ms). Above,
 # CUTLASS, unless the device's tuned entry says the Triton GEMMs beat it (fused_supported).
 FUSED_MAX_ROWS_PER_EXPERT = 32

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import lzma
 import os
 import platform
 import re
@@ -150,14 +151,24 @@ def load_results(topic: str, directory: Path | None = None, fallback: bool = Fal
 
 def load_runs(topic: str, directory: Path | None = None) -> list[dict]:
     """Every committed run of a topic, oldest first (by `created`): the current `<topic>-<yyyymmdd>.json` and
-    the runs it replaced, `archive/<topic>-<yyyymmdd>-<commit>.json`: how far a number moves between runs."""
+    the runs it replaced, `archive/<topic>-<yyyymmdd>-<commit>.json.xz` (xz-compressed, since 2026-12-01: the
+    repository travels to the GPU machine whole, under a size limit; plain `.json` there is read too): how far a
+    number moves between runs."""
     d = Path(directory or REPO / "data" / "results")
-    name = re.compile(rf"{re.escape(topic)}-\d{{8}}(-[0-9a-f]{{7,40}})?\.json")
-    candidates = (*d.glob(f"{topic}-*.json"), *(d / "archive").glob(f"{topic}-*.json"))
-    files = [f for f in candidates if name.fullmatch(f.name)]
+    name = re.compile(rf"{re.escape(topic)}-\d{{8}}(-[0-9a-f]{{7,40}})?\.json(\.xz)?")
+    candidates = (*d.glob(f"{topic}-*.json"), *(d / "archive").glob(f"{topic}-*.json*"))
+    files = [f for f in candidates if name.fullmatch(f.name) and not (f.parent == d and f.suffix == ".xz")]
     if not files:
         raise FileNotFoundError(f"no results for topic {topic!r} in {d} or {d / 'archive'}")
-    return sorted((json.loads(f.read_text()) for f in files), key=lambda doc: doc["created"])
+    return sorted((read_file(f) for f in files), key=lambda doc: doc["created"])
+
+
+def read_file(path: Path) -> dict:
+    """One results file: JSON, or xz-compressed JSON (`.json.xz`, the archive's form)."""
+    path = Path(path)
+    if path.suffix == ".xz":
+        return json.loads(lzma.decompress(path.read_bytes()))
+    return json.loads(path.read_text())
 
 
 def load_optional(topic: str, directory: Path | None = None) -> dict | None:

@@ -334,7 +334,7 @@ def _launch_gemm(a: torch.Tensor, tok: torch.Tensor | None, offsets_E: torch.Ten
     a_desc = w_desc = None
     if cfg.get("TMA") and tma_supported(a, w):
         # host-built descriptors (built on the device, in every program, they made the GEMMs slower:
-        # archive/experts-tune-20261130-13bd670.json); their block shapes and data type follow from the
+        # archive/experts-tune-20261130-13bd670.json.xz); their block shapes and data type follow from the
         # constexprs and a's dtype, which the launcher's cache key holds
         w_desc = TensorDescriptor.from_tensor(w.view(-1, KD), [bn, bk])
         a_desc = None if tok is not None else TensorDescriptor.from_tensor(a, [bm, bk])  # gathered rows: pointers

@@ -17,7 +17,7 @@ which the first program also stores as `offsets`) + the earlier blocks' pairs of
 in the sorted block less the place of the expert's first pair there; stores in sorted order land in runs
 of consecutive rows. The version before built dense [tokens, experts] tiles in (1) and (3), work that grew
 with E: 67 / 132 / 172 us at T = 65536 for E = 64 / 128 / 256 on the H200, 17 us at T = 4096, E = 64
-(data/results/archive/pair-layout-20261130-65de188.json); the sort does the same at any E.
+(data/results/archive/pair-layout-20261130-65de188.json.xz); the sort does the same at any E.
 """
 
 from __future__ import annotations
