@@ -4,8 +4,6 @@
 #     text_representation:
 #       extension: .py
 #       format_name: percent
-#       format_version: '1.3'
-#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -127,6 +125,17 @@ if abl_doc is not None:
     fig.suptitle(machine_line(abl_doc), fontsize=7)
     savefig(fig, "04_routing_ablation")
     plt.show()
+
+# %% [markdown]
+# The shipped launch as compiled (`profile`, in runs since 2026-12-01): registers, how many programs fit
+# on an SM, how many waves the grid takes (below 1: every program resident from the start), and the
+# instructions of the chunk loop per logit (min / max: the selection and the running max).
+
+# %%
+if abl_doc is not None and abl_doc.get("profile"):
+    prof = pd.DataFrame(abl_doc["profile"]).set_index("E")
+    display(prof[["warps", "regs", "spills", "programs", "programs_per_sm", "waves", "loop_instructions",
+                  "instructions_per_logit", "minmax_per_logit", "mufu_per_logit"]].round(2))
 
 # %% [markdown]
 # ## 2 · Routing: eager call, Python launch included
