@@ -793,7 +793,7 @@ TUNE_ROUNDS = 3  # tune-gemm: interleaved timing rounds per configuration (media
 def tune_experts(tokens=4096, save=None, shapes=None):
     """GPU time of each Triton expert GEMM (gate_up + SwiGLU, down) per launch configuration, with pointer and
     with tensor-descriptor (TMA) loads, the latter also in persistent programs, on the native top-k plan and
-    the entropy-adaptive plan (terciles) of each layer shape at T = `tokens`, beside torch._grouped_mm
+    the entropy-adaptive plans (`tune_policies`) of each layer shape at T = `tokens`, beside torch._grouped_mm
     (CUTLASS; gather and SwiGLU passes included)."""
     from moelab.experts import grouped_gemm
     from moelab.kernels import grouped as gk
@@ -808,7 +808,7 @@ def tune_experts(tokens=4096, save=None, shapes=None):
         dn = (torch.randn(E, D, Fd, device="cuda", generator=g) * Fd ** -0.5).bfloat16()
         logits = torch.randn(tokens, E, device="cuda", generator=g).bfloat16()
         native = route_triton(logits, TopK(k), renorm)
-        plans = {"native": native, "adaptive": route_triton(logits, adaptive_policy(native.entropy, k), renorm)}
+        plans = {name: route_triton(logits, pol, renorm) for name, pol in tune_policies(native.entropy, k).items()}
         for plan_name, plan in plans.items():
             lay = pair_layout_padded(plan)
             offs = lay.offsets
@@ -854,6 +854,18 @@ def _cutlass_gate_up(x, tok, offs, gu):
     from moelab.kernels.experts import gather_rows, swiglu_rows
 
     return swiglu_rows(grouped_gemm(gather_rows(x, tok, offs), gu, offs), offs)
+
+
+def tune_policies(entropy, k) -> dict:
+    """The plans tune-gemm times the expert GEMMs on: native top-k, the terciles policy ('adaptive', about 58% of
+    the pairs kept) and, since 2026-12-01, the median policy ('adaptive_q50', (k/2, k) at the median entropy,
+    about 75%) where it differs from the terciles one (not for k = 2). One configuration serves them all: a
+    table picked on two plans made 'auto' take a path that was slower on the third (data/results/trials)."""
+    pols = {"native": TopK(k), "adaptive": adaptive_policy(entropy, k)}
+    q50 = EntropyAdaptiveK((max(1, k // 2), k), (float(entropy.float().quantile(0.5)),))
+    if q50 != pols["adaptive"]:
+        pols["adaptive_q50"] = q50
+    return pols
 
 
 def tuned_experts_table(rows) -> dict:
@@ -953,7 +965,8 @@ def main():
                  "flushed; since 2026-11-30 12:30 the median of 3 rounds of 20 ms in which every configuration of a "
                  "(shape, plan) and CUTLASS are timed in turn (since 1356df0, 2026-11-30 22:44 UTC, in a seeded "
                  "shuffled order per round), rounds_us) on the native top-k plan and the "
-                 "entropy-adaptive plan (terciles) of each layer shape at T=4096, bf16, random weights; cutlass "
+                 "entropy-adaptive plan (terciles) of each layer shape at T=4096 (since 2026-12-01 also the median "
+                 "policy, plan 'adaptive_q50', where it differs: tune_policies), bf16, random weights; cutlass "
                  "rows: torch._grouped_mm on the same rows (gate_up: + gather and SwiGLU passes, which the Triton "
                  "gate_up fuses). tuned_table: per (D, F) and kernel the configuration with the smallest worst "
                  "slowdown over the two plans, as moelab.kernels.grouped.TUNED takes it.")

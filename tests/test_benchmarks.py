@@ -68,3 +68,20 @@ def test_occupancy_takes_the_tightest_sm_limit():
     assert ra.occupancy(32, 8, 0) == 8  # the thread limit: 2048 / 256
     assert ra.occupancy(32, 4, 120_000) == 1  # shared memory
     assert ra.occupancy(255, 8, 0) == 1  # 255 -> 8192 registers per warp: 8 warps
+
+
+def test_tune_policies_add_the_median_plan_where_it_differs():
+    """tune-gemm's plans: native top-k, the terciles policy and the median policy (k/2, k) at the median entropy;
+    for k = 2 the median policy is the terciles one, so it is not timed twice."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import moe_kernels as mk
+    import torch
+
+    from moelab.routing import EntropyAdaptiveK, TopK
+
+    ent = torch.linspace(0.0, 2.0, 101)
+    pols = mk.tune_policies(ent, 8)
+    assert list(pols) == ["native", "adaptive", "adaptive_q50"]
+    assert pols["native"] == TopK(8) and pols["adaptive"].k_values == (2, 4, 8)
+    assert pols["adaptive_q50"] == EntropyAdaptiveK((4, 8), (1.0,))
+    assert list(mk.tune_policies(ent, 2)) == ["native", "adaptive"]
