@@ -480,8 +480,13 @@ def layer_policies(block, k, renorm, D):
     ent = route_torch(F.linear(xc, block.gate.weight), TopK(k), renorm).entropy
     pols = {"native": TopK(k), "adaptive": adaptive_policy(ent, k)}
     for q in (0.25, 0.5):
-        pols[f"adaptive_q{int(q * 100)}"] = EntropyAdaptiveK((max(1, k // 2), k), (float(ent.quantile(q)),))
+        pols[f"adaptive_q{int(q * 100)}"] = quantile_policy(ent, k, q)
     return pols
+
+
+def quantile_policy(entropy, k, q):
+    """(k/2, k) with the threshold at the q-quantile of the batch's entropy: about 1 - q / 2 of the pairs kept."""
+    return EntropyAdaptiveK((max(1, k // 2), k), (float(entropy.float().quantile(q)),))
 
 
 ROUNDS = 5  # layer benchmark: interleaved timing rounds per variant (median reported, every round kept)
@@ -862,7 +867,7 @@ def tune_policies(entropy, k) -> dict:
     about 75%) where it differs from the terciles one (not for k = 2). One configuration serves them all: a
     table picked on two plans made 'auto' take a path that was slower on the third (data/results/trials)."""
     pols = {"native": TopK(k), "adaptive": adaptive_policy(entropy, k)}
-    q50 = EntropyAdaptiveK((max(1, k // 2), k), (float(entropy.float().quantile(0.5)),))
+    q50 = quantile_policy(entropy, k, 0.5)
     if q50 != pols["adaptive"]:
         pols["adaptive_q50"] = q50
     return pols

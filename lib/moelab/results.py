@@ -157,7 +157,7 @@ def load_runs(topic: str, directory: Path | None = None) -> list[dict]:
     d = Path(directory or REPO / "data" / "results")
     name = re.compile(rf"{re.escape(topic)}-\d{{8}}(-[0-9a-f]{{7,40}})?\.json(\.xz)?")
     candidates = (*d.glob(f"{topic}-*.json"), *(d / "archive").glob(f"{topic}-*.json*"))
-    files = [f for f in candidates if name.fullmatch(f.name) and not (f.parent == d and f.suffix == ".xz")]
+    files = [f for f in candidates if name.fullmatch(f.name)]  # the current file is plain .json: the glob above
     if not files:
         raise FileNotFoundError(f"no results for topic {topic!r} in {d} or {d / 'archive'}")
     return sorted((read_file(f) for f in files), key=lambda doc: doc["created"])
