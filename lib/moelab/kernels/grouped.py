@@ -71,23 +71,24 @@ _TMA_128 = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "GROU
 _64 = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4, "GROUP_M": 16, "TMA": True}
 _FLAT = {"TMA": True, "PERSISTENT": True, "FLATTEN": True}
 TUNED: dict[str, dict[tuple[int, int], list]] = {
-    # benchmarks/moe_kernels.py tuned_experts_table() on data/results/experts-tune-20261130.json (H200, torch 2.11,
-    # triton 3.6, at 1154eea, T = 4096, median of 3 interleaved rounds in shuffled order). The first few
-    # configurations of a GEMM are within a few percent, less than one round's spread, so picks move between runs.
-    # The down GEMMs of OLMoE-like and Qwen-like run in persistent programs with the tile and K loops flattened
-    # (252 / 216 us native, 175 / 149 adaptive, against 285 / 233 and 196 / 176 with TMA loads alone).
-    # OLMoE-like: faster than CUTLASS on both plans (gate_up + down 844 against 927 us native, 572 against 763
-    # adaptive); Mixtral-like and Qwen-like: not on every plan (Mixtral-like gate_up 3682 against 3329 us native,
-    # Qwen-like gate_up 345 against 314 adaptive), CUTLASS stays 'auto'
+    # benchmarks/moe_kernels.py tuned_experts_table() on data/results/experts-tune-20261201.json (H200, torch 2.11,
+    # triton 3.6, at 18235a1, T = 4096, median of 3 interleaved rounds in shuffled order, picked over three plans:
+    # native top-k, the terciles policy and the median policy, tune_policies). The first few configurations of a
+    # GEMM are within a few percent, less than one round's spread, so picks move between runs. The down GEMMs run
+    # in persistent programs with the tile and K loops flattened; OLMoE- and Qwen-like ones with 64 x 256 tiles
+    # and 5 stages (OLMoE-like 244 / 160 us native / adaptive against 266 / 179 for 128 x 256 with 4).
+    # OLMoE-like: faster than CUTLASS on every plan (gate_up + down 836 against 912 us native, 542 against 698
+    # terciles, 680 against 719 median); Mixtral-like and Qwen-like: not on every plan (Mixtral-like 5107 against
+    # 4975 us native; Qwen-like 696 against 794 native but 485 against 481 terciles), CUTLASS stays 'auto'
     "NVIDIA H200": {
-        (4096, 14336): [(2**62, {"gate_up": {**_TMA_128, "num_stages": 3, "TMA": False},
-                                 "down": {**_TMA_128, "BLOCK_N": 256, "num_stages": 4, "PERSISTENT": True},
+        (4096, 14336): [(2**62, {"gate_up": {**_TMA_128, "num_stages": 4},
+                                 "down": {**_TMA_128, "BLOCK_N": 256, "num_stages": 4, **_FLAT},
                                  "beats_cutlass": False})],
-        (2048, 1024): [(2**62, {"gate_up": dict(_64),
-                                "down": {**_TMA_128, "BLOCK_N": 256, "num_stages": 4, **_FLAT},
+        (2048, 1024): [(2**62, {"gate_up": {**_64, "num_stages": 5},
+                                "down": {**_64, "BLOCK_N": 256, "num_stages": 5, **_FLAT},
                                 "beats_cutlass": True})],
-        (2048, 1408): [(2**62, {"gate_up": dict(_64),
-                                "down": {**_64, "BLOCK_N": 256, **_FLAT},
+        (2048, 1408): [(2**62, {"gate_up": {**_TMA_128, "num_stages": 4},
+                                "down": {**_64, "BLOCK_N": 256, "num_stages": 5, **_FLAT},
                                 "beats_cutlass": False})],
     },
 }
