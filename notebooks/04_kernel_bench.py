@@ -373,9 +373,10 @@ summary
 # %% [markdown]
 # ## 5a · The layer target on several input batches
 # Runs from 2026-12-01 on also time the target's layers (ours, native and every adaptive policy) on four
-# more input batches at T = 4096 (`batch_targets` / `batch_summary`). With 128-row GEMM tiles the same share
-# of kept pairs makes another share of row tiles on another batch, and the ratio follows the tiles: the
-# right panel puts each batch's ratio against its tile share.
+# more input batches at T = 4096 (`batch_targets` / `batch_summary`). The same share of kept pairs makes another
+# share of GEMM row tiles on another batch, and the ratio follows the tiles: the right panel puts each batch's
+# ratio against its tile share (the tiles of the path 'auto' took: 128 rows on CUTLASS, the tuned gate_up tile
+# on the Triton GEMMs, `report._row_tile`).
 
 # %%
 per_batch = batch_targets(layer_doc)
@@ -394,7 +395,7 @@ else:
         ax1.plot(g["batch"] + 0.08 * i, g["limit"], "_", color=f"C{i}", ms=9)
     ax1.set(xlabel="input batch", ylabel="adaptive / native (o eager, x graph; dash: limit)",
             xticks=sorted(pb["batch"].unique()))
-    ax2.set(xlabel="share of the native plan's 128-row tiles", ylabel="adaptive / native")
+    ax2.set(xlabel="share of the native plan's GEMM row tiles", ylabel="adaptive / native")
     lo, hi = ax2.get_xlim()
     ax2.plot([lo, hi], [lo * LAYER_SLACK, hi * LAYER_SLACK], ":", color="grey", lw=0.8)
     ax2.text(hi, hi * LAYER_SLACK, "1.1 x tile share", fontsize=5, ha="right", va="bottom", color="grey")

@@ -308,3 +308,28 @@ def test_power_trace_summary(tmp_path):
     assert p["other_mhz"] == (1980.0, 1980.0, 1980.0)
     committed = sorted((results.REPO / "data" / "results" / "logs").glob("smi-trace-*.csv"))
     assert committed and all(0 < power_trace(f)["capped_share"] < 1 for f in committed)
+
+
+def test_layer_targets_tile_share_follows_the_path_the_run_took():
+    """The tile share beside a ratio counts the row tiles of the variant's expert path: 'auto' goes Triton where
+    the run's tuned entry beats CUTLASS, and the Triton path's tiles are its tuned gate_up BLOCK_M (64 without a
+    table); CUTLASS rows are 128-row tiles."""
+    def row(var, kept, D=2048, F=1024):
+        return {"shape": "s", "T": 4096, "variant": var, "time_us": float(kept), "graph_us": None, "D": D, "F": F,
+                "kept_pairs": kept, "native_pairs": 100, "gemm_tiles_128": kept // 10, "gemm_tiles_64": kept // 4}
+
+    rows = [row(v, 100) for v in ("moelab_topk", "moelab_topk_triton", "moelab_topk_cutlass")]
+    rows += [row(v, 60) for v in ("moelab_adaptive", "moelab_adaptive_triton", "moelab_adaptive_cutlass")]
+
+    def tiles(tuned):
+        t = layer_targets({"rows": rows, "experts_tuned": tuned}).dropna(subset=["variant"]).set_index("variant")
+        return {v: (t.loc[v, "target"].split(", ")[1].rstrip(")"), t.loc[v, "tiles"]) for v in t.index}
+
+    gu = {"gate_up": {"BLOCK_M": 64}, "down": {"BLOCK_M": 64}}
+    got = tiles({"(2048, 1024)": [[2**62, {**gu, "beats_cutlass": True}]]})
+    assert got["moelab_adaptive"] == ("64-row tiles 0.600", 15 / 25)
+    assert got["moelab_adaptive_cutlass"] == ("128-row tiles 0.600", 6 / 10)
+    got = tiles({"(2048, 1024)": [[2**62, {"gate_up": {"BLOCK_M": 128}, "down": {}, "beats_cutlass": False}]]})
+    assert got["moelab_adaptive"][0].startswith("128") and got["moelab_adaptive_triton"][0].startswith("128")
+    got = tiles(None)
+    assert got["moelab_adaptive"][0].startswith("128") and got["moelab_adaptive_triton"][0].startswith("64")

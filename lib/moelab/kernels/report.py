@@ -90,9 +90,7 @@ def layer_targets(doc: dict, tokens: int = 4096) -> pd.DataFrame:
                 if var.endswith(suffix):
                     base = by.loc[f"moelab_topk_{suffix}"]
             kept = ada["kept_pairs"] / ada["native_pairs"]
-            # what the path's GEMM row tiles allow: 128 rows for CUTLASS (and results from before the Triton
-            # GEMMs, which have no gemm_tiles_64), 64 for the Triton path
-            rows = 64 if var.endswith("triton") and pd.notna(ada.get("gemm_tiles_64")) else 128
+            rows = _row_tile(var, ada, doc.get("experts_tuned"))
             tiles = ada[f"gemm_tiles_{rows}"] / base[f"gemm_tiles_{rows}"]
             # a shared expert (Qwen-like) does shared_ffn / F routed experts' work for every token and never
             # shrinks with k: a second row counts it as that many always-kept pairs per token
@@ -114,6 +112,20 @@ def layer_targets(doc: dict, tokens: int = 4096) -> pd.DataFrame:
     return pd.DataFrame(out)
 
 
+def _row_tile(var: str, row, tuned: dict | None) -> int:
+    """Rows per GEMM tile on the variant's expert path, whose tile share the report shows beside the ratio:
+    128 for CUTLASS (and for results from before the Triton GEMMs, which have no gemm_tiles_64); on the Triton
+    path (pinned, or 'auto' where the run's tuned entry beats CUTLASS) the tuned gate_up BLOCK_M (gate_up does
+    two thirds of the FLOPs), 64 where the run recorded no table."""
+    if var.endswith("cutlass") or pd.isna(row.get("gemm_tiles_64")):
+        return 128
+    entry = (tuned or {}).get(f"({int(row['D'])}, {int(row['F'])})") if "D" in row and "F" in row else None
+    entry = entry[-1][1] if entry else None
+    if not var.endswith("triton") and not (entry or {}).get("beats_cutlass"):
+        return 128  # 'auto' on CUTLASS at many rows per expert
+    return 128 if entry and entry["gate_up"].get("BLOCK_M") == 128 else 64
+
+
 def batch_targets(doc: dict, tokens: int = 4096) -> pd.DataFrame:
     """The adaptive-layer rows of `layer_targets` per input batch: batch 0 from the document's rows (only the
     variants that the further batches time too), batches 1.. from doc["batches"] (moe-layer runs from
@@ -127,7 +139,7 @@ def batch_targets(doc: dict, tokens: int = 4096) -> pd.DataFrame:
         groups.setdefault(r["batch"], []).append(r)
     frames = []
     for b, rows in sorted(groups.items()):
-        t = layer_targets({"rows": rows}, tokens)
+        t = layer_targets({"rows": rows, "experts_tuned": doc.get("experts_tuned")}, tokens)
         frames.append(t[t["T"] == tokens].assign(batch=b))
     return pd.concat(frames, ignore_index=True)
 
