@@ -876,7 +876,7 @@ def tune_policies(entropy, k) -> dict:
 def tuned_experts_table(rows) -> dict:
     """{(D, F): [(2**62, {"gate_up": cfg, "down": cfg, "beats_cutlass": bool})]} in the form of
     moelab.kernels.grouped.TUNED: per shape and kernel the configuration whose worst slowdown against the
-    fastest, over the plans (native, adaptive), is smallest (moelab.kernels.report.least_regret);
+    fastest, over the plans timed (tune_policies), is smallest (moelab.kernels.report.least_regret);
     beats_cutlass: those two GEMMs take less time than CUTLASS's (gather, GEMM + SwiGLU, GEMM) on every
     plan, so set_gemm('auto') runs them at many rows per expert too."""
     from moelab.kernels.report import GEMM_KEYS, least_regret
@@ -974,7 +974,7 @@ def main():
                  "policy, plan 'adaptive_q50', where it differs: tune_policies), bf16, random weights; cutlass "
                  "rows: torch._grouped_mm on the same rows (gate_up: + gather and SwiGLU passes, which the Triton "
                  "gate_up fuses). tuned_table: per (D, F) and kernel the configuration with the smallest worst "
-                 "slowdown over the two plans, as moelab.kernels.grouped.TUNED takes it.")
+                 "slowdown over the plans (since 2026-12-01 three), as moelab.kernels.grouped.TUNED takes it.")
 
         def save_tune(rows):
             table = tuned_experts_table(rows)

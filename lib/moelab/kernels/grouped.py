@@ -65,8 +65,8 @@ FEW_ROWS = [
 
 # device name -> {(D, F): [(N up to, {"gate_up": {...}, "down": {...}, "beats_cutlass": bool}), ...]} (N = T * k_max
 # rows); an entry's dicts update the default's key by key (many rows per expert only). beats_cutlass: the tuning
-# run measured these GEMMs faster than torch._grouped_mm (with its gather and SwiGLU passes) on both the native
-# and the adaptive plan, so set_gemm('auto') takes them at many rows per expert too (moelab.experts).
+# run measured these GEMMs faster than torch._grouped_mm (with its gather and SwiGLU passes) on every plan it
+# timed (native and entropy-adaptive), so set_gemm('auto') takes them at many rows per expert too (moelab.experts).
 _TMA_128 = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "GROUP_M": 16, "TMA": True}
 _64 = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4, "GROUP_M": 16, "TMA": True}
 _FLAT = {"TMA": True, "PERSISTENT": True, "FLATTEN": True}
@@ -125,7 +125,7 @@ def _tuned_entry(N: int, D: int, Fd: int, cuda: int) -> dict | None:
 
 def tuned_beats_cutlass(N: int, E: int, D: int, Fd: int, device: torch.device) -> bool:
     """Whether this device's tuning run (benchmarks/moe_kernels.py --parts tune-gemm) measured the tuned
-    GEMMs faster than torch._grouped_mm at many rows per expert for (D, F), on native and adaptive plans
+    GEMMs faster than torch._grouped_mm at many rows per expert for (D, F), on every plan it timed
     ('beats_cutlass' in the TUNED entry): then set_gemm('auto') runs them there too."""
     if device.type != "cuda" or N <= FEW_ROWS[-1][0] * E:
         return False
