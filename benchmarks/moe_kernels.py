@@ -774,19 +774,16 @@ def tuned_table(rows) -> dict:
 GEMM_CONFIGS = {  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, GROUP_M); gate_up's BLOCK_N counts gate and up each
     "gate_up": [(64, 64, 64, 4, 3, 16), (64, 128, 64, 8, 3, 16), (128, 64, 64, 8, 3, 16), (64, 64, 64, 4, 4, 32),
                 (64, 128, 64, 4, 3, 16), (64, 64, 128, 4, 3, 16), (64, 128, 64, 4, 4, 16), (128, 128, 64, 8, 3, 16),
-                (128, 128, 64, 8, 4, 16), (64, 128, 64, 4, 5, 16), (64, 64, 64, 4, 6, 16), (32, 128, 64, 4, 5, 16),
-                (32, 128, 128, 4, 4, 16)],
+                (128, 128, 64, 8, 4, 16), (64, 128, 64, 4, 5, 16), (64, 64, 64, 4, 6, 16)],
     "down": [(64, 128, 64, 4, 3, 16), (64, 256, 64, 8, 3, 16), (128, 128, 64, 8, 3, 16), (64, 128, 64, 4, 4, 32),
              (128, 256, 64, 8, 3, 16), (64, 128, 128, 4, 3, 16), (64, 256, 64, 4, 4, 16), (128, 128, 64, 4, 3, 16),
-             (128, 256, 64, 8, 4, 16), (64, 256, 64, 4, 5, 16), (32, 256, 64, 4, 5, 16)],
+             (128, 256, 64, 8, 4, 16), (64, 256, 64, 4, 5, 16)],
 }
 # the last gate_up / down entries (since 2026-12-01): deeper pipelines, 5-6 stages of weight tiles in flight (about
 # 200 KB of shared memory): the expert weights stream from HBM once per GEMM (OLMoE-like gate_up: 512 MB). In their
 # first run (data/results/trials/experts-tune-20261201-c56b190.json, H200) OLMoE-like down 64x256 with 5 stages took
 # 241 / 160 us (native / adaptive) against 268 / 176 for the 128x256 4-stage pick of grouped.TUNED; the picks of that
-# run were not adopted (data/results/trials/README.md). The 32-row entries (since 2026-12-01, 07:10 UTC): smaller row
-# tiles round each expert's rows up by less (OLMoE-like terciles plan: 0.60-0.62 of the native plan's 64-row tiles
-# at 0.586 of its pairs), at the cost of reading each weight tile for half as many rows.
+# run were not adopted (data/results/trials/README.md).
 
 
 # (TMA, PERSISTENT, FLATTEN) per configuration: pointer loads, TMA loads, TMA loads in persistent programs (one
