@@ -200,11 +200,11 @@ def _tile_map_kernel(offs_ptr, out_ptr, E, BLOCK_M: tl.constexpr, BLOCK_E: tl.co
 
 @triton.jit
 def _expert_gemm_kernel(
-    a_ptr, a_desc, tok_ptr, offs_ptr, w_ptr, w_desc, out_ptr, ctr_ptr,
+    a_ptr, a_desc, tok_ptr, offs_ptr, w_ptr, w_desc, out_ptr,
     KD, N, E, NUM_M,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, GROUP_M: tl.constexpr, GATED: tl.constexpr,
-    TMA: tl.constexpr, PERSISTENT: tl.constexpr, FLATTEN: tl.constexpr = False, DYNAMIC: tl.constexpr = False,
+    TMA: tl.constexpr, PERSISTENT: tl.constexpr, FLATTEN: tl.constexpr = False,
 ):
     """out[r, n] = a[r] . w[e, n] (w: [E, N, KD]) for the rows r of one expert's tile: the down GEMM.
     GATED: the gate_up GEMM + SwiGLU, rows of a gathered through tok, w: [E, 2N, KD],
@@ -217,21 +217,7 @@ def _expert_gemm_kernel(
     (with fewer kept pairs, more of them: each still takes an SM's turn)."""
     starts, ends, tiles, cum, total = _groups(offs_ptr, E, BLOCK_M, BLOCK_E)
     num_n = tl.cdiv(N, BLOCK_N)
-    if DYNAMIC:
-        # persistent programs that take the next tile from a device counter (tiles go to whichever program is
-        # free, as the hardware hands out one-tile programs, without a program per tile); the last program out
-        # sets the counters back to zero for the next launch
-        t = tl.atomic_add(ctr_ptr, 1)
-        while t < total * num_n:
-            pid_m, pid_n = _swizzle(t, total, num_n, GROUP_M)
-            e, row0, end = _find(pid_m, starts, ends, tiles, cum, BLOCK_M, BLOCK_E)
-            _gemm_tile(a_ptr, a_desc, tok_ptr, w_ptr, w_desc, out_ptr, KD, N, e, row0, end, pid_n,
-                       BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, GATED, TMA)
-            t = tl.atomic_add(ctr_ptr, 1)
-        if tl.atomic_add(ctr_ptr + 1, 1) == tl.num_programs(0) - 1:
-            tl.atomic_xchg(ctr_ptr, 0)
-            tl.atomic_xchg(ctr_ptr + 1, 0)
-    elif PERSISTENT:
+    if PERSISTENT:
         # FLATTEN: the tile loop and the K loop software-pipelined as one, so the next tile's first loads
         # are in flight during this tile's last steps and its stores
         for t in tl.range(tl.program_id(0), total * num_n, tl.num_programs(0), flatten=FLATTEN):
@@ -340,8 +326,7 @@ def _launch_gemm(a: torch.Tensor, tok: torch.Tensor | None, offsets_E: torch.Ten
     grid = (num_m * cdiv(n_out, bn),)
     if not grid[0]:
         return out
-    dynamic = bool(cfg.get("DYNAMIC"))
-    persistent = bool(cfg.get("PERSISTENT")) or dynamic
+    persistent = bool(cfg.get("PERSISTENT"))
     if persistent:  # one program per SM (the tuned tiles fill an SM's shared memory), looping over the tiles
         grid = (min(grid[0], _programs(a)),)
     rows_from = offsets_E if tok is None else tok
@@ -355,22 +340,11 @@ def _launch_gemm(a: torch.Tensor, tok: torch.Tensor | None, offsets_E: torch.Ten
         w_desc = TensorDescriptor.from_tensor(w.view(-1, KD), [bn, bk])
         a_desc = None if tok is not None else TensorDescriptor.from_tensor(a, [bm, bk])  # gathered rows: pointers
     args = (a, a if a_desc is None else a_desc, rows_from, offsets_E, w, w if w_desc is None else w_desc, out,
-            _counters(a.device), KD, n_out, E, num_m)
+            KD, n_out, E, num_m)
     launch(_expert_gemm_kernel, grid, args, dict(meta, TMA=w_desc is not None, PERSISTENT=persistent,
-                                                  FLATTEN=persistent and bool(cfg.get("FLATTEN")), DYNAMIC=dynamic),
+                                                  FLATTEN=persistent and bool(cfg.get("FLATTEN"))),
            cfg["num_warps"], cfg["num_stages"])
     return out
-
-
-_COUNTERS: dict = {}
-
-
-def _counters(device: torch.device) -> torch.Tensor:
-    """The DYNAMIC programs' tile counter and exit counter on this device (zero between launches)."""
-    c = _COUNTERS.get(device)
-    if c is None:
-        c = _COUNTERS[device] = torch.zeros(2, dtype=torch.int32, device=device)
-    return c
 
 
 INTERPRET_PROGRAMS = 3  # persistent programs under TRITON_INTERPRET: several, so each loops over strided tiles
