@@ -204,7 +204,7 @@ def _expert_gemm_kernel(
     KD, N, E, NUM_M,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, GROUP_M: tl.constexpr, GATED: tl.constexpr,
-    TMA: tl.constexpr, PERSISTENT: tl.constexpr, FLATTEN: tl.constexpr = False, TILES: tl.constexpr = 1,
+    TMA: tl.constexpr, PERSISTENT: tl.constexpr, FLATTEN: tl.constexpr = False,
 ):
     """out[r, n] = a[r] . w[e, n] (w: [E, N, KD]) for the rows r of one expert's tile: the down GEMM.
     GATED: the gate_up GEMM + SwiGLU, rows of a gathered through tok, w: [E, 2N, KD],
@@ -226,16 +226,12 @@ def _expert_gemm_kernel(
             _gemm_tile(a_ptr, a_desc, tok_ptr, w_ptr, w_desc, out_ptr, KD, N, e, row0, end, pid_n,
                        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, GATED, TMA)
     else:
-        # TILES: program p takes tiles p, p + G, ... of the swizzled order (G programs): fewer programs of the
-        # upper bound NUM_M find no tile (each one still takes an SM's turn)
-        for i in tl.static_range(TILES):
-            t = tl.program_id(0) + i * tl.num_programs(0)
-            if t < NUM_M * num_n:
-                pid_m, pid_n = _swizzle(t, NUM_M, num_n, GROUP_M)
-                if pid_m < total:
-                    e, row0, end = _find(pid_m, starts, ends, tiles, cum, BLOCK_M, BLOCK_E)
-                    _gemm_tile(a_ptr, a_desc, tok_ptr, w_ptr, w_desc, out_ptr, KD, N, e, row0, end, pid_n,
-                               BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, GATED, TMA)
+        pid_m, pid_n = _swizzle(tl.program_id(0), NUM_M, num_n, GROUP_M)
+        if pid_m >= total:
+            return
+        e, row0, end = _find(pid_m, starts, ends, tiles, cum, BLOCK_M, BLOCK_E)
+        _gemm_tile(a_ptr, a_desc, tok_ptr, w_ptr, w_desc, out_ptr, KD, N, e, row0, end, pid_n,
+                   BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, GATED, TMA)
 
 
 @triton.jit
@@ -331,12 +327,8 @@ def _launch_gemm(a: torch.Tensor, tok: torch.Tensor | None, offsets_E: torch.Ten
     if not grid[0]:
         return out
     persistent = bool(cfg.get("PERSISTENT"))
-    tiles_per = 1
     if persistent:  # one program per SM (the tuned tiles fill an SM's shared memory), looping over the tiles
         grid = (min(grid[0], _programs(a)),)
-    else:
-        tiles_per = int(cfg.get("TILES", 1))
-        grid = (cdiv(grid[0], tiles_per),)
     rows_from = offsets_E if tok is None else tok
     meta = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, BLOCK_E=pow2(max(E, 2)), EVEN_K=KD % bk == 0,
                 PRECISION=_precision(a.dtype), GROUP_M=cfg.get("GROUP_M", 1), GATED=tok is not None)
@@ -350,7 +342,7 @@ def _launch_gemm(a: torch.Tensor, tok: torch.Tensor | None, offsets_E: torch.Ten
     args = (a, a if a_desc is None else a_desc, rows_from, offsets_E, w, w if w_desc is None else w_desc, out,
             KD, n_out, E, num_m)
     launch(_expert_gemm_kernel, grid, args, dict(meta, TMA=w_desc is not None, PERSISTENT=persistent,
-                                                  FLATTEN=persistent and bool(cfg.get("FLATTEN")), TILES=tiles_per),
+                                                  FLATTEN=persistent and bool(cfg.get("FLATTEN"))),
            cfg["num_warps"], cfg["num_stages"])
     return out
 
