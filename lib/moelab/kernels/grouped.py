@@ -186,28 +186,6 @@ def _swizzle(pid, NUM_M, num_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def _by_expert(t, tiles, cum, num_n, BLOCK_E: tl.constexpr):
-    """(row tile, column tile) of tile t when each expert's tiles run together, one column after another: a
-    column's weights are read by all of the expert's row tiles at once, and no expert is split between two
-    groups of row tiles (with GROUP_M, an expert across a group boundary has its weights read twice unless
-    they stay in L2 in between)."""
-    e = tl.sum((cum * num_n <= t).to(tl.int32), 0)
-    sel = tl.arange(0, BLOCK_E) == e
-    n_e = tl.sum(tl.where(sel, tiles, 0), 0)
-    first = tl.sum(tl.where(sel, cum - tiles, 0), 0)  # the expert's first row tile
-    local = t - first * num_n
-    return first + local % tl.maximum(n_e, 1), local // tl.maximum(n_e, 1)
-
-
-@triton.jit
-def _order(t, NUM_M, num_n, tiles, cum, GROUP_M: tl.constexpr, BY_EXPERT: tl.constexpr, BLOCK_E: tl.constexpr):
-    """(row tile, column tile) of tile t (t < tiles that exist x num_n when BY_EXPERT)."""
-    if BY_EXPERT:
-        return _by_expert(t, tiles, cum, num_n, BLOCK_E)
-    return _swizzle(t, NUM_M, num_n, GROUP_M)
-
-
-@triton.jit
 def _tile_map_kernel(offs_ptr, out_ptr, E, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
     """(expert, first row, end row) of each program's tile, (-1, -1, -1) past the total: the map the
     GEMM kernels use, written out (tests)."""
@@ -226,7 +204,7 @@ def _expert_gemm_kernel(
     KD, N, E, NUM_M,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
     EVEN_K: tl.constexpr, PRECISION: tl.constexpr, GROUP_M: tl.constexpr, GATED: tl.constexpr,
-    TMA: tl.constexpr, PERSISTENT: tl.constexpr, FLATTEN: tl.constexpr = False, BY_EXPERT: tl.constexpr = False,
+    TMA: tl.constexpr, PERSISTENT: tl.constexpr, FLATTEN: tl.constexpr = False,
 ):
     """out[r, n] = a[r] . w[e, n] (w: [E, N, KD]) for the rows r of one expert's tile: the down GEMM.
     GATED: the gate_up GEMM + SwiGLU, rows of a gathered through tok, w: [E, 2N, KD],
@@ -243,14 +221,12 @@ def _expert_gemm_kernel(
         # FLATTEN: the tile loop and the K loop software-pipelined as one, so the next tile's first loads
         # are in flight during this tile's last steps and its stores
         for t in tl.range(tl.program_id(0), total * num_n, tl.num_programs(0), flatten=FLATTEN):
-            pid_m, pid_n = _order(t, total, num_n, tiles, cum, GROUP_M, BY_EXPERT, BLOCK_E)
+            pid_m, pid_n = _swizzle(t, total, num_n, GROUP_M)
             e, row0, end = _find(pid_m, starts, ends, tiles, cum, BLOCK_M, BLOCK_E)
             _gemm_tile(a_ptr, a_desc, tok_ptr, w_ptr, w_desc, out_ptr, KD, N, e, row0, end, pid_n,
                        BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, PRECISION, GATED, TMA)
     else:
-        if BY_EXPERT and tl.program_id(0) >= total * num_n:
-            return
-        pid_m, pid_n = _order(tl.program_id(0), NUM_M, num_n, tiles, cum, GROUP_M, BY_EXPERT, BLOCK_E)
+        pid_m, pid_n = _swizzle(tl.program_id(0), NUM_M, num_n, GROUP_M)
         if pid_m >= total:
             return
         e, row0, end = _find(pid_m, starts, ends, tiles, cum, BLOCK_M, BLOCK_E)
@@ -366,8 +342,7 @@ def _launch_gemm(a: torch.Tensor, tok: torch.Tensor | None, offsets_E: torch.Ten
     args = (a, a if a_desc is None else a_desc, rows_from, offsets_E, w, w if w_desc is None else w_desc, out,
             KD, n_out, E, num_m)
     launch(_expert_gemm_kernel, grid, args, dict(meta, TMA=w_desc is not None, PERSISTENT=persistent,
-                                                  FLATTEN=persistent and bool(cfg.get("FLATTEN")),
-                                                  BY_EXPERT=bool(cfg.get("BY_EXPERT"))),
+                                                  FLATTEN=persistent and bool(cfg.get("FLATTEN"))),
            cfg["num_warps"], cfg["num_stages"])
     return out
 
