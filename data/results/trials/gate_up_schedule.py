@@ -1,7 +1,7 @@
 """Trial (data/results/trials/README.md): OLMoE-like layer, T = 4096, batches 0-4, native and terciles policy, with
 gate_up launch variants (config overrides of grouped.TUNED) timed in CUDA graphs in turn (and eager for two of them),
 the cost of a gate_up grid whose groups are all empty, and per-kernel profiles of the whole layer in a graph.
-Ran at 9866a00 (DYNAMIC) as it stands; at 5869eee (TILES) with the variants named in ../logs/gate-up-tiles-5869eee.txt.
+Ran at 9866a00 (DYNAMIC) as it stands; at 5869eee (TILES) and 774b68a (BY_EXPERT) with the variants their logs name.
 Run from the repository root: PYTHONPATH=lib python data/results/trials/gate_up_schedule.py"""
 import copy, functools, json, os, sys, time
 import torch
