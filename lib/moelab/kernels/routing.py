@@ -504,7 +504,13 @@ def _chunk16(
         key = tl.where(ok, key, -2147483648)
         x = tl.where(ok, x, float("-inf"))
     if SORT:
-        k0, k1, k2, k3, k4, k5, k6, k7 = _split8(key, R)
+        a, b = tl.split(tl.reshape(key, [R, 4, 2]))  # the eight keys of each row piece, in any order
+        a0, a1 = tl.split(tl.reshape(a, [R, 2, 2]))
+        b0, b1 = tl.split(tl.reshape(b, [R, 2, 2]))
+        k0, k1 = tl.split(a0)
+        k2, k3 = tl.split(a1)
+        k4, k5 = tl.split(b0)
+        k6, k7 = tl.split(b1)
         k0, k1, k2, k3, k4, k5, k6, k7 = _sort8(k0, k1, k2, k3, k4, k5, k6, k7)
         v0, v1, v2, v3, v4, v5, v6, v7 = _top8(v0, v1, v2, v3, v4, v5, v6, v7, k0, k1, k2, k3, k4, k5, k6, k7)
     else:
@@ -526,62 +532,6 @@ def _chunk16(
         t = a * (t + sh * s) + ed
         s = a * s + tl.sum(e, axis=1)
     return m_new, s, t, v0, v1, v2, v3, v4, v5, v6, v7
-
-
-@triton.jit
-def _split8(key, R: tl.constexpr):
-    """The eight columns of [R, 8] as eight [R] values (in any order)."""
-    a, b = tl.split(tl.reshape(key, [R, 4, 2]))
-    a0, a1 = tl.split(tl.reshape(a, [R, 2, 2]))
-    b0, b1 = tl.split(tl.reshape(b, [R, 2, 2]))
-    k0, k1 = tl.split(a0)
-    k2, k3 = tl.split(a1)
-    k4, k5 = tl.split(b0)
-    k6, k7 = tl.split(b1)
-    return k0, k1, k2, k3, k4, k5, k6, k7
-
-
-@triton.jit
-def _tree16(ptrs, rmask, col0, C0: tl.constexpr, NC: tl.constexpr, EC: tl.constexpr, RB: tl.constexpr,
-            R: tl.constexpr, CH: tl.constexpr, MASKED: tl.constexpr, BF16: tl.constexpr):
-    """The best eight keys, descending, of chunks C0 .. C0 + NC - 1 of each row piece: every chunk's keys
-    sorted, then merged pairwise in a tree. Unlike a chunk-by-chunk merge into one running list, the
-    chunks' sorts and the tree's branches do not wait on each other."""
-    if NC == 1:
-        ok = (col0 + C0 * CH) < EC
-        x16 = _load16(ptrs + C0 * CH, rmask, ok, MASKED)
-        key = _key16(x16, x16.to(tl.float32), RB - C0 * CH - col0, BF16)
-        if MASKED:
-            key = tl.where(ok, key, -2147483648)
-        k0, k1, k2, k3, k4, k5, k6, k7 = _split8(key, R)
-        v0, v1, v2, v3, v4, v5, v6, v7 = _sort8(k0, k1, k2, k3, k4, k5, k6, k7)
-    else:
-        a0, a1, a2, a3, a4, a5, a6, a7 = _tree16(ptrs, rmask, col0, C0, NC // 2, EC, RB, R, CH, MASKED, BF16)
-        b0, b1, b2, b3, b4, b5, b6, b7 = _tree16(ptrs, rmask, col0, C0 + NC // 2, NC - NC // 2, EC, RB, R, CH,
-                                                 MASKED, BF16)
-        v0, v1, v2, v3, v4, v5, v6, v7 = _top8(a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7)
-    return v0, v1, v2, v3, v4, v5, v6, v7
-
-
-@triton.jit
-def _sums16(ptrs, rmask, col0, m, CPC: tl.constexpr, EC: tl.constexpr, CH: tl.constexpr, MASKED: tl.constexpr):
-    """Sum of e^d and of d e^d over a row piece's chunks, d = x - m with m the piece's max (known: no
-    rescaling); the chunks are read again (from L1)."""
-    LOG2E: tl.constexpr = 1.4426950408889634
-    s = tl.zeros(m.shape, tl.float32)
-    t = tl.zeros(m.shape, tl.float32)
-    for c in tl.static_range(CPC):
-        ok = (col0 + c * CH) < EC
-        x = _load16(ptrs + c * CH, rmask, ok, MASKED).to(tl.float32)
-        d = x - m[:, None]
-        e = tl.exp2(d * LOG2E)
-        if MASKED:
-            e = tl.where(ok, e, 0.0)
-            t += tl.sum(tl.where(ok, e * d, 0.0), axis=1)
-        else:
-            t += tl.sum(e * d, axis=1)
-        s += tl.sum(e, axis=1)
-    return s, t
 
 
 @triton.jit
@@ -660,7 +610,7 @@ def _route_rows16_kernel(
     POLICY: tl.constexpr, NTH: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, RENORM: tl.constexpr, STATS: tl.constexpr,
     BLOCK_K1: tl.constexpr, CH: tl.constexpr, EC: tl.constexpr, SC: tl.constexpr, SPLIT: tl.constexpr,
-    SORT: tl.constexpr, TREE: tl.constexpr = False,
+    SORT: tl.constexpr,
 ):
     # as _route_rows_kernel (EC, SC: E and the row stride as constants), for bf16 / fp16 logits. The
     # program's R = BLOCK_T * SPLIT row pieces are rows-major (a row's pieces in neighbouring threads: the
@@ -692,23 +642,15 @@ def _route_rows16_kernel(
     # (unrolled, compile time grew with E: 15 s at E = 128 and 90 s at 256 with Triton 3.6). Loading one or
     # two chunks ahead was measured too (routing-tune-20261130.json, 'pre'): no faster, the integer
     # pipe is the limit (min/max and key bit operations issue at half the fp32 rate).
-    if TREE:  # the piece's keys first (all chunks, unrolled), then its sums from the max they give
-        v0, v1, v2, v3, v4, v5, v6, v7 = _tree16(ptrs, rmask, col0, 0, CPC, EC, RB, R, CH, MASKED, BF16)
-        m = _unkey16(v0, logits_ptr.dtype.element_ty, BF16).to(tl.float32)
-        if MASKED:  # a piece with every column masked keeps m = -inf, s = t = 0
-            m = tl.where(v0 == -2147483648, float("-inf"), m)
-        s, t = _sums16(ptrs, rmask, col0, m, CPC, EC, CH, MASKED)
-    else:
-        ok = col0 < EC
-        x16 = _load16(ptrs, rmask, ok, MASKED)
+    ok = col0 < EC
+    x16 = _load16(ptrs, rmask, ok, MASKED)
+    m, s, t, v0, v1, v2, v3, v4, v5, v6, v7 = _chunk16(
+        x16, ok, RB - col0, m, s, t, v0, v1, v2, v3, v4, v5, v6, v7, K, R, CH, True, MASKED, SORT, BF16)
+    for c in tl.range(1, CPC):
+        ok = (col0 + c * CH) < EC
+        x16 = _load16(ptrs + c * CH, rmask, ok, MASKED)
         m, s, t, v0, v1, v2, v3, v4, v5, v6, v7 = _chunk16(
-            x16, ok, RB - col0, m, s, t, v0, v1, v2, v3, v4, v5, v6, v7, K, R, CH, True, MASKED, SORT, BF16)
-        for c in tl.range(1, CPC):
-            ok = (col0 + c * CH) < EC
-            x16 = _load16(ptrs + c * CH, rmask, ok, MASKED)
-            m, s, t, v0, v1, v2, v3, v4, v5, v6, v7 = _chunk16(
-                x16, ok, RB - c * CH - col0, m, s, t, v0, v1, v2, v3, v4, v5, v6, v7, K, R, CH, False, MASKED, SORT,
-                BF16)
+            x16, ok, RB - c * CH - col0, m, s, t, v0, v1, v2, v3, v4, v5, v6, v7, K, R, CH, False, MASKED, SORT, BF16)
     if SPLIT > 1:
         m, s, t, v0, v1, v2, v3, v4, v5, v6, v7 = tl.reduce(
             (tl.reshape(m, [BLOCK_T, SPLIT]), tl.reshape(s, [BLOCK_T, SPLIT]), tl.reshape(t, [BLOCK_T, SPLIT]),
@@ -776,7 +718,7 @@ def _derive_policy_args(policy: Policy):
     raise ValueError(f"policy={policy!r}: must be TopK, EntropyAdaptiveK, TopP or RatioSkip")
 
 
-SELECTS = ("rounds", "bitonic", "split", "rowwise", "rowsort", "rowtree")
+SELECTS = ("rounds", "bitonic", "split", "rowwise", "rowsort")
 
 
 def _select(K: int, sel: str, block_e: int = 0, elsize: int = 4) -> int:
@@ -789,7 +731,7 @@ def _select(K: int, sel: str, block_e: int = 0, elsize: int = 4) -> int:
         raise ValueError(f"select={sel!r}: must be one of {SELECTS}")
     if sel == "bitonic" and K >= 2 and hasattr(tl, "topk"):
         return 1
-    if sel in ("rowwise", "rowsort", "rowtree"):
+    if sel in ("rowwise", "rowsort"):
         return 3 if K <= MAX_ROWWISE_K and (elsize == 2 or block_e <= MAX_ROWWISE_E) else 0
     return 2 if sel == "split" else 0
 
@@ -889,8 +831,7 @@ def _shape_launch(T: int, E: int, K: int, cuda: int, overrides: tuple, elsize: i
         if elsize == 2:
             launch = _launch_rows16
             meta["SPLIT"] = max(1, min(cfg["split"], block_e // ch))
-            meta["SORT"] = cfg["select"] in ("rowsort", "rowtree") and ch == 8 and pow2(K) == 8
-            meta["TREE"] = cfg["select"] == "rowtree" and meta["SORT"]
+            meta["SORT"] = cfg["select"] == "rowsort" and ch == 8 and pow2(K) == 8
     else:
         meta["SELECT"] = select
     return launch, (cdiv(T, block_t),), meta, cfg["warps"]
