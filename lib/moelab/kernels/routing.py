@@ -864,7 +864,6 @@ def _shape_launch(T: int, E: int, K: int, cuda: int, overrides: tuple, elsize: i
             launch = _launch_rows16
             meta["SPLIT"] = max(1, min(cfg["split"], block_e // ch))
             meta["SORT"] = cfg["select"] == "rowsort" and ch == 8 and pow2(K) == 8
-            meta.update(LOOP=False, STAGES=1)
             if cfg["programs"]:  # programs per SM, each looping over blocks of rows
                 sms = torch.cuda.get_device_properties(cuda).multi_processor_count if cuda >= 0 else 1
                 meta.update(LOOP=True, STAGES=cfg["stages"])
