@@ -324,22 +324,6 @@ def test_rows16_split_rows(split, sel, monkeypatch):
                 assert_same_plan(logits.to(dtype).to(DEV), pol, E % 2 == 0)
 
 
-@pytest.mark.parametrize("sel", ["rowwise", "rowsort"])
-def test_rows16_programs_loop_over_blocks(sel, monkeypatch):
-    """'programs': fewer programs than blocks of rows, each looping over blocks (software-pipelined with
-    'stages'): the same plan, with statistics too (each block adds its own)."""
-    monkeypatch.setitem(kr.LAUNCH, "select", sel)
-    monkeypatch.setitem(kr.LAUNCH, "split", 2)
-    monkeypatch.setitem(kr.LAUNCH, "tile", 8 * 64)  # 8 rows per block: 5 blocks of 37 rows
-    monkeypatch.setitem(kr.LAUNCH, "programs", 2)
-    monkeypatch.setitem(kr.LAUNCH, "stages", 2)
-    logits = (torch.randn(37, 60, generator=torch.Generator().manual_seed(3)) * 2).to(torch.bfloat16).to(DEV)
-    stats = RoutingStats.zeros(8, DEV)
-    for pol in (TopK(8), EntropyAdaptiveK((2, 4, 8), (3.0, 3.6))):
-        assert_same_plan(logits, pol, False, stats if isinstance(pol, EntropyAdaptiveK) else None)
-    assert stats.summary()["tokens"] == 37
-
-
 @gpu
 @pytest.mark.gpu
 def test_gpu_direct_launch_is_used_and_specialises(monkeypatch):

@@ -42,8 +42,7 @@ _TOPK, _ADAPTIVE, _TOPP, _RATIO = 0, 1, 2, 3
 # 16-bit row kernel). Measured by `benchmarks/moe_kernels.py --parts tune` (data/results/routing-tune-*.json);
 # a (BLOCK_E, BLOCK_K) not listed takes the entry of the same BLOCK_E with the nearest BLOCK_K, devices not
 # listed use DEFAULT. LAUNCH overrides any of the four (benchmarks and tests set it).
-# warps None: 8 for E <= 16, else 4; programs None: one program per block of rows (else programs per SM, looping)
-DEFAULT = {"select": "rounds", "warps": None, "tile": 1024, "split": 1, "programs": None, "stages": 1}
+DEFAULT = {"select": "rounds", "warps": None, "tile": 1024, "split": 1}  # warps None: 8 for E <= 16, else 4
 _R4 = {"select": "rounds", "warps": 4, "tile": 1024, "split": 1}
 
 
@@ -64,7 +63,7 @@ TUNED: dict[str, dict[tuple[int, int], list]] = {
                    (2**62, _rows(4, 8192, 2, "rowsort"))],
     },
 }
-LAUNCH = {"select": None, "warps": None, "tile": None, "split": None, "programs": None, "stages": None}
+LAUNCH = {"select": None, "warps": None, "tile": None, "split": None}
 
 
 @functools.lru_cache(maxsize=16)
@@ -611,30 +610,7 @@ def _route_rows16_kernel(
     POLICY: tl.constexpr, NTH: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, RENORM: tl.constexpr, STATS: tl.constexpr,
     BLOCK_K1: tl.constexpr, CH: tl.constexpr, EC: tl.constexpr, SC: tl.constexpr, SPLIT: tl.constexpr,
-    SORT: tl.constexpr, LOOP: tl.constexpr = False, STAGES: tl.constexpr = 1,
-):
-    # LOOP: a grid of fewer programs, each looping over blocks of rows, with the next block's loads issued
-    # while this one is worked on (STAGES): loads and work overlap across blocks instead of every program
-    # loading, then working, at the same time
-    if LOOP:
-        for blk in tl.range(tl.program_id(0), tl.cdiv(T, BLOCK_T), tl.num_programs(0), num_stages=STAGES):
-            _rows16_block(blk, logits_ptr, ids_ptr, w_ptr, k_ptr, ent_ptr, hist_ptr, entsum_ptr, tok_ptr, T,
-                          fpar, th0, th1, th2, th3, th4, th5, th6, kv_packed, KMIN, NSLOT, POLICY, NTH, K, BLOCK_K,
-                          BLOCK_T, RENORM, STATS, BLOCK_K1, CH, EC, SC, SPLIT, SORT, True)
-    else:
-        _rows16_block(tl.program_id(0), logits_ptr, ids_ptr, w_ptr, k_ptr, ent_ptr, hist_ptr, entsum_ptr, tok_ptr,
-                      T, fpar, th0, th1, th2, th3, th4, th5, th6, kv_packed, KMIN, NSLOT, POLICY, NTH, K, BLOCK_K,
-                      BLOCK_T, RENORM, STATS, BLOCK_K1, CH, EC, SC, SPLIT, SORT, False)
-
-
-@triton.jit
-def _rows16_block(
-    pid, logits_ptr, ids_ptr, w_ptr, k_ptr, ent_ptr, hist_ptr, entsum_ptr, tok_ptr, T,
-    fpar, th0, th1, th2, th3, th4, th5, th6, kv_packed, KMIN, NSLOT,
-    POLICY: tl.constexpr, NTH: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_T: tl.constexpr, RENORM: tl.constexpr, STATS: tl.constexpr,
-    BLOCK_K1: tl.constexpr, CH: tl.constexpr, EC: tl.constexpr, SC: tl.constexpr, SPLIT: tl.constexpr,
-    SORT: tl.constexpr, UNROLL: tl.constexpr,
+    SORT: tl.constexpr,
 ):
     # as _route_rows_kernel (EC, SC: E and the row stride as constants), for bf16 / fp16 logits. The
     # program's R = BLOCK_T * SPLIT row pieces are rows-major (a row's pieces in neighbouring threads: the
@@ -645,6 +621,7 @@ def _rows16_block(
     RB: tl.constexpr = SPLIT * CPS - 1  # reversed column = RB - column (< 2^16)
     MASKED: tl.constexpr = SPLIT * CPS != EC
     BF16: tl.constexpr = logits_ptr.dtype.element_ty == tl.bfloat16
+    pid = tl.program_id(0)
     q = tl.arange(0, R)
     rq = pid * BLOCK_T + q // SPLIT
     col0 = (q % SPLIT)[:, None] * CPS + tl.arange(0, CH)[None, :]  # [R, CH]
@@ -669,20 +646,11 @@ def _rows16_block(
     x16 = _load16(ptrs, rmask, ok, MASKED)
     m, s, t, v0, v1, v2, v3, v4, v5, v6, v7 = _chunk16(
         x16, ok, RB - col0, m, s, t, v0, v1, v2, v3, v4, v5, v6, v7, K, R, CH, True, MASKED, SORT, BF16)
-    if UNROLL:  # straight-line work per block: the block loop around it can be software-pipelined
-        for c in tl.static_range(1, CPC):
-            ok = (col0 + c * CH) < EC
-            x16 = _load16(ptrs + c * CH, rmask, ok, MASKED)
-            m, s, t, v0, v1, v2, v3, v4, v5, v6, v7 = _chunk16(
-                x16, ok, RB - c * CH - col0, m, s, t, v0, v1, v2, v3, v4, v5, v6, v7, K, R, CH, False, MASKED, SORT,
-                BF16)
-    else:
-        for c in tl.range(1, CPC):
-            ok = (col0 + c * CH) < EC
-            x16 = _load16(ptrs + c * CH, rmask, ok, MASKED)
-            m, s, t, v0, v1, v2, v3, v4, v5, v6, v7 = _chunk16(
-                x16, ok, RB - c * CH - col0, m, s, t, v0, v1, v2, v3, v4, v5, v6, v7, K, R, CH, False, MASKED, SORT,
-                BF16)
+    for c in tl.range(1, CPC):
+        ok = (col0 + c * CH) < EC
+        x16 = _load16(ptrs + c * CH, rmask, ok, MASKED)
+        m, s, t, v0, v1, v2, v3, v4, v5, v6, v7 = _chunk16(
+            x16, ok, RB - c * CH - col0, m, s, t, v0, v1, v2, v3, v4, v5, v6, v7, K, R, CH, False, MASKED, SORT, BF16)
     if SPLIT > 1:
         m, s, t, v0, v1, v2, v3, v4, v5, v6, v7 = tl.reduce(
             (tl.reshape(m, [BLOCK_T, SPLIT]), tl.reshape(s, [BLOCK_T, SPLIT]), tl.reshape(t, [BLOCK_T, SPLIT]),
@@ -864,10 +832,6 @@ def _shape_launch(T: int, E: int, K: int, cuda: int, overrides: tuple, elsize: i
             launch = _launch_rows16
             meta["SPLIT"] = max(1, min(cfg["split"], block_e // ch))
             meta["SORT"] = cfg["select"] == "rowsort" and ch == 8 and pow2(K) == 8
-            if cfg["programs"]:  # programs per SM, each looping over blocks of rows
-                sms = torch.cuda.get_device_properties(cuda).multi_processor_count if cuda >= 0 else 1
-                meta.update(LOOP=True, STAGES=cfg["stages"])
-                return launch, (min(cdiv(T, block_t), cfg["programs"] * sms),), meta, cfg["warps"]
     else:
         meta["SELECT"] = select
     return launch, (cdiv(T, block_t),), meta, cfg["warps"]
