@@ -1,4 +1,7 @@
-"""Trial (data/results/trials/README.md, ran at a678a3a): 'rowtree' against the tuned routing launch at T = 65536 / 4096, E = 64 and 128, bf16, in graphs."""
+"""Trials (data/results/trials/README.md): routing launches main does not have, against the tuned launch at
+T = 65536 / 4096, E = 64 and 128, bf16, in CUDA graphs; the plans checked against main's launch.
+  tree: 'rowtree' (ran at a678a3a), loop: the row kernel's blocks looped over by fewer programs (ran at 5dec6cb).
+Run from the repository root: PYTHONPATH=lib python data/results/trials/routing_launch.py tree|loop"""
 import math, sys, json, os
 import torch
 sys.path.insert(0, "benchmarks")
@@ -7,6 +10,8 @@ from moelab.kernels import routing as kr
 from moelab.kernels.routing import route_triton, RoutingStats
 from moelab.routing import TopK, route_torch
 
+TRIAL = sys.argv[1]  # "tree" | "loop"
+RESET = dict(select=None, tile=None, warps=None, split=None, **(dict(programs=None, stages=None) if TRIAL == "loop" else {}))
 bw = copy_bandwidth_gbs()
 l2 = torch.cuda.get_device_properties(0).L2_cache_size
 print("bw", bw, flush=True)
@@ -23,18 +28,22 @@ for E, k in ((64, 8), (128, 8)):
         stats = RoutingStats.zeros(k, "cuda")
         bound = (T * E * 2 + T * k * 8 + T * 8) / (bw * 1e9) * 1e6
         configs = [("tuned", None)]
-        for split in (1, 2, 4):
-            for warps in (1, 2, 4):
-                for rows_per_thread in (1,):
-                    rows = 32 * warps * rows_per_thread // split
-                    if rows >= 1:
-                        configs.append((f"rowtree w{warps} s{split} r{rows}", dict(select="rowtree", warps=warps, split=split, tile=rows * (1 << (E - 1).bit_length()))))
-        configs.append(("rowsort w2 s2 r32", dict(select="rowsort", warps=2, split=2, tile=32 * (1 << (E - 1).bit_length()))))
+        if TRIAL == "loop":
+            for stages in (1, 2, 3):
+                for progs in (2, 4, 8, 16):
+                    configs.append((f"loop p{progs} st{stages}", dict(programs=progs, stages=stages)))
+        else:
+            for split in (1, 2, 4):
+                for warps in (1, 2, 4):
+                    rows = 32 * warps // split
+                    configs.append((f"rowtree w{warps} s{split} r{rows}",
+                                    dict(select="rowtree", warps=warps, split=split, tile=rows * (1 << (E - 1).bit_length()))))
+            configs.append(("rowsort w2 s2 r32", dict(select="rowsort", warps=2, split=2, tile=32 * (1 << (E - 1).bit_length()))))
         ref = {m: route_triton(inputs[0], p, False) for m, p in (("topk", TopK(k)), ("ada", ada))}
         mf = graph_us(lambda x: memory_floor(x, k), inputs, calls)
         print(f"E={E} T={T} bound {bound:.2f} memory_floor {mf:.2f}", flush=True)
         for name, cfg in configs:
-            kr.LAUNCH.update(select=None, tile=None, warps=None, split=None)
+            kr.LAUNCH.update(RESET)
             if cfg:
                 kr.LAUNCH.update(cfg)
             kr.clear_launch_caches()
@@ -51,5 +60,5 @@ for E, k in ((64, 8), (128, 8)):
             row = dict(E=E, T=T, config=name, bound=bound, memory_floor=mf, **out)
             res.append(row)
             print(f"  {name:24s} " + " ".join(f"{m} {us:6.2f} ({bound / us:.2f})" for m, us in out.items()), flush=True)
-kr.LAUNCH.update(select=None, tile=None, warps=None, split=None)
-json.dump(res, open(os.path.join(os.environ.get("OUT", "/tmp"), "diag_routing.json"), "w"), indent=1)
+kr.LAUNCH.update(RESET)
+json.dump(res, open(os.path.join(os.environ.get("OUT", "/tmp"), f"routing_{TRIAL}.json"), "w"), indent=1)
