@@ -20,12 +20,6 @@ pols = layer_policies(block, k, renorm, D)
 dev = torch.device("cuda")
 base_entry = copy.deepcopy(grouped.TUNED["NVIDIA H200"][(2048, 1024)])
 
-def set_variant(gu_extra):
-    e = copy.deepcopy(base_entry)
-    e[0][1]["gate_up"].update(gu_extra)
-    grouped.TUNED["NVIDIA H200"][(2048, 1024)] = e
-    grouped._launch_config.cache_clear()
-
 # 3. gate_up variants inside the whole layer, graphs timed interleaved, batches 0..4
 variants = {"cur": {}, "dyn": {"DYNAMIC": True}, "dyn_both": {"DYNAMIC": True}, "dyn_gm8": {"DYNAMIC": True, "GROUP_M": 8}}
 entries = {}
