@@ -453,7 +453,7 @@ ALU = {"VIMNMX", "VIMNMX3", "FMNMX", "SHF", "LOP3", "IADD3", "ISETP", "FSETP", "
        "POPC", "LEA", "SGXT", "P2R", "R2P", "BMSK", "PLOP3"}  # instructions of the ALU pipe (ncu's grouping)
 
 
-def _compile(fn, const, warps):
+def _compile(fn, const, warps, loop=False):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     sig = {"logits_ptr": "*bf16", "ids_ptr": "*i32", "w_ptr": "*fp32", "k_ptr": "*i32", "ent_ptr": "*fp32", "T": "i32"}
@@ -467,12 +467,26 @@ def _compile(fn, const, warps):
         f.write(ck.asm["cubin"])
     tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
     text = subprocess.run([tool, "-sass", path], capture_output=True, text=True).stdout
+    if loop:
+        return _loop_memory_ops(text)
     ops = collections.Counter()
     for line in text.splitlines():
         m = re.match(r"\s*/\*[0-9a-f]+\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_]+)", line)
         if m:
             ops[m.group(2)] += 1
     return ops
+
+
+def _loop_memory_ops(text):
+    """(instructions in the first backward branch's loop body, [(position, opcode) of its loads / prefetches])."""
+    lines = [ln for ln in text.splitlines() if re.match(r"\s*/\*[0-9a-f]+\*/\s+\S", ln)]
+    for i, ln in enumerate(lines):
+        m = re.search(r"/\*([0-9a-f]+)\*/\s+(@!?P\d\s+)?BRA\s+(0x[0-9a-f]+)", ln)
+        if m and int(m.group(3), 16) < int(m.group(1), 16):
+            start = next(j for j, x in enumerate(lines) if re.search(rf"/\*{int(m.group(3), 16):04x}\*/", x))
+            body = lines[start:i + 1]
+            return len(body), [(j, op) for j, x in enumerate(body) for op in ("LDG", "CCTL") if f" {op}" in x]
+    return 0, []
 
 
 def part_sass():
@@ -491,6 +505,10 @@ def part_sass():
     main_ops = _compile(_probe_kernel, dict(K=8, BLOCK_K=8, BLOCK_T=32, CH=8, EC=64, SPLIT=2, MODE=0, MAXK=False), 2)
     print(f"main's loop kernel (probe mode 0, E=64): {sum(main_ops.values())} instructions, ALU pipe "
           f"{sum(v for k, v in main_ops.items() if k in ALU)} (one chunk in the loop body)", flush=True)
+    for pf in (0, 1):
+        n, mem = _compile(_probe5_kernel, dict(K=8, BLOCK_K=8, BLOCK_T=16, EC=64, SPLIT=2, ASM=True, PREFETCH=pf), 1,
+                          loop=True)
+        print(f"probe5 E=64 prefetch {pf}: loop body {n} instructions, loads / prefetches at {mem}", flush=True)
 
 
 def _setup(E, K=8, T=65536):
