@@ -4,12 +4,17 @@ programs whose logits loads Triton's software pipeliner turns into asynchronous 
 single-wave kernel on main loads and ranks in the same wave; session 18 found about 3.5 K cycles per SM pass
 with no warp on it and warps waiting on loads 28-34% of their cycles. Not used by main.
 Run from the repository root: PYTHONPATH=lib python data/results/trials/routing_pipe.py ttgir|time"""
-import json, math, os, sys
+import json
+import math
+import os
+import sys
+
 import torch
 import triton
 import triton.language as tl
+
 from moelab.kernels import routing as kr
-from moelab.kernels.routing import _chunk16, _merge16, _keys_tile, _unkey16, _count, _finish
+from moelab.kernels.routing import _chunk16, _count, _finish, _keys_tile, _merge16, _unkey16
 
 
 @triton.jit
@@ -117,6 +122,7 @@ def part_ttgir():
 def part_time():
     sys.path.insert(0, "benchmarks")
     from moe_kernels import copy_bandwidth_gbs, graph_us, memory_floor
+
     from moelab.routing import TopK
     bw = copy_bandwidth_gbs()
     print("bw", bw, torch.cuda.get_device_name(0), "torch", torch.__version__, "triton", triton.__version__, flush=True)
@@ -162,8 +168,9 @@ def part_time():
         for name in top:  # the best three again, and their stream alone
             kw = dict(variants)[name]
             out[name + " again"] = graph_us(lambda x, kw=kw: route_pipe(x, K, **kw), inputs, calls)
-            out[name + " reads only"] = graph_us(lambda x, kw=kw: route_pipe(x, K, reads_only=True, **kw), inputs, calls)
-            print(f"  E={E} {name}: again {out[name + ' again']:.2f}, reads only {out[name + ' reads only']:.2f}", flush=True)
+            ro = graph_us(lambda x, kw=kw: route_pipe(x, K, reads_only=True, **kw), inputs, calls)
+            out[name + " reads only"] = ro
+            print(f"  E={E} {name}: again {out[name + ' again']:.2f}, reads only {ro:.2f}", flush=True)
         out["main again"] = graph_us(lambda x: kr.route_triton(x, TopK(K), False), inputs, calls)
         print(f"E={E}: main again {out['main again']:.2f}", flush=True)
         res.append(dict(E=E, T=T, bound=bound, **out))
