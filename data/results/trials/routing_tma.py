@@ -22,7 +22,7 @@ from moelab.kernels.routing import _chunk16, _count, _finish, _keys_tile, _merge
 
 @triton.jit
 def _tma_kernel(
-    x_desc, logits_ptr, ids_ptr, w_ptr, k_ptr, ent_ptr, T, NBLK, NPROG,
+    x_desc, xw_desc, logits_ptr, ids_ptr, w_ptr, k_ptr, ent_ptr, T, NBLK, NPROG,
     K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_T: tl.constexpr, CH: tl.constexpr, EC: tl.constexpr,
     SPLIT: tl.constexpr, STAGES: tl.constexpr, READS_ONLY: tl.constexpr,
 ):
@@ -47,7 +47,12 @@ def _tma_kernel(
         v5 = v0
         v6 = v0
         v7 = v0
-        if READS_ONLY:  # the loads and a sum: the stream without the ranking
+        if READS_ONLY == 2:  # one [R, E / split] box per block and a sum: the stream in wide boxes
+            s += tl.sum(xw_desc.load([blk * R, 0]).to(tl.float32), axis=1)
+            m = s
+            t = s
+            v0 = s.to(tl.int32)
+        elif READS_ONLY:  # the loads and a sum: the stream without the ranking
             for c in tl.static_range(0, CPC):
                 x16 = x_desc.load([blk * R, c * CH])
                 s += tl.sum(x16.to(tl.float32), axis=1)
@@ -98,7 +103,8 @@ def route_tma(x, K=8, rows=32, split=2, stages=3, per_sm=4, warps=None, reads_on
     nsm = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
     grid = nblk if programs == 0 else max(1, min(nblk, programs or nsm * per_sm))
     desc = TensorDescriptor.from_tensor(x.view(T * split, E // split), [rows * split, 8])
-    ck = _tma_kernel[(grid,)](desc, x, ids, w, k, ent, T, nblk, grid, K=K, BLOCK_K=K, BLOCK_T=rows, CH=8, EC=E,
+    wide = TensorDescriptor.from_tensor(x.view(T * split, E // split), [rows * split, E // split])
+    ck = _tma_kernel[(grid,)](desc, wide, x, ids, w, k, ent, T, nblk, grid, K=K, BLOCK_K=K, BLOCK_T=rows, CH=8, EC=E,
                               SPLIT=split, STAGES=stages, READS_ONLY=reads_only,
                               num_warps=warps or max(1, rows * split // 32))
     return (ids, w, k, ent), ck
@@ -174,5 +180,34 @@ def part_time():
         json.dump(res, f, indent=1)
 
 
+def part_wide():
+    """The stream alone with one wide box per block ([R, E / split], 64-256-byte box rows) against the 16-byte
+    boxes of part_time: would wide boxes read at the memory floor?"""
+    sys.path.insert(0, "benchmarks")
+    from moe_kernels import graph_us, memory_floor
+    K, T = 8, 65536
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    for E in (64, 128):
+        g = torch.Generator(device="cuda").manual_seed(E)
+        n_in = max(1, min(16, math.ceil(3 * l2 / (T * E * 2))))
+        inputs = [torch.randn(T, E, device="cuda", generator=g).to(torch.bfloat16) for _ in range(n_in)]
+        calls = max(20, n_in)
+        print(f"E={E}: floor {graph_us(lambda x: memory_floor(x, K), inputs, calls):.2f} us", flush=True)
+        for split in (1, 2):
+            for rows in (16, 32, 64):
+                for stages, per_sm in ((1, 0), (2, 4), (2, 8), (3, 4), (3, 8)):
+                    if not 32 <= rows * split <= 256:
+                        continue
+                    kw = dict(rows=rows, split=split, stages=stages, per_sm=per_sm, programs=0 if not per_sm else None)
+                    try:
+                        w = graph_us(lambda x, kw=kw: route_tma(x, K, reads_only=2, **kw)[0], inputs, calls)
+                        n = graph_us(lambda x, kw=kw: route_tma(x, K, reads_only=1, **kw)[0], inputs, calls)
+                    except Exception as e:  # noqa: BLE001
+                        print(f"  E={E} {kw}: failed {type(e).__name__}: {str(e)[:200]}", flush=True)
+                        continue
+                    print(f"  E={E} s{split} r{rows} st{stages} x{per_sm or 'grid'}: wide boxes {w:.2f} us, "
+                          f"16-byte boxes {n:.2f}", flush=True)
+
+
 if __name__ == "__main__":
-    {"time": part_time}[sys.argv[1]]()
+    {"time": part_time, "wide": part_wide}[sys.argv[1]]()
