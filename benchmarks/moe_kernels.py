@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import itertools
 import math
 import os
@@ -151,15 +152,27 @@ def eager_us(fn, min_s=0.005, repeats=3):
 def interleaved_eager_us(fns: dict, rounds=5, warmup_s=0.25) -> dict:
     """eager_us of every method, measured in turn for several rounds (median per method): a slow spell
     of the shared host falls on all methods alike instead of on whichever was being timed. Untimed
-    rounds of all methods for `warmup_s` first, so that none is timed while the host warms up."""
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < warmup_s:
-        for fn in fns.values():
-            eager_us(fn, repeats=1)
-    times = {m: [] for m in fns}
-    for _ in range(rounds):
-        for m, fn in fns.items():
-            times[m].append(eager_us(fn, repeats=1))
+    rounds of all methods for `warmup_s` first, so that none is timed while the host warms up; the
+    warm-up clock starts after each method's first call, which may compile (seconds). The garbage
+    collector is off while timing, as in `timeit`."""
+    for fn in fns.values():
+        fn()
+    torch.cuda.synchronize()
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < warmup_s:
+            for fn in fns.values():
+                eager_us(fn, repeats=1)
+        times = {m: [] for m in fns}
+        for _ in range(rounds):
+            for m, fn in fns.items():
+                times[m].append(eager_us(fn, repeats=1))
+    finally:
+        if was_enabled:
+            gc.enable()
     return {m: sorted(v)[len(v) // 2] for m, v in times.items()}
 
 
@@ -944,7 +957,9 @@ def main():
         kr.clear_launch_caches()
     if "routing" in parts:
         notes = ("bf16 router logits, random normal. eager_us: host loop per call, Python launch included, all methods "
-                 "timed in turn over 5 rounds (median), after 0.25 s of untimed rounds (since 2026-11-30 14:00). "
+                 "timed in turn over 5 rounds (median), after 0.25 s of untimed rounds (since 2026-11-30 14:00; since "
+                 "2026-12-01 13:30 the 0.25 s start after every method's first, compiling, call, and the garbage "
+                 "collector is off while timing). "
                  "graph_us: GPU time per call inside one CUDA graph of >= 20 calls, inputs rotated over >= 3x L2 "
                  "(do_bench median of replays). hbm_bound_us: (logits read + plan written) / measured copy "
                  "bandwidth. Adaptive thresholds at the entropy terciles of a 4096-token calibration batch. "
@@ -955,7 +970,9 @@ def main():
         print("wrote", save(bench_routing(tokens, bw, l2, args.quick, save)))
     if "host" in parts:
         notes = ("host time per eager call (host loop, synchronised at the end; methods timed in turn over 7 rounds, "
-                 "median, after 0.25 s of untimed rounds since 2026-11-30 14:00) of route_triton with the "
+                 "median, after 0.25 s of untimed rounds since 2026-11-30 14:00; since 2026-12-01 13:30 the 0.25 s "
+                 "start after every method's first call and the garbage collector is off while timing) of route_triton "
+                 "with the "
                  "entropy-adaptive policy on bf16 logits: direct launch (default), Triton's public launch path "
                  "(moelab Launcher disabled), the four plan allocations alone, and the "
                  "torch TensorRT-LLM version without statistics. experts / experts_public_launch: routing (native "
