@@ -236,7 +236,10 @@ def _host_probe_us(n=200, device="cuda"):
     return best
 
 
-def pin_fastest_cpu() -> dict:
+REPIN = {"on": False}  # set when the process is pinned: the routing part pins again before each (shape, T)
+
+
+def pin_fastest_cpu(verbose: bool = True) -> dict:
     """Pin this process to the allowed CPU whose host probe (`_host_probe_us`: on the GPU, or on the CPU without
     one) is fastest; {"pinned", "probe_us"} for the results file.
     On the H200 machine (a 16-vCPU KVM guest) some vCPUs run host code 1.5-1.7x slower than others, and an
@@ -252,8 +255,9 @@ def pin_fastest_cpu() -> dict:
         probe[cpu] = _host_probe_us(device=device)
     best = min(probe, key=probe.get)
     os.sched_setaffinity(0, {best})
-    print(f"host: pinned to CPU {best} ({probe[best]:.1f} us per probe; slowest CPU {max(probe.values()):.1f} us)",
-          flush=True)
+    if verbose:
+        print(f"host: pinned to CPU {best} ({probe[best]:.1f} us per probe; slowest CPU {max(probe.values()):.1f} us)",
+              flush=True)
     return {"pinned": best, "probe_us": probe}
 
 
@@ -314,11 +318,15 @@ def bench_routing_one(name, E, k, renorm, tokens, bw_gbs, l2_bytes):
         stats = RoutingStats.zeros(ada.k_max, "cuda")
         trt_stats = {"k": {kv: 0 for kv in ada.k_values}, "tokens": 0, "entropy": 0.0}
         methods = routing_methods(k, renorm, ada, stats, trt_stats)
+        # the vCPUs' speeds drift during a run: each point's eager timings on the one fastest now
+        host = pin_fastest_cpu(verbose=False) if REPIN["on"] else None
         eager = interleaved_eager_us({m: functools.partial(fn, inputs[0]) for m, (fn, _) in methods.items()})
         for method, (fn, K) in methods.items():
             row = {"shape": name, "E": E, "native_k": k, "k_max": K, "T": T, "method": method, "dtype": "bf16",
                    "policy": repr(ada) if "adaptive" in method else f"TopK({k})"}
             row["eager_us"] = eager[method]
+            if host:
+                row["host_cpu"], row["host_probe_us"] = host["pinned"], host["probe_us"][host["pinned"]]
             row["graph_note"] = NOT_CAPTURABLE.get(method, "")
             row["graph_us"] = None if row["graph_note"] else graph_us(fn, inputs, calls)
             # fewest bytes: read the logits once, write ids + weights [T, K] and k + entropy [T]
@@ -940,6 +948,7 @@ def main():
     bw = copy_bandwidth_gbs()
     print(f"copy bandwidth {bw:.0f} GB/s, L2 {l2 / 2**20:.0f} MiB", flush=True)
     host = {"pinned": None, "probe_us": {}} if args.no_pin else pin_fastest_cpu()
+    REPIN["on"] = not args.no_pin
     common = {"copy_bandwidth_gbs": bw, "l2_bytes": l2, "host": host}
     if "tune" in parts:
         rows = tune_routing(bw, args.tune_selects)
@@ -965,7 +974,8 @@ def main():
                  "bandwidth. Adaptive thresholds at the entropy terciles of a 4096-token calibration batch. "
                  "graph_us None: the method cannot be captured (graph_note says why). host: since 2026-12-01 the "
                  "process runs pinned to the allowed CPU with the fastest host probe (pin_fastest_cpu; probe_us per "
-                 "CPU), before unpinned.")
+                 "CPU), before unpinned; since 2026-12-01 14:00 pinned again before each (shape, T): host_cpu and "
+                 "its host_probe_us per row.")
         save = functools.partial(_save, "routing-kernel", notes, common)
         print("wrote", save(bench_routing(tokens, bw, l2, args.quick, save)))
     if "host" in parts:
