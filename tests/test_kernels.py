@@ -350,6 +350,39 @@ def test_gpu_direct_launch_is_used_and_specialises(monkeypatch):
 
 @gpu
 @pytest.mark.gpu
+def test_gpu_bound_launch_from_a_keys_third_call(monkeypatch):
+    """From a key's third call on, route_triton launches the bound kernel (Launcher.bind) with nothing but
+    fresh plan buffers: the reference plan every call, a new buffer each time, the launch counted, and
+    launched on the current stream (captured into a CUDA graph, it replays on new logits)."""
+    monkeypatch.setattr(kr, "_PREPARED", {})
+    pol = EntropyAdaptiveK((2, 4, 8), (3.0, 3.6))
+    static = (torch.randn(300, 64) * 2).to(torch.bfloat16).cuda()
+    assert_same_plan(static, pol, False)
+    assert_same_plan(static, pol, False)
+    (prep,) = kr._PREPARED.values()
+    assert prep.direct is not None and prep.direct.launcher is prep.launch
+    n0 = prep.launch.direct_calls
+    plans = [assert_same_plan(static, pol, False)[1] for _ in range(3)]
+    assert prep.launch.direct_calls == n0 + 3 and len(kr._PREPARED) == 1
+    assert len({p.expert_ids.data_ptr() for p in plans}) == 3
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        route_triton(static, pol, False)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        plan_g = route_triton(static, pol, False)
+    assert prep.launch.direct_calls == n0 + 5
+    for scale in (0.5, 4.0):
+        static.copy_((torch.randn(300, 64) * scale).to(torch.bfloat16))
+        graph.replay()
+        ref = route_torch(static, pol, False)
+        assert torch.equal(plan_g.k, ref.k) and torch.equal(plan_g.expert_ids, ref.expert_ids)
+
+
+@gpu
+@pytest.mark.gpu
 def test_gpu_random_shapes_in_full(select):
     rng = torch.Generator().manual_seed(11)
     for trial in range(10):  # each trial compiles its own kernels: keep the count modest

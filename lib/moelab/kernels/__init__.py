@@ -113,6 +113,18 @@ class Launcher:
             return self._public(grid, args, constexprs, num_warps, num_stages)
         return self._direct(entry, grid, args, constexprs, num_warps, num_stages)
 
+    def bind(self, entry, grid: tuple, args: tuple) -> "Direct | None":
+        """`entry`'s launch with everything but its leading tensor arguments fixed (those after them, the
+        constexprs, the grid, the device), for a caller that repeats one call with fresh tensors only
+        (route_triton, from its third call of a key on: after `run` has taken the direct path once, so
+        the launcher's signature is known to fit). None where the direct path is off or a tensor
+        argument follows a scalar one."""
+        kernel, ordered, tensors = entry
+        if self.disabled or tensors != tuple(range(len(tensors))):
+            return None
+        g = tuple(grid) + (1, 1)
+        return Direct(self, kernel, g[:3], args[0].get_device(), (*args[len(tensors):], *ordered))
+
     def _key(self, args, constexprs, num_warps, num_stages, varying):
         if varying is None:
             spec = tuple(map(_spec, args))
@@ -145,6 +157,23 @@ class Launcher:
         if num_stages is None:
             return self.fn[grid](*args, **constexprs, num_warps=num_warps)
         return self.fn[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
+
+
+class Direct:
+    """One bound launch (`Launcher.bind`): called with the leading tensor arguments' addresses, it launches
+    the compiled kernel on the device's current stream, with no per-call derivation or specialisation check."""
+
+    __slots__ = ("launcher", "run", "function", "meta", "grid", "device", "rest")
+
+    def __init__(self, launcher: Launcher, kernel, grid: tuple, device: int, rest: tuple):
+        self.launcher, self.run, self.function = launcher, kernel.run, kernel.function
+        self.meta, self.grid, self.device, self.rest = kernel.packed_metadata, grid, device, rest
+
+    def __call__(self, *pointers: int) -> None:
+        gx, gy, gz = self.grid
+        self.run(gx, gy, gz, torch._C._cuda_getCurrentRawStream(self.device), self.function, self.meta, None, None,
+                 None, *pointers, *self.rest)
+        self.launcher.direct_calls += 1
 
 
 _LAUNCHERS: dict = {}

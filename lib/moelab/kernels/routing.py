@@ -750,6 +750,25 @@ def route_triton(
     if logits.dim() != 2:
         raise ValueError(f"logits.shape={tuple(logits.shape)}: must have rank 2 [T, E]")
     T, E = logits.shape
+    key = prep = None
+    if stats is None and T:
+        if logits.stride(1) != 1:
+            logits = logits.contiguous()
+        # everything the launch derives from (shape, dtype, alignment, policy, overrides) is the key of a
+        # prepared call; from a key's third call on, the checks below have passed for it and a call only
+        # allocates the plan and launches the bound kernel (host time: the eager target of issue 5)
+        key = (logits.dtype, logits.data_ptr() % 16 == 0, T, E, logits.stride(0), logits.get_device(), policy,
+               renormalize, tuple(LAUNCH.values()))
+        try:
+            prep = _PREPARED.get(key)
+        except TypeError:  # a policy with unhashable fields: prepared anew each call
+            key = None
+        if prep is not None and prep.direct is not None:
+            ids, w, k, ent = _plan_buffers(T, prep.K, logits.device)
+            kp, ep = k.data_ptr(), ent.data_ptr()
+            with on_device_of(logits):  # the statistics slots take the plan's own k / entropy (STATS off)
+                prep.direct(logits.data_ptr(), ids.data_ptr(), w.data_ptr(), kp, ep, kp, ep, kp)
+            return RoutingPlan(ids, w, k, ent, E)
     K = policy.k_max
     if E > MAX_EXPERTS:
         raise ValueError(f"E={E}: the Triton routing kernel supports at most {MAX_EXPERTS} experts")
@@ -765,48 +784,49 @@ def route_triton(
         return RoutingPlan(*_plan_buffers(0, K, logits.device), E)
     if logits.stride(1) != 1:
         logits = logits.contiguous()
-    # without statistics, everything the launch derives from (shape, dtype, alignment, policy, overrides) is
-    # the key of a prepared call: on a hit, no further derivation and no specialisation check per call
-    key = None
-    if stats is None:
-        key = (logits.dtype, logits.data_ptr() % 16 == 0, T, E, logits.stride(0), logits.get_device(), policy,
-               renormalize, tuple(LAUNCH.values()))
-        try:
-            prep = _PREPARED.get(key)
-        except TypeError:  # a policy with unhashable fields: prepared anew each call
-            key = prep = None
-    if key is None or prep is None:
+    if prep is None:
         prep = _prepare(logits, T, E, K, policy, renormalize, stats)
         if key is not None:
             if len(_PREPARED) >= 4096:  # keys hold T: bounded, whatever token counts come
                 _PREPARED.clear()
             _PREPARED[key] = prep
-    launch, grid, scalars, meta, warps, entry = prep
     ids, w, k, ent = _plan_buffers(T, K, logits.device)
     st = stats
     args = (logits, ids, w, k, ent, st.k_hist if st else k, st.entropy_sum if st else ent, st.tokens if st else k,
-            T, E, logits.stride(0), *scalars)
+            T, E, logits.stride(0), *prep.scalars)
+    launch = prep.launch
     with on_device_of(logits):
-        if entry is not None:
-            launch.run(entry, grid, args, meta, warps)
+        if prep.entry is not None:  # second call of a key: the direct path (it falls back if it does not fit)
+            launch.run(prep.entry, prep.grid, args, prep.meta, prep.warps)
+            prep.direct = launch.bind(prep.entry, prep.grid, args)
         else:
-            launch(grid, args, meta, warps, _VARYING_STATS if st else _VARYING)
+            launch(prep.grid, args, prep.meta, prep.warps, _VARYING_STATS if st else _VARYING)
             if key is not None:  # the compiled kernel, launched directly by later calls of this key
-                prep[5] = launch.entry(args, meta, warps, _VARYING)
+                prep.entry = launch.entry(args, prep.meta, prep.warps, _VARYING)
     return RoutingPlan(ids, w, k, ent, E)
 
 
-_PREPARED: dict = {}  # route_triton's call key -> _prepare(...), with the compiled kernel once known
+_PREPARED: dict = {}  # route_triton's call key -> _Prepared
+
+
+class _Prepared:
+    """A routing call's launch, derived once per key: launcher, grid, the policy's scalar arguments,
+    constexprs, warps; the compiled entry after the first call, its bound launch after the second."""
+
+    __slots__ = ("launch", "grid", "scalars", "meta", "warps", "K", "entry", "direct")
+
+    def __init__(self, launch, grid, scalars, meta, warps, K):
+        self.launch, self.grid, self.scalars, self.meta, self.warps, self.K = launch, grid, scalars, meta, warps, K
+        self.entry = self.direct = None
 
 
 def _prepare(logits, T: int, E: int, K: int, policy: Policy, renormalize: bool, stats: RoutingStats | None):
-    """[launcher, grid, the policy's scalar arguments, constexprs, warps, None]: a routing call's launch; the
-    last slot takes the launcher's compiled entry after the first call."""
+    """The _Prepared launch of a routing call."""
     code, fpar, th, kv, nth, kmin = _policy_args(policy)
     launch, grid, shape_meta, warps = _shape_launch(
         T, E, K, logits.get_device(), tuple(LAUNCH.values()), logits.element_size(), logits.stride(0))
     meta = dict(shape_meta, POLICY=code, NTH=nth, RENORM=bool(renormalize), STATS=stats is not None)
-    return [launch, grid, (fpar, *th, kv, kmin, stats.k_hist.shape[0] if stats else 1), meta, warps, None]
+    return _Prepared(launch, grid, (fpar, *th, kv, kmin, stats.k_hist.shape[0] if stats else 1), meta, warps, K)
 
 
 def clear_launch_caches() -> None:
