@@ -352,8 +352,9 @@ def test_gpu_direct_launch_is_used_and_specialises(monkeypatch):
 @pytest.mark.gpu
 def test_gpu_bound_launch_from_a_keys_third_call(monkeypatch):
     """From a key's third call on, route_triton launches the bound kernel (Launcher.bind) with nothing but
-    fresh plan buffers: the reference plan every call, a new buffer each time, the launch counted, and
-    launched on the current stream (captured into a CUDA graph, it replays on new logits)."""
+    fresh plan buffers: the reference plan every call, a new buffer each time, the launch counted, launched
+    on the current stream (captured into a CUDA graph, it replays on new logits), and not once the launcher
+    is switched to the public path."""
     monkeypatch.setattr(kr, "_PREPARED", {})
     pol = EntropyAdaptiveK((2, 4, 8), (3.0, 3.6))
     static = (torch.randn(300, 64) * 2).to(torch.bfloat16).cuda()
@@ -374,6 +375,12 @@ def test_gpu_bound_launch_from_a_keys_third_call(monkeypatch):
     with torch.cuda.graph(graph):
         plan_g = route_triton(static, pol, False)
     assert prep.launch.direct_calls == n0 + 5
+    prep.launch.disabled = "test: public launch path"  # switched off at run time: the bound launch too
+    try:
+        assert_same_plan(static, pol, False)
+        assert prep.launch.direct_calls == n0 + 5
+    finally:
+        prep.launch.disabled = ""
     for scale in (0.5, 4.0):
         static.copy_((torch.randn(300, 64) * scale).to(torch.bfloat16))
         graph.replay()

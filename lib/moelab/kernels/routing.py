@@ -763,7 +763,7 @@ def route_triton(
             prep = _PREPARED.get(key)
         except TypeError:  # a policy with unhashable fields: prepared anew each call
             key = None
-        if prep is not None and prep.direct is not None:
+        if prep is not None and prep.direct is not None and not prep.launch.disabled:
             ids, w, k, ent = _plan_buffers(T, prep.K, logits.device)
             kp, ep = k.data_ptr(), ent.data_ptr()
             with on_device_of(logits):  # the statistics slots take the plan's own k / entropy (STATS off)
