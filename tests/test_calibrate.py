@@ -51,11 +51,16 @@ def test_calibrated_thresholds_hit_target(sample, target):
         assert 1 - mk / 2 == pytest.approx(target, abs=0.01)
 
 
-@pytest.mark.parametrize("kind", ["TopP", "RatioSkip"])
+@pytest.mark.parametrize("kind", ["TopP", "RatioSkip", "EntropyAdaptiveK"])
 def test_matched_policies_hit_target(sample, kind):
     pol = match_policy(sample, kind, 0.25, k_min=1, k_max=4)
     assert type(pol).__name__ == kind
     assert estimate(sample, pol)["expert_reduction"] == pytest.approx(0.25, abs=0.01)
+    if kind == "EntropyAdaptiveK":
+        assert pol.k_values == (1, 2, 4)  # k_min, the native k, k_max
+        default = match_policy(sample, kind, 0.25)  # k in [1, native k]: k values (1, 2)
+        assert default.k_values == (1, 2)
+        assert estimate(sample, default)["expert_reduction"] == pytest.approx(0.25, abs=0.01)
 
 
 def test_unreachable_target_raises(sample):
@@ -63,6 +68,18 @@ def test_unreachable_target_raises(sample):
         calibrate_thresholds(sample, (1, 2, 4), 0.6)  # k >= 1 on native 2: at most 50%
     with pytest.raises(ValueError, match="at least two"):
         calibrate_thresholds(sample, (2,), 0.1)
+    with pytest.raises(ValueError, match=r"k_values=\[4, 2, 1\]: must be strictly ascending"):
+        calibrate_thresholds(sample, (4, 2, 1), 0.1)
+    with pytest.raises(ValueError, match="k_min=2, k_max=2"):
+        match_policy(sample, "EntropyAdaptiveK", 0.0, k_min=2, k_max=2)
+
+
+@pytest.mark.parametrize("kw, match", [({"context": 0}, "context=0"), ({"context": -4}, "context=-4"),
+                                       ({"max_tokens": -100}, "max_tokens=-100"), ({"k_cap": 0}, "k_cap=0"),
+                                       ({"batch_size": 0}, "batch_size=0")])
+def test_router_sample_rejects_bad_arguments(model, kw, match):
+    with pytest.raises(ValueError, match=match):
+        router_sample(model, torch.arange(200) % 256, progress=False, **kw)
 
 
 def test_budget_search_stays_within_budget(model, sample):

@@ -47,6 +47,12 @@ def test_native_topk_patched_equals_baseline(model, ids, base):
     assert ev.summary["mean_k"] == 2.0
 
 
+@pytest.mark.parametrize("bad", [0, -3.0, float("nan"), True, "230"])
+def test_bad_baseline_ppl_raises_before_the_run(model, ids, bad):
+    with pytest.raises(ValueError, match="baseline_ppl=.*: must be a finite perplexity > 0"):
+        evaluate(model, TopK(1), ids, context=CTX, baseline_ppl=bad, progress=False)
+
+
 def test_top1_halves_expert_work_and_changes_ppl(model, ids, base):
     ev = evaluate(model, TopK(1), ids, context=CTX, stride=CTX // 2, baseline_ppl=base.summary["ppl"], progress=False)
     s = ev.summary

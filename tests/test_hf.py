@@ -152,6 +152,14 @@ def test_bad_policies_raise(model):
             with patched(model, TopK(1)):
                 pass
     assert not any("forward" in m.__dict__ for m in model.modules())
+    with patched(model, TopK(1)) as outer:  # a refused nesting leaves the outer context's marks in place
+        for _ in range(2):
+            with pytest.raises(ValueError, match="already patched"):
+                with patched(model, TopK(2)):
+                    pass
+        model(input_ids=ids(n=6))
+    assert outer.mean_k() == {layer.index: 1.0 for layer in moe_layers(model)}
+    assert not any("forward" in m.__dict__ or "_moelab_patched" in m.__dict__ for m in model.modules())
 
 
 def test_non_moe_model_raises():

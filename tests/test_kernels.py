@@ -105,6 +105,20 @@ def test_ties_break_by_lower_index(select):
             assert got.expert_ids[0, :5].tolist() == [0, 1, 2, 3, 4] or pol.k_max == 6
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_distinct_logits_of_equal_probability(dtype, select):
+    """The documented exception: logits 0 and 1e-7 differ, but x - max rounds to the same fp32 value (and
+    -120 / -110 both underflow), so their probabilities tie. The reference and the fp32-key selections take
+    the lower index; the 16-bit row kernels rank by logit and take the larger one: the true order."""
+    x = torch.tensor([[8.0, 0.0, 1e-7, -20.0], [0.0, -120.0, -110.0, -130.0]], dtype=dtype).to(DEV)
+    ref = route_torch(x, TopK(3), True)
+    got = route_triton(x, TopK(3), True)
+    assert ref.expert_ids.tolist() == [[0, 1, 2], [0, 1, 2]]
+    by_logit = select in ("rowwise", "rowsort")
+    assert got.expert_ids.tolist() == ([[0, 2, 1], [0, 2, 1]] if by_logit else ref.expert_ids.tolist())
+    assert (got.weights - ref.weights).abs().max().item() <= 1e-6  # the tied weights are equal either way
+
+
 def test_stats_accumulate_on_device():
     rng = torch.Generator().manual_seed(2)
     pol = EntropyAdaptiveK((1, 2, 4), (1.2, 1.7))

@@ -42,6 +42,9 @@ def test_windows_cover_every_token_once():
         # stride < context: every token but the first gets a prediction
         if s < c:
             assert scored == set(range(1, n))
+        else:  # no overlap: each window's first token has no prediction inside it
+            starts = set(range(0, n, s))
+            assert scored == set(range(n)) - starts
 
 
 def test_matches_token_by_token_reference(model):
@@ -65,7 +68,7 @@ def test_context_clipped_to_model_and_max_tokens(model):
     ids = torch.randint(0, 97, (300,), generator=torch.Generator().manual_seed(3))
     out = perplexity(model, None, ids, context=2048, stride=512, max_tokens=200, progress=False)
     assert out["context"] == 64 and out["stride"] == 64
-    assert out["scored_tokens"] <= 199
+    assert out["windows"] == 4 and out["scored_tokens"] == 200 - 4  # no overlap: each window's first unscored
     # one window covering everything equals the model's own mean loss
     one = perplexity(model, None, ids[:50], context=64, stride=16, progress=False)
     with torch.no_grad():
@@ -78,5 +81,7 @@ def test_bad_input_raises():
         token_ids(None, "some text")
     with pytest.raises(ValueError, match="stride=0"):
         windows(10, 4, 0)
+    with pytest.raises(ValueError, match=r"stride=1024: must be in \[1, context=512\]"):
+        perplexity(None, None, torch.arange(10), context=512, stride=1024)
     with pytest.raises(ValueError, match="must be integers"):
         token_ids(None, torch.zeros(5))

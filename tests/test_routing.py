@@ -149,6 +149,13 @@ def test_empty_batch():
         (lambda: TopP(1.5, k_max=2), r"\(0, 1\]"),
         (lambda: RatioSkip(-0.1, k_max=2), "beta"),
         (lambda: TopP(0.5, k_max=2, k_min=3), "k_min"),
+        (lambda: TopP(True, k_max=2), "p=True: must be a real number, not bool"),
+        (lambda: RatioSkip("0.5", k_max=2), "beta='0.5': must be a real number, not str"),
+        (lambda: EntropyAdaptiveK((1, 2), 1.0), "thresholds=1.0: must be a tuple or list"),
+        (lambda: EntropyAdaptiveK(4, ()), "k_values=4: must be a tuple or list"),
+        (lambda: EntropyAdaptiveK((1, 2), ("1.5",)), r"thresholds\[0\]='1.5': must be a real number"),
+        (lambda: EntropyAdaptiveK((1, 2), (None,)), r"thresholds\[0\]=None"),
+        (lambda: EntropyAdaptiveK((1, 2.5), (0.5,)), r"k_values\[1\]=2.5: must be an int"),
     ],
 )
 def test_bad_configuration(make, match):
@@ -173,6 +180,21 @@ def test_bad_input():
         route(bad, pol)
     with pytest.raises(ValueError, match="renormalize"):
         route(torch.randn(4, 8), TopK(2))
+    wide = torch.randn(4, 8)
+    wide[1, :2] = torch.tensor([3e38, -3e38])  # finite, but max - min overflows float32
+    with pytest.raises(ValueError, match=r"logits\[1\] span .* float32 range"):
+        route(wide, pol)
+
+
+def test_numpy_scalars_and_extreme_rows():
+    np = pytest.importorskip("numpy")
+    assert TopP(np.float32(0.5), k_max=2) == TopP(0.5, k_max=2)  # stored as a float: same policy, same key
+    assert RatioSkip(np.float64(0.25), k_max=2).beta == 0.25
+    # unchecked, a row whose spread overflows (log-probabilities -inf) still has the entropy of the rest
+    x = torch.tensor([[3e38, 3e38, -3e38, -3e38]])
+    plan = route_torch(x, EntropyAdaptiveK((1, 3), (0.5,)), True)
+    assert torch.isfinite(plan.entropy).all() and abs(float(plan.entropy[0]) - math.log(2)) < 1e-6
+    assert plan.k.tolist() == [3]
 
 
 def test_reference_matches_route():

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 from pathlib import Path
 
@@ -45,7 +46,12 @@ def test_param_hash_is_stable_order_free_and_distinct(toy):
         ({"name": "a/b"}, "name='a/b'"),
         ({"figures": "elsewhere"}, "figures='elsewhere'"),
         ({"timeout_s": 0}, "timeout_s=0"),
+        ({"timeout_s": "15m"}, "timeout_s='15m'"),
+        ({"timeout_s": True}, "timeout_s=True"),
         ({"workers": 0}, "workers=0"),
+        ({"parameters": {"x": [1, 2, 1]}}, "x: the value 1 is listed twice"),
+        ({"fixed": {"log_path": datetime.date(2024, 5, 1)}}, r"log_path=datetime.date\(2024, 5, 1\) \(date\): must"),
+        ({"parameters": {"sleep_s": [0.5, float("nan")]}}, "sleep_s=nan"),
     ],
 )
 def test_bad_grids_raise_naming_the_value(toy, kw, match):
@@ -133,6 +139,30 @@ def test_sweep_runs_records_failures_combines_and_resumes(toy, tmp_path, monkeyp
     rep2 = sweep.run_sweep(g2, root=tmp_path / "runs", progress=False)
     assert sorted(r.status for r in rep2.runs) == ["done", "done", "failed"]
     assert log_lines(log)[len(before):] == ["start 2"]
+
+    # a rerun whose notebook now fails on a point that finished before reports the failure and keeps it
+    g3 = sweep.Grid(notebook=toy, name="toy", parameters={"x": [1]}, fixed={"fail_at": 2, "log_path": str(log)})
+    (h1,) = [h for h, p in sweep.param_hash_points(g3)]
+    (rep.directory / h1 / "done").write_text("{}")  # as if finished by an earlier version
+    params = json.loads((rep.directory / h1 / "params.json").read_text())
+    params["parameters"]["fail_at"] = 1  # this attempt fails at x = 1 ...
+    orig = sweep._launch
+    monkeypatch.setattr(sweep, "_launch", lambda nb, p, *a: orig(nb, {**p, "fail_at": 1}, *a))
+    rep3 = sweep.run_sweep(g3, root=tmp_path / "runs", progress=False, rerun=True)
+    assert [r.status for r in rep3.runs] == ["failed"]  # ... and is not hidden by the earlier 'done'
+    assert (rep.directory / h1 / "error.json").exists() and not (rep.directory / h1 / "done").exists()
+
+    # a failure of the runner itself is recorded against its point; the other points still run
+    def broken(nb, p, *a):
+        if p["x"] == 3:
+            raise OSError("disk full")
+        return orig(nb, p, *a)
+
+    monkeypatch.setattr(sweep, "_launch", broken)
+    rep4 = sweep.run_sweep(g, root=tmp_path / "runs", progress=False, rerun=True)
+    by_x = {r.params["x"]: r for r in rep4.runs}
+    assert by_x[3].status == "failed" and by_x[3].error["ename"] == "RunnerOSError"
+    assert by_x[1].status == "ok" and by_x[2].status == "failed"
 
 
 @pytest.mark.slow

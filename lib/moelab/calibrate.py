@@ -81,6 +81,8 @@ def _check_k_values(k_values, sample: RouterSample) -> tuple[int, ...]:
     kv = tuple(int(k) for k in k_values)
     if len(kv) < 2:
         raise ValueError(f"k_values={list(kv)}: need at least two k values to calibrate thresholds")
+    if any(b <= a for a, b in zip(kv, kv[1:])) or kv[0] < 1:
+        raise ValueError(f"k_values={list(kv)}: must be strictly ascending ints >= 1")
     if kv[-1] > sample.k_cap:
         raise ValueError(f"k_values={list(kv)}: k_max exceeds the sample's k_cap={sample.k_cap}")
     return kv
@@ -135,7 +137,12 @@ def match_policy(sample: RouterSample, kind: str, target_reduction: float, k_min
     """A policy of a kind ('EntropyAdaptiveK', 'TopP', 'RatioSkip') whose estimated reduction hits the target."""
     k_max = k_max or sample.native_k
     if kind == "EntropyAdaptiveK":
-        return calibrate_thresholds(sample, k_values or (k_min, sample.native_k, k_max), target_reduction, per_layer)
+        if k_values is None:  # k_min, the native k (if inside the range) and k_max
+            k_values = sorted({k_min, min(max(sample.native_k, k_min), k_max), k_max})
+            if len(k_values) < 2:
+                raise ValueError(f"k_min={k_min}, k_max={k_max}: EntropyAdaptiveK needs k_min < k_max "
+                                 "(or pass k_values)")
+        return calibrate_thresholds(sample, k_values, target_reduction, per_layer)
     lo_r, hi_r = 1 - k_max / sample.native_k, 1 - k_min / sample.native_k
     if not lo_r <= target_reduction <= hi_r:
         raise ValueError(f"target_reduction={target_reduction}: k in [{k_min}, {k_max}] reaches only "

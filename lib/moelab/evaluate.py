@@ -15,6 +15,7 @@ FLOPs (moelab.compute.ModelShapes, attention at the average attended length of a
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -154,6 +155,9 @@ def evaluate(
     policy: one policy, a list (one per MoE layer) or a dict {moe layer: policy} (see moelab.hf.patched).
     baseline_ppl: if given, the summary also has ppl_change (relative, e.g. 0.004 = +0.4%).
     """
+    if baseline_ppl is not None and (isinstance(baseline_ppl, bool) or not isinstance(baseline_ppl, (int, float))
+                                     or not math.isfinite(baseline_ppl) or baseline_ppl <= 0):
+        raise ValueError(f"baseline_ppl={baseline_ppl!r}: must be a finite perplexity > 0 (or None)")
     ids = token_ids(tokenizer, text_or_ids)
     layers = moe_layers(model)
     shapes = _shapes(model)
@@ -260,6 +264,11 @@ def router_sample(
     progress: bool = True,
 ) -> RouterSample:
     """Record router outputs once: unchanged forwards over disjoint chunks of `context` tokens."""
+    for name, v in (("context", context), ("max_tokens", max_tokens), ("batch_size", batch_size), ("k_cap", k_cap)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ValueError(f"{name}={v!r}: must be an int >= 1" + ("" if name == "context" else " or None"))
+    if context is None or batch_size is None:
+        raise ValueError(f"context={context!r}, batch_size={batch_size!r}: must be ints >= 1")
     ids = token_ids(tokenizer, text_or_ids)
     if max_tokens is not None:
         ids = ids[:max_tokens]
@@ -272,7 +281,7 @@ def router_sample(
         raise ValueError(f"{ids.numel()} tokens: nothing to record")
     layers = moe_layers(model)
     E, native_k = layers[0].num_experts, layers[0].native_k
-    k_cap = k_cap or min(E, max(16, 2 * native_k))
+    k_cap = k_cap if k_cap is not None else min(E, max(16, 2 * native_k))
     if not 1 <= k_cap <= E:
         raise ValueError(f"k_cap={k_cap}: must be in [1, num_experts={E}]")
     x_NL = ids[: n * context].view(n, context)

@@ -217,6 +217,9 @@ def patched(model, policy_or_policies, record: bool | str = False, check: bool =
     record: False; True (per-layer k and entropy of every routed token); 'logits' (also router logits).
     check: validate that router logits are finite (one host sync per layer); False inside CUDA-graph capture.
     The model is restored exactly on exit, also when the body raises.
+    Ties at the k-th place go to the lower expert index (`moelab.routing`); transformers' routers call
+    `torch.topk`, whose order among ties is unspecified, so with the model's own rule a patched block runs
+    the same experts wherever the router's probabilities do not tie exactly (16-bit logits can tie).
     """
     if record not in (False, True, "logits"):
         raise ValueError(f"record={record!r}: must be False, True or 'logits'")
@@ -225,6 +228,7 @@ def patched(model, policy_or_policies, record: bool | str = False, check: bool =
     rec = RoutingRecord(logits=record == "logits") if record else None
     patch = Patch(layers, policies, rec)
     saved: list[tuple[torch.nn.Module, object]] = []  # (module, its own instance forward or None)
+    marked: list[torch.nn.Module] = []  # blocks this call marked (a refused nesting leaves the outer marks)
     try:
         for i, pol in policies.items():
             layer = layers[i]
@@ -235,6 +239,7 @@ def patched(model, policy_or_policies, record: bool | str = False, check: bool =
                 saved.append((mod, mod.__dict__.get("forward")))
                 mod.forward = fwd
             layer.block.__dict__[_MARK] = True
+            marked.append(layer.block)
         yield patch
     finally:
         for mod, own in reversed(saved):
@@ -242,8 +247,8 @@ def patched(model, policy_or_policies, record: bool | str = False, check: bool =
                 mod.__dict__.pop("forward", None)
             else:
                 mod.forward = own
-        for i in policies:
-            layers[i].block.__dict__.pop(_MARK, None)
+        for block in marked:
+            block.__dict__.pop(_MARK, None)
         patch._pending.clear()
         patch.kept_pairs = {i: int(v) for i, v in patch.kept_pairs.items()}
 

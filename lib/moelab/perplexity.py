@@ -1,10 +1,14 @@
 """Sliding-window perplexity over one token stream (the usual WikiText-2 protocol of the HF docs).
 
 Windows of `context` tokens start every `stride` tokens; each window scores only the tokens that no
-earlier window scored (the first window scores all of its tokens but the first), so every token after
-the first is scored exactly once, with up to `context - stride` tokens of left context. The context is
-clipped to the model's `max_position_embeddings`. Only the scored positions' logits are computed
-(`logits_to_keep`), and the cross-entropy is summed in fp32.
+earlier window scored. A window's first token has no prediction inside it, so:
+- stride < context: every token after the first is scored exactly once, each with at least
+  `context - stride` tokens of left context (fewer only in the first window);
+- stride = context: the windows do not overlap and each window's first token goes unscored (the HF
+  docs' protocol with stride = max_length): n - windows tokens are scored, `scored_tokens` says so.
+The context is clipped to the model's `max_position_embeddings`, and the stride to the clipped context
+(so 2048 / 512 on a model of at most 512 positions becomes 512 / 512: no overlap); the result records
+both. Only the scored positions' logits are computed (`logits_to_keep`); the cross-entropy is summed in fp32.
 """
 
 from __future__ import annotations
@@ -81,7 +85,7 @@ def perplexity(
 ) -> dict:
     """Perplexity of a causal LM on one token stream, sliding window (see the module docstring).
 
-    Returns dict(ppl, nll [nats/token], scored_tokens, context [after clipping], stride, windows).
+    Returns dict(ppl, nll [nats/token], scored_tokens, context and stride [after clipping], windows).
     max_tokens: score only the first max_tokens tokens of the stream (None: all).
     batch_size: windows of equal shape run together (no padding, so results do not depend on it).
     """
@@ -94,6 +98,8 @@ def perplexity(
         raise ValueError(f"{ids.numel()} tokens: need at least 2 to score one")
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size={batch_size!r}: must be an int >= 1")
+    if not 1 <= stride <= context:  # as asked; the clipping below may shorten both
+        raise ValueError(f"stride={stride}: must be in [1, context={context}]")
     limit = _model_context(model)
     if limit is not None and context > limit:
         context = int(limit)

@@ -17,6 +17,7 @@ Conventions shared by every policy and by the kernel:
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from dataclasses import dataclass
 from typing import Union
 
@@ -75,6 +76,13 @@ def _check_int(name: str, value, lo: int = 1) -> None:
         raise ValueError(f"{name}={value}: must be >= {lo}")
 
 
+def _real(name: str, value) -> float:
+    """A policy's real-valued field as a float (Python or numpy numbers; bools and strings refused)."""
+    if isinstance(value, (bool, str)) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name}={value!r}: must be a real number, not {type(value).__name__}")
+    return float(value)
+
+
 def _check_bounds(policy) -> None:
     """k_min and k_max of a clamped policy (TopP, RatioSkip)."""
     _check_int("k_max", policy.k_max)
@@ -124,15 +132,19 @@ class EntropyAdaptiveK:
     renormalize: bool | None = None
 
     def __post_init__(self):
+        for name in ("k_values", "thresholds"):
+            v = getattr(self, name)
+            if isinstance(v, (str, bytes)) or not isinstance(v, (tuple, list)):
+                raise ValueError(f"{name}={v!r}: must be a tuple or list")
         kv = tuple(self.k_values)
-        th = tuple(float(t) for t in self.thresholds)
+        th = tuple(_real(f"thresholds[{i}]", t) for i, t in enumerate(self.thresholds))
         object.__setattr__(self, "k_values", kv)
         object.__setattr__(self, "thresholds", th)
         _check_renorm(self.renormalize)
         if len(kv) == 0:
             raise ValueError("k_values=(): need at least one k value")
-        for k in kv:
-            _check_int("k_values[...]", k)
+        for i, k in enumerate(kv):
+            _check_int(f"k_values[{i}]", k)
         if any(b <= a for a, b in zip(kv, kv[1:])):
             raise ValueError(f"k_values={list(kv)}: must be strictly ascending")
         if len(th) != len(kv) - 1:
@@ -171,7 +183,8 @@ class TopP:
     renormalize: bool | None = None
 
     def __post_init__(self):
-        if not (isinstance(self.p, (int, float)) and 0.0 < float(self.p) <= 1.0):
+        object.__setattr__(self, "p", _real("p", self.p))
+        if not 0.0 < self.p <= 1.0:
             raise ValueError(f"p={self.p!r}: must be in (0, 1]")
         _check_bounds(self)
 
@@ -191,7 +204,8 @@ class RatioSkip:
     renormalize: bool | None = None
 
     def __post_init__(self):
-        if not (isinstance(self.beta, (int, float)) and 0.0 <= float(self.beta) <= 1.0):
+        object.__setattr__(self, "beta", _real("beta", self.beta))
+        if not 0.0 <= self.beta <= 1.0:
             raise ValueError(f"beta={self.beta!r}: must be in [0, 1]")
         _check_bounds(self)
 
@@ -215,7 +229,7 @@ def resolve_renormalize(policy: Policy, renormalize: bool | None) -> bool:
 
 
 def check_logits(logits: torch.Tensor, policy: Policy, num_experts: int | None = None, finite: bool = True):
-    """Validate shape, dtype and (optionally, one host sync) finiteness of router logits."""
+    """Validate shape, dtype and (optionally, one host sync) finiteness and range of router logits."""
     if not isinstance(logits, torch.Tensor):
         raise ValueError(f"logits of type {type(logits).__name__}: must be a torch.Tensor [T, E]")
     if logits.dim() != 2:
@@ -227,9 +241,17 @@ def check_logits(logits: torch.Tensor, policy: Policy, num_experts: int | None =
         raise ValueError(f"logits have E={E} experts but the layer has num_experts={num_experts}")
     if not 1 <= policy.k_max <= E:
         raise ValueError(f"k_max={policy.k_max}: must be in [1, E={E}]")
-    if finite and logits.numel() and not bool(torch.isfinite(logits).all()):
-        bad = (~torch.isfinite(logits)).nonzero()[0].tolist()
-        raise ValueError(f"logits[{bad[0]}, {bad[1]}]={logits[bad[0], bad[1]].item()}: logits must be finite")
+    if finite and logits.numel():
+        # finite, and each row's spread within fp32 range (else x - max is -inf and the entropy NaN): one sync
+        x = logits.float()
+        spread_T = x.amax(-1) - x.amin(-1)
+        if not bool(torch.isfinite(logits).all() & torch.isfinite(spread_T).all()):
+            if not bool(torch.isfinite(logits).all()):
+                bad = (~torch.isfinite(logits)).nonzero()[0].tolist()
+                raise ValueError(f"logits[{bad[0]}, {bad[1]}]={logits[bad[0], bad[1]].item()}: logits must be finite")
+            t = int((~torch.isfinite(spread_T)).nonzero()[0])
+            raise ValueError(f"logits[{t}] span [{x[t].min().item():.3g}, {x[t].max().item():.3g}]: a row's max - min "
+                             "must be within the float32 range (else its softmax underflows to -inf log-probabilities)")
 
 
 def route_torch(logits: torch.Tensor, policy: Policy, renormalize: bool) -> RoutingPlan:
@@ -238,7 +260,7 @@ def route_torch(logits: torch.Tensor, policy: Policy, renormalize: bool) -> Rout
     K = policy.k_max
     logp_TE = torch.log_softmax(logits.float(), dim=-1)
     probs_TE = logp_TE.exp()
-    entropy_T = -(probs_TE * logp_TE).sum(-1)
+    entropy_T = -torch.where(probs_TE > 0, probs_TE * logp_TE, 0.0).sum(-1)  # 0 log 0 = 0 (also at logp -inf)
     # stable sort: equal probabilities keep ascending expert index
     probs_sorted, idx_sorted = torch.sort(probs_TE, dim=-1, descending=True, stable=True)
     top_p_TK, top_i_TK = probs_sorted[:, :K], idx_sorted[:, :K]
@@ -286,7 +308,8 @@ def route(
 
     renormalize: the model's convention, used when the policy leaves it as None.
     num_experts: if given, the logits must have that many columns.
-    check: validate finiteness (one host sync); pass False inside CUDA-graph capture.
+    check: validate that the logits are finite and each row's spread fits float32 (one host sync); pass
+      False inside CUDA-graph capture (unchecked, a non-finite row gives a NaN entropy).
     """
     check_logits(logits, policy, num_experts, finite=check)
     renorm = resolve_renormalize(policy, renormalize)

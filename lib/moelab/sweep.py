@@ -118,8 +118,22 @@ class Grid:
             raise ValueError(f"parameters {both}: given both as swept and as fixed; keep one")
         if self.figures not in FIGURES_MODES:
             raise ValueError(f"figures={self.figures!r}: must be one of {FIGURES_MODES}")
-        if self.timeout_s is not None and not self.timeout_s > 0:
-            raise ValueError(f"timeout_s={self.timeout_s!r}: must be > 0 seconds")
+        t = self.timeout_s
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0):
+            raise ValueError(f"timeout_s={self.timeout_s!r}: must be a number of seconds > 0")
+        for k, v in [*self.fixed.items(), *((k, x) for k, vs in self.parameters.items() for x in vs)]:
+            try:  # a run's parameters are stored as JSON (params.json) and injected by papermill
+                json.dumps(v, allow_nan=False)
+            except (TypeError, ValueError):
+                raise ValueError(f"parameter {k}={v!r} ({type(v).__name__}): must be a JSON value (number, string, "
+                                 f"bool, null, list or mapping of those); quote dates and other YAML types") from None
+        for k, vs in self.parameters.items():
+            seen: set[str] = set()
+            for v in vs:
+                key = json.dumps(v, sort_keys=True)
+                if key in seen:
+                    raise ValueError(f"parameters.{k}: the value {v!r} is listed twice; each point must be distinct")
+                seen.add(key)
         if self.workers is not None and (isinstance(self.workers, bool) or not isinstance(self.workers, int)
                                          or self.workers < 1):
             raise ValueError(f"workers={self.workers!r}: must be an int >= 1")
@@ -322,13 +336,25 @@ def _worker(tmp: Path) -> int:
 
 
 def _finish(tmp: Path, final: Path) -> None:
-    """Move a finished (or failed) run into place; a previous failed attempt is replaced."""
+    """Move a finished (or failed) run into place, replacing what was there: an earlier attempt, failed, stale
+    or rerun. Only a concurrent attempt (another shard or host) that finished this version of the notebook
+    while this one ran is kept over this one's failure."""
     if final.exists():
-        if (final / DONE).exists() and not (tmp / DONE).exists():
+        if (final / DONE).exists() and not (tmp / DONE).exists() and _finished_during(final, tmp):
             shutil.rmtree(tmp)  # someone else finished it meanwhile; keep theirs
             return
         shutil.rmtree(final)
     os.rename(tmp, final)
+
+
+def _finished_during(final: Path, tmp: Path) -> bool:
+    """Whether final's run finished after tmp's attempt started, with the same notebook version."""
+    try:
+        ours, theirs = json.loads((tmp / PARAMS).read_text()), json.loads((final / PARAMS).read_text())
+        return (theirs.get("notebook_digest") == ours.get("notebook_digest")
+                and (final / DONE).stat().st_mtime >= ours.get("started_epoch", float("inf")))
+    except (OSError, json.JSONDecodeError):
+        return False
 
 
 @dataclasses.dataclass
@@ -367,6 +393,7 @@ def _launch(notebook: Path, params: dict, final: Path, figures: str, gpu: str | 
     write_json(tmp / PARAMS, {
         "notebook": str(notebook), "notebook_digest": digest, "parameters": params, "hash": h,
         "final": str(final), "figures": figures, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "started_epoch": time.time(),
     })
     env = dict(os.environ)
     if gpu is not None:
@@ -487,7 +514,11 @@ def run_sweep(grid: Grid | str | Path, *, root: Path | None = None, workers: int
                     h, p = jobs.get_nowait()
                 except queue.Empty:
                     return
-                state = _launch(grid.notebook, p, sweep_dir / h, grid.figures, slot, grid.timeout_s, digest)
+                try:
+                    state = _launch(grid.notebook, p, sweep_dir / h, grid.figures, slot, grid.timeout_s, digest)
+                except Exception as e:  # noqa: BLE001  the runner's own failure: recorded, the other points go on
+                    state = RunState(h, p, "failed", {"cell_index": None, "ename": f"Runner{type(e).__name__}",
+                                                      "evalue": str(e)})
                 with lock:
                     states[h] = state
                     bar.update(1)
@@ -501,6 +532,10 @@ def run_sweep(grid: Grid | str | Path, *, root: Path | None = None, workers: int
         for t in threads:
             t.join()
         bar.close()
+        for h, p in todo:  # nothing may stay pending after a run: a point no worker finished is a failure
+            if states[h].status == "pending":
+                states[h] = RunState(h, p, "failed", {"cell_index": None, "ename": "NotRun",
+                                                      "evalue": "no worker finished this point"})
 
     tables = collect(sweep_dir, [h for h, _ in param_hash_points(grid)], grid.name)
     return SweepReport(grid.name, sweep_dir, [states[h] for h, _ in points], tables)

@@ -15,8 +15,11 @@ that needs TRITON_INTERPRET=1).
 
 Exactness: ids, k and the tie order match `route_torch` whenever the fp32 probabilities are either
 equal (ties, broken by the lower index) or apart by more than the last-bit differences of two exp
-implementations; weights agree within 1e-6. Entropy is summed in another order (about 1e-6 apart; the
-16-bit row kernel sums it online as log s - sum p (x - m)).
+implementations; weights agree within 1e-6. One exception: the 16-bit row kernels rank by logit, so
+where two different bf16 / fp16 logits round to the same fp32 probability (x - max equal in fp32, or
+both underflowing to 0) they put the larger logit first, the true softmax order, where the reference
+puts the lower index; equal logits go to the lower index in both. Entropy is summed in another order
+(about 1e-6 apart; the 16-bit row kernel sums it online as log s - sum p (x - m)).
 """
 
 from __future__ import annotations
@@ -771,7 +774,8 @@ def route_triton(
             return RoutingPlan(ids, w, k, ent, E)
     K = policy.k_max
     if E > MAX_EXPERTS:
-        raise ValueError(f"E={E}: the Triton routing kernel supports at most {MAX_EXPERTS} experts")
+        raise ValueError(f"E={E}: the Triton routing kernel supports at most {MAX_EXPERTS} experts; "
+                         "route with moelab.routing.set_backend('torch')")
     if not 1 <= K <= E:
         raise ValueError(f"k_max={K}: must be in [1, E={E}]")
     if stats is not None and (stats.k_hist.dim() != 2 or stats.k_hist.shape[1] != K + 1):
