@@ -364,8 +364,9 @@ for path in stage_paths(stages_doc) if stages_doc is not None else []:
 # %%
 targets = pd.concat([routing_targets(routing_doc), layer_targets(layer_doc)], ignore_index=True)
 summary = targets.assign(kind=targets["target"].str.replace(r" \(.*\)", "", regex=True)).groupby("kind").agg(
-    met=("met", "sum"), checks=("met", "size"), best=("measured", "min"), worst=("measured", "max"))
-save_table(targets.round(3), "04_targets", caption=machine_line(routing_doc))
+    met=("met", "sum"), checks=("met", "size"), lowest=("measured", "min"), highest=("measured", "max"))
+save_table(targets.round(3), "04_targets",
+           caption=f"routing: {machine_line(routing_doc)}; layer: {machine_line(layer_doc)}")
 results.save("kernel_targets", targets)
 results.save("kernel_targets_summary", {k: [int(r.met), int(r.checks)] for k, r in summary.iterrows()})
 summary

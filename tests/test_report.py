@@ -256,6 +256,22 @@ def test_layer_runs_side_by_side():
         layer_runs([])
 
 
+def test_layer_runs_one_row_per_variant_across_tile_records():
+    """An older run without 64-row tile counts names its target with 128-row tiles: still one row per
+    (shape, variant, timer), named by the newest run, with the newest limit."""
+    def doc(sha, created, ada, tiles64=True):
+        rows = [{"shape": "olmoe", "T": 4096, "variant": v, "time_us": t, "graph_us": t, "kept_pairs": k,
+                 "native_pairs": 100, "gemm_tiles_128": k // 10, **({"gemm_tiles_64": k // 5} if tiles64 else {})}
+                for v, t, k in (("moelab_topk", 100.0, 100), ("moelab_topk_triton", 100.0, 100),
+                                ("moelab_adaptive_triton", ada, 60))]
+        return {"commit": sha + "0" * 33, "created": created, "rows": rows}
+
+    t = layer_runs([doc("aaaaaaa", "1", 66.0, tiles64=False), doc("bbbbbbb", "2", 64.0)])
+    assert len(t) == 2 and t["limit"].notna().all()  # eager and graph, each one row
+    row = t.loc[("olmoe", "moelab_adaptive_triton / native layer time_us (kept 0.600, 64-row tiles 0.600)")]
+    assert row["aaaaaaa"] == pytest.approx(0.66) and row["bbbbbbb"] == pytest.approx(0.64)
+
+
 def test_layer_runs_like_picks_the_pairs():
     """like=i keeps the runs that routed docs[i]'s pairs, whichever run is newest; a bad index is named."""
     def doc(sha, ada, kept):

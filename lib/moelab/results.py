@@ -92,11 +92,9 @@ def _jsonable(x):
     if isinstance(x, (list, tuple)):
         return [_jsonable(v) for v in x]
     if isinstance(x, np.generic):
-        return x.item()
-    if isinstance(x, np.ndarray):
-        return x.tolist()
-    if hasattr(x, "tolist") and hasattr(x, "dtype"):  # torch tensors
-        return x.tolist()
+        return _jsonable(x.item())
+    if isinstance(x, np.ndarray) or (hasattr(x, "tolist") and hasattr(x, "dtype")):  # and torch tensors
+        return _jsonable(x.tolist())  # NaN inside becomes null too
     if isinstance(x, float) and x != x:
         return None
     if isinstance(x, Path):
@@ -153,7 +151,8 @@ def load_runs(topic: str, directory: Path | None = None) -> list[dict]:
     """Every committed run of a topic, oldest first (by `created`): the current `<topic>-<yyyymmdd>.json` and
     the runs it replaced, `archive/<topic>-<yyyymmdd>-<commit>.json.xz` (xz-compressed, since 2026-12-01: the
     repository travels to the GPU machine whole, under a size limit; plain `.json` there is read too): how far a
-    number moves between runs."""
+    number moves between runs. Side runs of another configuration, archived under a descriptive suffix
+    (`graph-pool-20261129-primed-default.json.xz`), are not replaced runs: `read_file` opens them."""
     d = Path(directory or REPO / "data" / "results")
     name = re.compile(rf"{re.escape(topic)}-\d{{8}}(-[0-9a-f]{{7,40}})?\.json(\.xz)?")
     candidates = (*d.glob(f"{topic}-*.json"), *(d / "archive").glob(f"{topic}-*.json*"))

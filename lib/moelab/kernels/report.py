@@ -192,8 +192,14 @@ def layer_runs(docs: list[dict], tokens: int = 4096, like: int | None = -1) -> p
         labels.append(label)
         frames.append(t.assign(run=label))
     df = pd.concat(frames)
-    out = df.pivot_table(index=["shape", "target"], columns="run", values="measured", sort=False)[labels]
-    out.insert(0, "limit", df[df["run"] == labels[-1]].set_index(["shape", "target"])["limit"])
+    # one row per (shape, variant, timer), named by its newest run's target text: the text carries the run's
+    # tile share, which older runs (before the tuned tile table was recorded) give for other tiles
+    key = ["shape", "variant", "timer"]
+    out = df.pivot_table(index=key, columns="run", values="measured", sort=False)[labels]
+    newest_row = df.groupby(key, sort=False)[["target", "limit"]].last()
+    out.insert(0, "limit", newest_row["limit"])
+    out.index = pd.MultiIndex.from_arrays([out.index.get_level_values("shape"), newest_row.loc[out.index, "target"]],
+                                          names=["shape", "target"])
     return out
 
 
