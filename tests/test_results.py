@@ -56,3 +56,16 @@ def test_load_runs_current_and_archived_oldest_first(tmp_path):
         results.load_runs("routing-kernel", tmp_path)
     committed = results.load_runs("moe-layer")  # the committed runs: the newest is the current file
     assert len(committed) >= 2 and committed[-1] == results.load_results("moe-layer")
+
+
+def test_write_json_is_strict_json_with_nan_as_null(tmp_path):
+    """NaN from Python, numpy and torch values alike is written as null: the file stays valid JSON."""
+    np = pytest.importorskip("numpy")
+    torch = pytest.importorskip("torch")
+    obj = {"a": float("nan"), "b": np.float64("nan"), "c": np.array([1.0, np.nan]), "d": torch.tensor([float("nan")]),
+           "e": np.int64(3)}
+    path = results.write_json(tmp_path / "x.json", obj)
+    text = path.read_text()
+    assert "NaN" not in text
+    assert json.loads(text, parse_constant=lambda c: pytest.fail(f"non-standard constant {c}")) == {
+        "a": None, "b": None, "c": [1.0, None], "d": [None], "e": 3}
