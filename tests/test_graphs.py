@@ -203,6 +203,14 @@ def test_runner_validates_arguments():
     with pytest.raises(ValueError, match="dim 0"):
         GraphRunner(lambda x, y: x, lambda b: (torch.zeros(b),), [1, 2], device="cpu",
                     eager_example=(torch.zeros(4), torch.zeros(3)))
+    # one tensor is one input, not a tuple of its rows
+    r = GraphRunner(lambda x: x, lambda b: (torch.zeros(b, 8),), [1, 2], device="cpu", eager_example=torch.zeros(4, 8))
+    assert len(r.eager_example) == 1 and r.eager_example[0].shape == (4, 8)
+    # no silent fallback: reuse=True needs a shared pool (none before capture, none with private pools)
+    with pytest.raises(ValueError, match="reuse=True: this runner has no shared pool"):
+        r.eager(torch.zeros(2, 8), reuse=True)
+    with pytest.raises(ValueError, match="reuse='yes'"):
+        r.eager(torch.zeros(2, 8), reuse="yes")
 
 
 def test_fraction_in_segments():
@@ -363,6 +371,98 @@ def test_forward_leaving_memory_in_the_pool_is_refused():
     (x,) = make(4)
     with pytest.raises(ScratchLiveError, match="outlived the forward"):
         runner.eager(x)
+
+
+@gpu
+@pytest.mark.gpu
+def test_a_leak_refuses_replays_until_freed_whatever_the_pool_held_at_capture():
+    step, make = _mlp_step()
+    held, leak, mode = [], [], {"hold": True, "leak": False}
+
+    def fn(x):
+        y = step(x)
+        if mode["hold"]:  # tensors made during capture and kept: the pool's allocated bytes after capture
+            held.append(torch.empty(1 << 22, device="cuda"))
+        if mode["leak"]:
+            leak.append(torch.empty(1 << 16, device="cuda"))
+        return y
+
+    runner = GraphRunner(fn, make, [4, 8]).capture()
+    mode["hold"] = False
+    held.clear()  # the pool now holds less than right after capture: a capture-time baseline would miss a leak
+    (x,) = make(4)
+    runner.eager(x)  # no leak: fine
+    mode["leak"] = True
+    with pytest.raises(ScratchLiveError, match="outlived the forward"):
+        runner.eager(x)
+    mode["leak"] = False
+    with pytest.raises(ScratchLiveError, match="replay refused"):  # remembered, not only raised once
+        runner(x)
+    leak.clear()
+    torch.testing.assert_close(runner(x), step(x))  # freed: replays go ahead
+
+
+@gpu
+@pytest.mark.gpu
+def test_step_with_its_own_scratch_buffers_inside_eager():
+    """A step_fn using ScratchBuffers of its own inside runner.eager (which already routes the forward to
+    the pool) takes its blocks from the pool instead of failing to route twice."""
+    step, make = _mlp_step()
+    sb = ScratchBuffers("cuda")
+
+    def fn(x):
+        with sb.forward():
+            buf = sb.empty((x.shape[0], 64), torch.float32)
+            buf.fill_(1.0)
+            y = step(x) + 0.0 * buf.sum()
+        return y
+
+    runner = GraphRunner(fn, make, [4, 8]).capture()
+    (x,) = make(8)
+    before = sb.pool_bytes
+    torch.testing.assert_close(runner.eager(x), step(x))
+    assert sb.pool_bytes > before and runner.eager_fallbacks == 0
+
+
+@gpu
+@pytest.mark.gpu
+def test_capture_owns_its_static_inputs_and_a_failed_capture_leaves_nothing():
+    step, make = _mlp_step()
+    fixed = {b: make(b)[0] for b in (4, 8)}
+    orig = {b: t.clone() for b, t in fixed.items()}
+    runner = GraphRunner(step, lambda b: (fixed[b],), [4, 8]).capture()
+    (x,) = make(5)
+    torch.testing.assert_close(runner(x), step(x))
+    assert all(torch.equal(fixed[b], orig[b]) for b in fixed)  # the caller's tensors were not overwritten
+
+    def bad(b):
+        if b == 4:
+            raise RuntimeError("no inputs for 4")
+        return make(b)
+
+    r2 = GraphRunner(step, bad, [4, 8])
+    with pytest.raises(RuntimeError, match="no inputs for 4"):
+        r2.capture()
+    assert not r2.graphs and r2.pool is None
+    r2.make_inputs = make
+    r2.capture()  # can be captured again
+    assert sorted(r2.graphs) == [4, 8]
+    with pytest.raises(ValueError, match="prime=True primes with eager_example"):
+        GraphRunner(step, make, [4]).capture(prime=True)
+
+
+@gpu
+@pytest.mark.gpu
+def test_captured_segments_are_those_right_after_capture():
+    """An eager forward larger than the graphs grows the pool: its scratch is all in the pool, but not all in
+    the segments the pool had right after capture."""
+    step, make = _mlp_step(D=512, H=4096)
+    runner = GraphRunner(step, make, [4]).capture(prime=False)
+    (big,) = make(2048)
+    first = runner.scratch_fraction_in_pool(big)
+    assert first["fraction_in_pool"] == 1.0 and first["fraction_in_captured_segments"] < 1.0, first
+    again = runner.scratch_fraction_in_pool(big)  # the grown segments are still not the captured ones
+    assert again["fraction_in_captured_segments"] < 1.0, again
 
 
 @gpu

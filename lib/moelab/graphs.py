@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -35,7 +36,6 @@ from moelab.scratch import (
     live_scratch_bytes,
     prefer_graph_pool,
     register_capture_stream,
-    round_block,
 )
 
 __all__ = [
@@ -115,9 +115,18 @@ def hf_decode_step(model, output: str = "ids") -> Callable:
 
 
 # ----- allocator snapshot helpers
+def _pool_snapshot(pid: tuple[int, int]) -> list:
+    """The allocator snapshot of one pool's segments (the whole snapshot where torch cannot narrow it)."""
+    params = inspect.signature(torch.cuda.memory_snapshot).parameters
+    if "mempool_id" in params:
+        kw = {"include_traces": False} if "include_traces" in params else {}
+        return torch.cuda.memory_snapshot(mempool_id=tuple(pid), **kw)
+    return torch.cuda.memory_snapshot()
+
+
 def pool_segments(pid: tuple[int, int], snapshot: list | None = None) -> list[tuple[int, int, int]]:
     """(address, total_size, allocated_size) of every allocator segment of pool `pid`."""
-    segs = torch.cuda.memory_snapshot() if snapshot is None else snapshot
+    segs = _pool_snapshot(pid) if snapshot is None else snapshot
     return [
         (s["address"], s["total_size"], s["allocated_size"])
         for s in segs
@@ -168,6 +177,16 @@ class _Graph:
     inputs: tuple  # static input tensors, batch = bucket
     outputs: tuple  # static outputs: the first `bucket` rows of the runner's output buffers (outside the pool)
     pool: object  # MemPool (shared) or the graph's own pool handle (private)
+
+
+def _input_tuple(x, name: str) -> tuple:
+    """Inputs as a tuple of tensors: one tensor is one input (never its rows)."""
+    if isinstance(x, torch.Tensor):
+        return (x,)
+    x = tuple(x)
+    if not x or not all(isinstance(t, torch.Tensor) for t in x):
+        raise ValueError(f"{name}: must be a tensor or a non-empty tuple of tensors")
+    return x
 
 
 def _as_tuple(out) -> tuple:
@@ -228,14 +247,18 @@ class GraphRunner:
         if eager_example is not None:
             if pool != "shared":
                 raise ValueError("eager_example primes the shared pool: it needs pool='shared'")
-            self._check_inputs(tuple(eager_example), eager_example[0].shape[0] if len(eager_example) else 0)
-        self.eager_example = tuple(eager_example) if eager_example is not None else None
+            eager_example = _input_tuple(eager_example, "eager_example")
+            self._check_inputs(eager_example, eager_example[0].shape[0])
+        self.eager_example = eager_example
         self.scratch = ScratchBuffers(self.device)
         self.eager_growth_bytes = 0  # reserved memory added during eager forwards that borrowed the pool
         self._growth_hinted = False
         self.prime_choice: dict | None = None  # capture('auto'): pool bytes of both layouts, which one was kept
         self.eager_fallbacks = 0  # eager forwards that hit OOM in the pool and re-ran on the ordinary allocator
-        self._baseline_allocated: int | None = None  # allocated bytes of the shared pool right after capture
+        self._captured_segments: list = []  # the shared pool's segments right after capture
+        self._leak: tuple[int, str] | None = None  # (pool bytes allocated before the leaking forward, message)
+        self._lock = threading.RLock()  # one eager forward or replay at a time: a replay must not land between
+        # another thread's safety check and its eager kernels (they share the capture stream's blocks)
 
     # capture
     def capture(self, release_cache: bool = True, prime: tuple | bool | str = "auto") -> "GraphRunner":
@@ -259,13 +282,34 @@ class GraphRunner:
             if prime != "auto":
                 raise ValueError(f"prime={prime!r}: must be 'auto', True, False or a tuple of inputs")
             if self.eager_example is None or self.pool_mode != "shared":
-                return self._capture_once(release_cache, None)
-            return self._capture_auto(release_cache)
+                return self._capture_guarded(release_cache, None)
+            with self._lock:
+                try:
+                    return self._capture_auto(release_cache)
+                except BaseException:
+                    self._release()  # no half-built runner: capture() can be called again
+                    raise
         if prime is True:
+            if self.eager_example is None:
+                raise ValueError("prime=True primes with eager_example, and this runner has none: pass "
+                                 "GraphRunner(..., eager_example=inputs) or prime=(inputs,)")
             prime = self.eager_example
         elif prime is False:
             prime = None
-        return self._capture_once(release_cache, tuple(prime) if prime is not None else None)
+        else:
+            prime = _input_tuple(prime, "prime")
+            self._check_inputs(prime, prime[0].shape[0])
+        if prime is not None and self.pool_mode != "shared":
+            raise ValueError("prime needs pool='shared': a private pool per bucket has nothing to share")
+        return self._capture_guarded(release_cache, prime)
+
+    def _capture_guarded(self, release_cache: bool, prime: tuple | None) -> "GraphRunner":
+        with self._lock:
+            try:
+                return self._capture_once(release_cache, prime)
+            except BaseException:
+                self._release()
+                raise
 
     def _capture_auto(self, release_cache: bool) -> "GraphRunner":
         """Both layouts, each followed by one eager forward of eager_example; keep the smaller pool."""
@@ -292,7 +336,8 @@ class GraphRunner:
         self.graphs.clear()
         self.out_buffers = ()
         self.pool = None  # the MemPool's segments go back once no graph holds it
-        self._baseline_allocated = None
+        self._captured_segments = []
+        self._leak = None
         torch.cuda.empty_cache()
 
     def _capture_once(self, release_cache: bool, prime: tuple | None) -> "GraphRunner":
@@ -308,12 +353,14 @@ class GraphRunner:
                 raise ValueError("prime needs pool='shared': a private pool per bucket has nothing to share")
             with torch.no_grad(), torch.cuda.stream(self.stream):
                 _as_tuple(self.step_fn(*prime))  # lazy state (cuBLAS workspace) outside the pool first
-            self._baseline_allocated = 0  # a fresh pool: anything still allocated after the forward leaked
             self._eager_in(self.pool, self.stream, tuple(prime))
+            self._raise_leak()
         with torch.no_grad():
             for b in capture_order(self.buckets):
-                inputs = tuple(self.make_inputs(b))
+                # the runner's own static inputs: a caller's tensor would be overwritten by later replays
+                inputs = tuple(t.clone() for t in _input_tuple(self.make_inputs(b), f"make_inputs({b})"))
                 self._check_inputs(inputs, b)
+                self.stream.wait_stream(cur)  # the warm-up reads inputs made on the current stream
                 with torch.cuda.stream(self.stream):  # warm-up on the capture stream, ordinary allocator
                     for _ in range(self.warmup):
                         warm = _as_tuple(self.step_fn(*inputs))
@@ -335,7 +382,7 @@ class GraphRunner:
         if release_cache:
             torch.cuda.empty_cache()
         if self.pool is not None:
-            self._baseline_allocated = pool_bytes(self.pool.id)["allocated"]
+            self._captured_segments = pool_segments(self.pool.id)
         return self
 
     def _check_outputs(self, outs: tuple, b: int) -> None:
@@ -373,9 +420,15 @@ class GraphRunner:
 
     # replay
     def check_replay_safe(self) -> None:
-        """Raise ScratchLiveError if eager scratch memory of the shared pool is live."""
+        """Raise ScratchLiveError if eager scratch memory of the shared pool is live (also a tensor an
+        earlier eager forward left allocated in the pool, until the pool is back to its size before it)."""
         if self.pool is None:
             return
+        if self._leak is not None:
+            before, msg = self._leak
+            if pool_bytes(self.pool.id)["allocated"] > before:
+                raise ScratchLiveError(f"replay refused: {msg}")
+            self._leak = None  # the leaked tensors are gone
         if active_scopes(self.pool):
             raise ScratchLiveError(
                 f"replay refused: an eager forward holding scratch in graph pool {self.pool.id} is still running; "
@@ -390,12 +443,16 @@ class GraphRunner:
 
     def __call__(self, *inputs):
         """Replay the bucket graph for a batch of n <= max bucket; returns fresh tensors of n rows."""
+        with self._lock:
+            return self._replay(inputs)
+
+    def _replay(self, inputs: tuple):
         if not self.graphs:
             raise RuntimeError("capture() first")
         self.check_replay_safe()
-        n = inputs[0].shape[0] if inputs and isinstance(inputs[0], torch.Tensor) else None
-        if n is None:
-            raise ValueError("inputs must be tensors batched along dim 0")
+        if not inputs or not all(isinstance(t, torch.Tensor) and t.dim() >= 1 for t in inputs):
+            raise ValueError("inputs must be tensors batched along dim 0 (at least one dimension)")
+        n = inputs[0].shape[0]
         b = bucket_for(n, self.buckets)
         g = self.graphs[b]
         if len(inputs) != len(g.inputs):
@@ -421,14 +478,26 @@ class GraphRunner:
         return outs[0] if len(outs) == 1 else outs
 
     # eager
-    def eager(self, *inputs, reuse: bool = True, stream=None):
+    def eager(self, *inputs, reuse: bool | None = None, stream=None):
         """step_fn without a graph, on the capture stream; with reuse its scratch lives in the shared pool.
 
+        reuse: None (default) borrows the shared pool where there is one; True insists on it (an error for
+        a runner with private pools, or before capture); False uses the ordinary allocator.
         stream: override the stream (another stream cannot reuse the pool's free blocks: the pool grows).
 
         Outputs are copied out to the ordinary allocator before the scratch scope ends. An OOM in the
-        pool re-runs the forward on the ordinary allocator (warning + `eager_fallbacks`).
+        pool re-runs the forward on the ordinary allocator (warning + `eager_fallbacks`). A tensor the
+        forward leaves allocated in the pool raises ScratchLiveError, and replays refuse until it is gone.
         """
+        if reuse not in (None, True, False):
+            raise ValueError(f"reuse={reuse!r}: must be None, True or False")
+        if reuse is True and self.pool is None:
+            raise ValueError("reuse=True: this runner has no shared pool to borrow "
+                             f"({'pool=private' if self.pool_mode == 'private' else 'capture() first'})")
+        with self._lock:
+            return self._eager(inputs, reuse is not False, stream)
+
+    def _eager(self, inputs: tuple, reuse: bool, stream):
         pool = self.pool if (reuse and self.pool is not None) else None
         stream = stream or self.stream or torch.cuda.current_stream(self.device)
         cur = torch.cuda.current_stream(self.device)
@@ -448,6 +517,7 @@ class GraphRunner:
         if pool is not None:
             self._note_growth(torch.cuda.memory_reserved(self.device) - reserved)
         cur.wait_stream(stream)
+        self._raise_leak()
         return outs[0] if len(outs) == 1 else outs
 
     def _note_growth(self, grown: int) -> None:
@@ -465,28 +535,26 @@ class GraphRunner:
             )
 
     def _eager_in(self, pool, stream, inputs) -> tuple:
-        before = torch.cuda.memory_allocated(self.device)
+        """One forward; with a pool, every allocation of the body in it, and the pool's allocated bytes
+        compared before and after: a tensor made inside the pool that outlives the forward is recorded
+        (`_leak`; `_raise_leak` and every replay check refuse until it is freed)."""
+        before = pool_bytes(pool.id)["allocated"] if pool is not None else 0
         with torch.no_grad(), prefer_graph_pool(pool), self.scratch.forward(pool, stream, route_all=pool is not None):
             outs = _as_tuple(self.step_fn(*inputs))
             with self.scratch.unrouted():
                 kept = tuple(o.clone() for o in outs)  # results leave the pool before the scope ends
             del outs
         if pool is not None:
-            self._check_no_leak(before, kept)
+            now = pool_bytes(pool.id)["allocated"]
+            if now > before and self._leak is None:
+                self._leak = (before, f"an eager forward left {now - before} bytes allocated in graph pool {pool.id} "
+                                      "(a tensor made inside it outlived the forward); replays would overwrite it. "
+                                      "Drop that tensor first")
         return kept
 
-    def _check_no_leak(self, before: int, kept: tuple) -> None:
-        """After a routed forward only its copied-out results may remain allocated; else verify the pool."""
-        grown = torch.cuda.memory_allocated(self.device) - before
-        allowed = sum(round_block(t.untyped_storage().nbytes()) for t in kept)
-        if grown <= allowed:
-            return
-        now = pool_bytes(self.pool.id)["allocated"]
-        if self._baseline_allocated is not None and now > self._baseline_allocated:
-            raise ScratchLiveError(
-                f"the eager forward left {now - self._baseline_allocated} bytes allocated in graph pool "
-                f"{self.pool.id} (a tensor made inside it outlived the forward); replays would overwrite it"
-            )
+    def _raise_leak(self) -> None:
+        if self._leak is not None:
+            raise ScratchLiveError(self._leak[1])
 
     def scratch_fraction_in_pool(self, *inputs, reuse: bool = True, stream=None) -> dict:
         """Proof that reuse is on: share of one eager forward's allocated bytes inside the graph pool.
@@ -496,7 +564,7 @@ class GraphRunner:
         """
         if self.pool is None:
             raise ValueError("pool='private' has no shared pool to borrow from")
-        captured = pool_segments(self.pool.id)
+        captured = self._captured_segments
         with trace_allocations() as allocs:
             outs = _as_tuple(self.eager(*inputs, reuse=reuse, stream=stream))
             result_ptrs = {t.untyped_storage().data_ptr() for t in outs}

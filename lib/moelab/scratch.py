@@ -19,6 +19,7 @@ import contextlib
 import itertools
 import logging
 import math
+import numbers
 import threading
 
 import torch
@@ -240,6 +241,10 @@ class ScratchBuffers:
     def empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised tensor of `shape` and `dtype` whose memory is a scratch block."""
         scope = self._need_scope()
+        if isinstance(shape, int):
+            shape = (shape,)
+        if not all(isinstance(s, numbers.Integral) and not isinstance(s, bool) for s in shape):
+            raise ValueError(f"shape={tuple(shape)!r}: sizes must be ints")
         shape = tuple(int(s) for s in shape)
         if any(s < 0 for s in shape):
             raise ValueError(f"shape={shape}: sizes must be >= 0")
@@ -292,6 +297,15 @@ class ScratchBuffers:
             yield
 
 
+_routing = threading.local()  # .pids: pool ids this thread's allocations are being routed to (use_mem_pool)
+
+
+def _routing_now() -> list:
+    if not hasattr(_routing, "pids"):
+        _routing.pids = []
+    return _routing.pids
+
+
 class _Scope:
     """State of one eager forward: free list, handed-out blocks, pool routing on/off."""
 
@@ -300,28 +314,43 @@ class _Scope:
         self.free = BestFitFreeList()
         self.handed: list[torch.Tensor] = []
         self._cm = None
+        self._routing = False
 
     def begin_routing(self):
-        self._cm = torch.cuda.use_mem_pool(self.pool)
-        self._cm.__enter__()
+        # a scope inside another that already routes this thread to the pool (e.g. a step_fn's own
+        # ScratchBuffers inside GraphRunner.eager) rides on it: use_mem_pool cannot be entered twice
+        self._routing = True
+        pids = _routing_now()
+        if self.pid not in pids:
+            self._cm = torch.cuda.use_mem_pool(self.pool)
+            self._cm.__enter__()
+        pids.append(self.pid)
 
     def end_routing(self):
-        if self._cm is not None:
-            cm, self._cm = self._cm, None
-            cm.__exit__(None, None, None)
+        if self._routing:
+            self._routing = False
+            _routing_now().remove(self.pid)
+            if self._cm is not None:
+                cm, self._cm = self._cm, None
+                cm.__exit__(None, None, None)
 
     @contextlib.contextmanager
     def routed(self):
-        """Allocations in the body go to the pool (already so when the whole forward is routed)."""
-        if self._cm is not None:
+        """Allocations in the body go to the pool (already so when this thread is routed to it)."""
+        if self.pid in _routing_now():
             yield
             return
-        with torch.cuda.use_mem_pool(self.pool):
+        self.begin_routing()
+        try:
             yield
+        finally:
+            self.end_routing()
 
     @contextlib.contextmanager
     def unrouted(self):
-        """Allocations in the body go to the ordinary allocator; routing resumes after."""
+        """Allocations in the body go to the ordinary allocator; routing resumes after. (A scope riding on
+        an outer scope's routing cannot suspend it: its allocations stay in the pool, and an OOM there
+        reaches GraphRunner.eager, which re-runs the forward on the ordinary allocator.)"""
         was = self._cm is not None
         if was:
             self.end_routing()
