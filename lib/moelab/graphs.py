@@ -357,10 +357,12 @@ class GraphRunner:
             self._raise_leak()
         with torch.no_grad():
             for b in capture_order(self.buckets):
-                # the runner's own static inputs: a caller's tensor would be overwritten by later replays
-                inputs = tuple(t.clone() for t in _input_tuple(self.make_inputs(b), f"make_inputs({b})"))
-                self._check_inputs(inputs, b)
+                made = _input_tuple(self.make_inputs(b), f"make_inputs({b})")
+                self._check_inputs(made, b)
                 self.stream.wait_stream(cur)  # the warm-up reads inputs made on the current stream
+                with torch.cuda.stream(self.stream):  # the runner's own static inputs (a caller's tensor would
+                    inputs = tuple(t.clone() for t in made)  # be overwritten by replays), in its stream's segment
+                del made
                 with torch.cuda.stream(self.stream):  # warm-up on the capture stream, ordinary allocator
                     for _ in range(self.warmup):
                         warm = _as_tuple(self.step_fn(*inputs))
