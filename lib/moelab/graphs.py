@@ -251,7 +251,7 @@ class GraphRunner:
             self._check_inputs(eager_example, eager_example[0].shape[0])
         self.eager_example = eager_example
         self.scratch = ScratchBuffers(self.device)
-        self.eager_growth_bytes = 0  # reserved memory added during eager forwards that borrowed the pool
+        self.eager_growth_bytes = 0  # segment bytes eager forwards added to the shared pool
         self._growth_hinted = False
         self.prime_choice: dict | None = None  # capture('auto'): pool bytes of both layouts, which one was kept
         self.eager_fallbacks = 0  # eager forwards that hit OOM in the pool and re-ran on the ordinary allocator
@@ -488,7 +488,8 @@ class GraphRunner:
         stream: override the stream (another stream cannot reuse the pool's free blocks: the pool grows).
 
         Outputs are copied out to the ordinary allocator before the scratch scope ends. An OOM in the
-        pool re-runs the forward on the ordinary allocator (warning + `eager_fallbacks`). A tensor the
+        pool re-runs the forward on the ordinary allocator (warning + `eager_fallbacks`; side effects of the
+        failed attempt, such as a patched model's routing counts, stay applied). A tensor the
         forward leaves allocated in the pool raises ScratchLiveError, and replays refuse until it is gone.
         """
         if reuse not in (None, True, False):
@@ -504,7 +505,7 @@ class GraphRunner:
         stream = stream or self.stream or torch.cuda.current_stream(self.device)
         cur = torch.cuda.current_stream(self.device)
         stream.wait_stream(cur)
-        reserved = torch.cuda.memory_reserved(self.device) if pool is not None else 0
+        reserved = pool_bytes(pool.id)["reserved"] if pool is not None else 0  # the pool's own segments
         try:
             outs = self._eager_in(pool, stream, inputs)
         except torch.cuda.OutOfMemoryError as e:
@@ -517,13 +518,13 @@ class GraphRunner:
             )
             outs = self._eager_in(None, stream, inputs)
         if pool is not None:
-            self._note_growth(torch.cuda.memory_reserved(self.device) - reserved)
+            self._note_growth(pool_bytes(pool.id)["reserved"] - reserved)
         cur.wait_stream(stream)
         self._raise_leak()
         return outs[0] if len(outs) == 1 else outs
 
     def _note_growth(self, grown: int) -> None:
-        """Count reserved memory an eager forward added; say once how to avoid it (priming)."""
+        """Count the segments an eager forward added to the graph pool; say once how to avoid it (priming)."""
         if grown <= 0:
             return
         self.eager_growth_bytes += grown
