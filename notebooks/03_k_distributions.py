@@ -4,6 +4,8 @@
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -14,9 +16,11 @@
 # # 03 · Per-layer entropy, k and expert load
 #
 # Where does an entropy rule spend its experts? Per MoE layer of one model: the router entropy
-# distribution on five text domains (the held-out slices of AllenAI's domain texts) and WikiText-2
-# test; the k distribution a published configuration and a calibrated one produce (estimated from
-# recorded router outputs, then measured with patched forwards); and the expert load, compared with
+# distribution on five text domains (the last 5% of AllenAI's domain texts; those files repeat their
+# text, so the models saw it in training: `moelab.data.heldout_repeats`) and WikiText-2 test; the k
+# distribution a published configuration and a calibrated one produce (thresholds from held-out text
+# the models never saw; estimated from recorded router outputs, then measured with patched forwards);
+# and the expert load, compared with
 # the real OLMoE-1B-7B / Mixtral-8x7B routing counts on the same five domains.
 
 # %% tags=["parameters"]
@@ -56,8 +60,9 @@ if preset not in PUBLISHED:
     raise ValueError(f"preset={preset!r}: choose auto or one of {sorted(PUBLISHED)}")
 if counts_model == "auto":
     counts_model = "mistral" if family == "mixtral" else "olmoe"
-held = heldout_texts()
-texts = {d: held[name] for d, name in DOMAINS.items()}
+held = heldout_texts()  # slices with no text in common with the training part: calibration
+domain_slices = heldout_texts(unseen_only=False)  # the five domain files repeat text: seen in training
+texts = {d: domain_slices[name] for d, name in DOMAINS.items()}
 texts["wikitext2-test"] = load_text(EVAL_TEXT)
 
 

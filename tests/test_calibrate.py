@@ -137,6 +137,8 @@ def test_calibration_ids_from_heldout_only():
     assert " ".join(map(str, ev)) not in s
     with pytest.raises(ValueError, match="unknown"):
         calibration_ids(tok, 100, names=["wikitext2_test.raw"])
+    with pytest.raises(ValueError, match="unknown"):  # its last 5% repeats its training part
+        calibration_ids(tok, 100, names=["olmoe_c4"])
     assert np.isfinite(ids.numpy()).all()
 
 

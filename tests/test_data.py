@@ -25,6 +25,21 @@ def test_heldout_split_is_disjoint_and_complete():
         data.split_heldout(text, 1.5)
 
 
+def test_heldout_texts_share_no_text_with_training():
+    """What calibration and validation use was never trained on: no 200-character block of a held-out slice
+    occurs in any training text. The five OLMoE domain files repeat their text, so their last 5% is
+    training text: heldout_repeats finds it, and heldout_texts() leaves them out."""
+    held = data.heldout_texts()
+    assert sorted(held) == ["tinyshakespeare", "wikitext2_valid.tokens"]
+    train = "\n".join(data.training_texts().values())
+    for name, text in held.items():
+        blocks = [text[i : i + 200] for i in range(0, len(text) - 200, 1000)]
+        assert blocks and not any(b in train for b in blocks), name
+    for name in data.DOMAINS.values():
+        assert data.heldout_repeats(name) == 1.0
+    assert len(data.heldout_texts(unseen_only=False)) == len(data.TRAIN_TEXTS)
+
+
 def test_altered_file_is_refused(tmp_path, monkeypatch):
     (tmp_path / "text").mkdir()
     good = data.data_dir() / "SHA256SUMS"

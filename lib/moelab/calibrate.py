@@ -1,7 +1,8 @@
 """Thresholds for a compute target or a perplexity budget, and policies compared at matched compute.
 
-Calibration always uses held-out text (`calibration_ids`: equal shares of every corpus's held-out
-slice from moelab.data.heldout_texts()), never the evaluation set (WikiText-2 test).
+Calibration always uses held-out text the models never saw (`calibration_ids`: equal shares of the
+slices of moelab.data.heldout_texts(), which leaves out the five OLMoE domain files: their last 5%
+repeats their training part), never the evaluation set (WikiText-2 test).
 
 Threshold family: for k_values of length m, one knob u in [0, 1] puts the m-1 thresholds at the
 entropy quantiles u^((m-1-j)/(m-1)), j = 0..m-2 (ascending). u = 0: every token keeps k_max;

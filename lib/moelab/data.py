@@ -1,7 +1,8 @@
 """Corpora and real routing counts shipped in data/, each checked against data/SHA256SUMS.
 
 WikiText-2 test is the evaluation set: `training_texts()` never includes it, and
-`split_heldout()` gives the held-out slice of every training text for validation/calibration.
+`split_heldout()` gives the held-out slice of every training text; `heldout_texts()` those slices that
+share no text with their training part (validation, calibration).
 """
 
 from __future__ import annotations
@@ -102,9 +103,27 @@ def training_texts() -> dict[str, str]:
     return {n: split_heldout(load_text(n))[0] for n in TRAIN_TEXTS}
 
 
-def heldout_texts() -> dict[str, str]:
-    """Held-out part of every training corpus: validation during training, calibration after."""
-    return {n: split_heldout(load_text(n))[1] for n in TRAIN_TEXTS}
+REPEAT_BLOCK = 200  # characters: a held-out slice repeats its training part if any such block of it occurs there
+
+
+@lru_cache(maxsize=16)
+def heldout_repeats(name: str) -> float:
+    """Share of the held-out slice's REPEAT_BLOCK-character blocks that occur verbatim in the training part.
+
+    The five OLMoE domain files repeat text (four end with a second copy of their beginning, the GitHub
+    file repeats its blocks), so their last 5% is text the models were trained on (1.0 for all five)."""
+    train, held = split_heldout(load_text(name))
+    blocks = [held[i : i + REPEAT_BLOCK] for i in range(0, len(held) - REPEAT_BLOCK + 1, REPEAT_BLOCK)]
+    return sum(b in train for b in blocks) / len(blocks) if blocks else 0.0
+
+
+def heldout_texts(unseen_only: bool = True) -> dict[str, str]:
+    """Held-out part of the training corpora: calibration, validation.
+
+    unseen_only (default): only slices none of whose text occurs in their training part
+    (`heldout_repeats` == 0: tinyshakespeare and WikiText-2 valid); False: all seven, e.g. to compare the
+    five routed domains' text, which the models did see in training."""
+    return {n: split_heldout(load_text(n))[1] for n in TRAIN_TEXTS if not unseen_only or heldout_repeats(n) == 0}
 
 
 class _CountsUnpickler(pickle.Unpickler):
