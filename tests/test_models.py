@@ -1,5 +1,7 @@
 """The embedded models: they load and generate, beat a unigram model by far, and their routers are not collapsed."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -105,6 +107,21 @@ def test_load_errors(tmp_path):
         models.load(tmp_path / "dense")
     with pytest.raises(ValueError, match="not an embedded model"):
         models.model_dir("tiny-gpt")
+
+
+def test_a_local_folder_named_like_an_embedded_model(tmp_path, monkeypatch, tok):
+    """A Path (or './name') is always the folder; a bare name that is also a folder here is ambiguous."""
+    m = models.tiny_random("olmoe", vocab_size=len(tok))
+    m.save_pretrained(tmp_path / "tiny-mixtral")
+    tok.save_pretrained(tmp_path / "tiny-mixtral")
+    monkeypatch.chdir(tmp_path)
+    for ref in (Path("tiny-mixtral"), "./tiny-mixtral", tmp_path / "tiny-mixtral"):
+        assert models.resolve(ref).resolve() == (tmp_path / "tiny-mixtral").resolve()
+    with pytest.raises(ValueError, match="both an embedded model and a folder here"):
+        models.resolve("tiny-mixtral")
+    loaded, _ = models.load(Path("tiny-mixtral"), device_map="cpu")
+    assert type(loaded).__name__ == "OlmoeForCausalLM"
+    assert loaded.dtype == torch.float32  # a CPU device map keeps the CPU default
 
 
 @pytest.mark.parametrize("family", sorted(models.FAMILIES))

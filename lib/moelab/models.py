@@ -9,6 +9,7 @@ renormalised, shared expert with a gate) and OLMoE-1B-7B (64 experts, top-8, not
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import numpy as np
@@ -163,9 +164,16 @@ def moe_info(model_or_config) -> dict:
 
 
 def resolve(name_or_path: str | Path) -> Path:
-    """A registry name -> data/models/<name>; a path -> itself. Raises if there is no checkpoint."""
+    """A registry name -> data/models/<name>; a path -> itself. Raises if there is no checkpoint.
+
+    A Path, or a string with a path separator, is always a path; a bare registry name that is also a
+    folder here is refused as ambiguous (pass './name' for the folder)."""
     s = str(name_or_path)
-    if s in TINY:
+    as_path = isinstance(name_or_path, Path) or os.sep in s or (os.altsep and os.altsep in s) or s.startswith(".")
+    if s in TINY and not as_path and Path(s).exists():
+        raise ValueError(f"{s!r} is both an embedded model and a folder here: pass './{s}' for the folder "
+                         f"or moelab.models.model_dir({s!r}) for the embedded model")
+    if s in TINY and not as_path:
         path = model_dir(s)
         if not (path / "config.json").exists():
             raise FileNotFoundError(
@@ -186,10 +194,11 @@ def resolve(name_or_path: str | Path) -> Path:
 def load(name_or_path: str | Path, device=None, dtype=None, device_map=None):
     """(model, tokenizer) from a registry name or a local checkpoint dir; eval mode.
 
-    device: default CPU. dtype: default float32 on CPU, bfloat16 on CUDA. device_map: passed to
-    `from_pretrained` (accelerate) for models that need several GPUs, e.g. "auto" or {module: gpu};
-    then `device` is ignored. Raises FileNotFoundError for a missing checkpoint and ValueError for a
-    model that is not a supported MoE model.
+    device: default CPU. dtype: default float32 on CPU, bfloat16 on CUDA (with a device_map: on the
+    map's devices). device_map: passed to `from_pretrained` (accelerate) for models that need several
+    GPUs, e.g. "auto" or {module: gpu}; then `device` is ignored. Raises FileNotFoundError for a missing
+    checkpoint and ValueError for a model that is not an MoE model; an MoE family moelab has no adapter
+    for loads with a warning (`hf.patched` refuses it, with the reason).
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -201,7 +210,13 @@ def load(name_or_path: str | Path, device=None, dtype=None, device_map=None):
         raise ValueError(f"{path}: {e}") from None
     if info["family"] not in FAMILIES:
         log.warning("%s: family %r is not one moelab has an adapter for (%s)", path, info["family"], sorted(FAMILIES))
-    device = torch.device(device or ("cuda" if device_map is not None else "cpu"))
+    if device_map is not None:  # where the weights go: the map's devices ('auto': CUDA if there is one)
+        targets = list(device_map.values()) if isinstance(device_map, dict) else [device_map]
+        on_cuda = any(str(t) not in ("cpu", "disk", "meta") and (str(t) != "auto" or torch.cuda.is_available())
+                      for t in targets)
+        device = torch.device("cuda" if on_cuda else "cpu")
+    else:
+        device = torch.device(device if device is not None else "cpu")
     if dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     if device_map is not None:

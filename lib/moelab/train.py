@@ -192,7 +192,13 @@ def train(cfg: TrainConfig) -> dict:
     else:
         state = {"config": dataclasses.asdict(cfg), "step": 0, "tokens_seen": 0, "train_wall_s": 0.0,
                  "loss_curve": [], "val_curve": [], "best_val": None, "best_step": None}
-        model = models.build(cfg.model, seed=cfg.seed, **cfg.overrides).to(device)
+        overrides = dict(cfg.overrides)
+        if cfg.model not in models.TINY:  # a family's micro config: its vocabulary is the tokenizer's
+            overrides.setdefault("vocab_size", len(tokenizer))
+        model = models.build(cfg.model, seed=cfg.seed, **overrides).to(device)
+    if model.config.vocab_size < len(tokenizer):
+        raise ValueError(f"model vocab_size={model.config.vocab_size} < the tokenizer's {len(tokenizer)} tokens: "
+                         "set overrides={'vocab_size': ...} or use the tokenizer the model was built for")
     model.train()
     model.config.output_router_logits = True  # the model adds router_aux_loss_coef * its balancing loss
     coef = float(model.config.router_aux_loss_coef)
@@ -425,7 +431,7 @@ def main(argv=None) -> int:
         print(train_tokenizer_cli())
         return 0
     if a.card:
-        print(write_card(a.out or a.model, eval_tokens=a.card_tokens or None, reuse=a.card_reuse))
+        print(write_card(Path(a.out) if a.out else a.model, eval_tokens=a.card_tokens or None, reuse=a.card_reuse))
         return 0
     cfg = TrainConfig(**{f.name: getattr(a, f.name) for f in dataclasses.fields(TrainConfig)})
     tlog = train(cfg)
