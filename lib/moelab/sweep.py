@@ -517,6 +517,7 @@ def run_sweep(grid: Grid | str | Path, *, root: Path | None = None, workers: int
                 try:
                     state = _launch(grid.notebook, p, sweep_dir / h, grid.figures, slot, grid.timeout_s, digest)
                 except Exception as e:  # noqa: BLE001  the runner's own failure: recorded, the other points go on
+                    log.exception("sweep runner failed on point %s %s", h, json.dumps(p, default=str))
                     state = RunState(h, p, "failed", {"cell_index": None, "ename": f"Runner{type(e).__name__}",
                                                       "evalue": str(e)})
                 with lock:
