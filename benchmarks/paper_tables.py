@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import logging
 import time
+from pathlib import Path
 
 import pandas as pd
 import torch
@@ -23,7 +24,7 @@ import torch
 from moelab.calibrate import calibration_ids, paper_rows, paper_table
 from moelab.data import EVAL_TEXT, load_text
 from moelab.models import NAMES
-from moelab.results import write_results
+from moelab.results import commit, read_file, write_results
 
 log = logging.getLogger("paper_tables")
 
@@ -37,6 +38,32 @@ def load_model(name: str, device: str, dtype: torch.dtype, random_init: bool):
 
     model = models.build(name).to(device=device, dtype=dtype).eval()
     return model, AutoTokenizer.from_pretrained(models.tokenizer_dir())
+
+
+def resume_from(path: Path, topic: str, protocol: dict, names: list[str]):
+    """Rows, traces and verdicts of the models an earlier run finished, and the record of that run.
+
+    Refused unless it is the same topic, commit and protocol (every option but --models, --device and
+    --resume), so one file never mixes code or settings; its models must be among --models.
+    """
+    doc = read_file(path)
+    problems = [f"{key} {doc.get(key)!r}, here {want!r}" for key, want in (("topic", topic), ("commit", commit()))
+                if doc.get(key) != want]
+    theirs = doc.get("protocol") or {}
+    problems += [f"{key} {theirs.get(key)!r}, here {protocol[key]!r}" for key in protocol
+                 if theirs.get(key) != protocol[key]]
+    extra = [m for m in doc.get("models_done", []) if m not in names]
+    if extra:
+        problems.append(f"models {extra} are not in --models {names}")
+    if problems:
+        raise SystemExit(f"--resume {path}: not the same run: " + "; ".join(problems))
+    done = list(doc.get("models_done", []))
+    rows = [r for r in doc["rows"] if r.get("model") in done]
+    traces = [t for t in doc.get("traces", []) if t.get("model") in done]
+    verdicts = {m: doc["verdicts"][m] for m in done}
+    prior = [*doc.get("resumed_from", []),
+             {k: doc.get(k) for k in ("created", "command", "machine", "wall_s", "models_done")}]
+    return rows, traces, verdicts, prior
 
 
 def main(argv=None) -> None:
@@ -56,6 +83,9 @@ def main(argv=None) -> None:
                     help="float32 keeps the patched native k equal to the unchanged model")
     ap.add_argument("--random-init", action="store_true", help="untrained models (plumbing check only)")
     ap.add_argument("--topic", default=None, help="results topic (default paper-tables, -smoke with --max-tokens)")
+    ap.add_argument("--resume", type=Path, default=None,
+                    help="results file of an earlier run cut short (same commit and protocol): keep its models, "
+                         "run the rest")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
 
@@ -81,13 +111,25 @@ def main(argv=None) -> None:
         + "Claimed numbers (pr_*, paper_*) are copied from the claims under test, not measured."
     )
 
+    protocol = {k: v for k, v in vars(args).items() if k not in ("models", "device", "resume")}
+    protocol["batch_size"] = batch
+    resumed = []
+    if args.resume is not None:
+        rows, traces, verdicts, resumed = resume_from(args.resume, topic, protocol, names)
+        log.info("resuming %s: keeping %s", args.resume, ", ".join(verdicts) or "nothing")
+
     def save(done: list[str]):
         # rewritten after every model, so a run cut short keeps the models it finished
-        extra = {"traces": traces, "verdicts": verdicts, "wall_s": time.perf_counter() - t_all,
-                 "models_done": done, "complete": len(done) == len(names)}
+        extra = {"protocol": protocol, "traces": traces, "verdicts": verdicts, "wall_s": time.perf_counter() - t_all,
+                 "models_done": done, "complete": set(done) >= set(names)}
+        if resumed:
+            extra["resumed_from"] = resumed
         return write_results(topic, rows, notes=notes, extra=extra)
 
+    path = None
     for name in names:
+        if name in verdicts:
+            continue
         t0 = time.perf_counter()
         model, tok = load_model(name, args.device, dtype, args.random_init)
         if hasattr(model, "set_experts_implementation"):
@@ -116,6 +158,8 @@ def main(argv=None) -> None:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
+    if path is None:  # every model came from --resume
+        path = save(list(verdicts))
     table = paper_table(rows)
     with pd.option_context("display.width", 200, "display.max_columns", 20):
         print(table.iloc[:, :9].to_string(index=False))

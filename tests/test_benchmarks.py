@@ -85,3 +85,28 @@ def test_tune_policies_add_the_median_plan_where_it_differs():
     assert pols["native"] == TopK(8) and pols["adaptive"].k_values == (2, 4, 8)
     assert pols["adaptive_q50"] == EntropyAdaptiveK((4, 8), (1.0,))
     assert list(mk.tune_policies(ent, 2)) == ["native", "adaptive"]
+
+
+def test_paper_tables_resume_keeps_finished_models_and_refuses_another_protocol(tmp_path):
+    """A run cut short is finished with --resume: the first run's models keep their rows (not re-run), the file
+    says it was resumed and from which command, and a resume with other settings is refused naming them."""
+    env = {**os.environ, "PYTHONPATH": str(REPO / "lib"), "MOELAB_RESULTS_DIR": str(tmp_path)}
+    small = ["--max-tokens", "256", "--cal-tokens", "256", "--budget-steps", "1", "--targets", "0.25",
+             "--no-per-layer"]
+
+    def run(*args, check=True):
+        return subprocess.run([sys.executable, "benchmarks/paper_tables.py", *args], cwd=REPO, env=env,
+                              capture_output=True, text=True, check=check, timeout=600)
+
+    run("--models", "tiny-mixtral", *small)
+    (out,) = tmp_path.glob("paper-tables-smoke-*.json")
+    first = out.rename(tmp_path / "first.json")
+    bad = run("--models", "tiny-mixtral,tiny-olmoe", *small[:-2], "0.3", "--resume", str(first), check=False)
+    assert bad.returncode != 0 and "targets '0.25', here '0.3'" in bad.stderr and "no_per_layer" in bad.stderr
+    assert not list(tmp_path.glob("paper-tables-smoke-*.json"))
+    run("--models", "tiny-mixtral,tiny-olmoe", *small, "--resume", str(first))
+    doc, old = json.loads(out.read_text()), json.loads(first.read_text())
+    assert doc["models_done"] == ["tiny-mixtral", "tiny-olmoe"] and doc["complete"]
+    assert [r for r in doc["rows"] if r["model"] == "tiny-mixtral"] == old["rows"]
+    assert any(r["model"] == "tiny-olmoe" and r["section"] == "baseline" for r in doc["rows"])
+    assert doc["resumed_from"][0]["command"] == old["command"] and doc["protocol"] == old["protocol"]

@@ -353,7 +353,7 @@ class GraphRunner:
                 raise ValueError("prime needs pool='shared': a private pool per bucket has nothing to share")
             with torch.no_grad(), torch.cuda.stream(self.stream):
                 _as_tuple(self.step_fn(*prime))  # lazy state (cuBLAS workspace) outside the pool first
-            self._eager_in(self.pool, self.stream, tuple(prime))
+            self._eager_in(self.pool, self.stream, tuple(prime), pool_bytes(self.pool.id))
             self._raise_leak()
         with torch.no_grad():
             for b in capture_order(self.buckets):
@@ -505,9 +505,9 @@ class GraphRunner:
         stream = stream or self.stream or torch.cuda.current_stream(self.device)
         cur = torch.cuda.current_stream(self.device)
         stream.wait_stream(cur)
-        reserved = pool_bytes(pool.id)["reserved"] if pool is not None else 0  # the pool's own segments
+        before = pool_bytes(pool.id) if pool is not None else None  # the pool's own segments and blocks
         try:
-            outs = self._eager_in(pool, stream, inputs)
+            outs, after = self._eager_in(pool, stream, inputs, before)
         except torch.cuda.OutOfMemoryError as e:
             if pool is None:
                 raise
@@ -516,9 +516,10 @@ class GraphRunner:
                 "eager forward: graph pool %s out of memory (%s); re-running on the ordinary allocator "
                 "(fallback %d)", pool.id, str(e).splitlines()[0], self.eager_fallbacks,
             )
-            outs = self._eager_in(None, stream, inputs)
+            outs, _ = self._eager_in(None, stream, inputs, None)
+            after = pool_bytes(pool.id)  # what the failed attempt left the pool
         if pool is not None:
-            self._note_growth(pool_bytes(pool.id)["reserved"] - reserved)
+            self._note_growth(after["reserved"] - before["reserved"])
         cur.wait_stream(stream)
         self._raise_leak()
         return outs[0] if len(outs) == 1 else outs
@@ -537,23 +538,24 @@ class GraphRunner:
                 "segments and the graphs are captured into them",
             )
 
-    def _eager_in(self, pool, stream, inputs) -> tuple:
-        """One forward; with a pool, every allocation of the body in it, and the pool's allocated bytes
-        compared before and after: a tensor made inside the pool that outlives the forward is recorded
-        (`_leak`; `_raise_leak` and every replay check refuse until it is freed)."""
-        before = pool_bytes(pool.id)["allocated"] if pool is not None else 0
+    def _eager_in(self, pool, stream, inputs, before: dict | None) -> tuple[tuple, dict | None]:
+        """One forward -> (outputs copied out, the pool's bytes after it). With a pool, every allocation of the
+        body lands in it, and its allocated bytes are compared with `before`: a tensor made inside the pool
+        that outlives the forward is recorded (`_leak`; `_raise_leak` and every replay refuse until freed)."""
         with torch.no_grad(), prefer_graph_pool(pool), self.scratch.forward(pool, stream, route_all=pool is not None):
             outs = _as_tuple(self.step_fn(*inputs))
             with self.scratch.unrouted():
                 kept = tuple(o.clone() for o in outs)  # results leave the pool before the scope ends
             del outs
-        if pool is not None:
-            now = pool_bytes(pool.id)["allocated"]
-            if now > before and self._leak is None:
-                self._leak = (before, f"an eager forward left {now - before} bytes allocated in graph pool {pool.id} "
-                                      "(a tensor made inside it outlived the forward); replays would overwrite it. "
-                                      "Drop that tensor first")
-        return kept
+        if pool is None:
+            return kept, None
+        after = pool_bytes(pool.id)
+        grew = after["allocated"] - before["allocated"]
+        if grew > 0 and self._leak is None:
+            self._leak = (before["allocated"], f"an eager forward left {grew} bytes allocated in graph pool "
+                                               f"{pool.id} (a tensor made inside it outlived the forward); "
+                                               "replays would overwrite it. Drop that tensor first")
+        return kept, after
 
     def _raise_leak(self) -> None:
         if self._leak is not None:
