@@ -5,7 +5,8 @@ configurations, thresholds calibrated (on held-out text) to the PR's claimed red
 calibrated to a +0.5% perplexity budget (shared and per-layer), and EntropyAdaptiveK / TopP / RatioSkip /
 lower fixed k at matched compute. Writes data/results/paper-tables-<yyyymmdd>.json (moelab.results).
 
-GPU (the full protocol, about 3-4 minutes on one H200 for the three tiny models):
+GPU (the full protocol; on one H200 about 1, 2.5 and 4 minutes for tiny-mixtral, tiny-qwen-moe and tiny-olmoe at
+2be368d, much of it compiling the routing kernel for each new policy; a run cut short is finished with --resume):
     PYTHONPATH=lib PYTHONUNBUFFERED=1 python benchmarks/paper_tables.py
 CPU smoke run (end to end on slices; writes topic paper-tables-smoke):
     python benchmarks/paper_tables.py --max-tokens 512 --cal-tokens 512 --budget-steps 2 --targets 0.25

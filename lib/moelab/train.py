@@ -49,7 +49,7 @@ class TrainConfig:
     time_budget_s: float = 0.0  # stop early after this much training wall time (0: no limit)
     stop_after: int = 0  # stop this invocation after this many steps, resumable (0: run to the end)
     eval_every: int = 35
-    eval_tokens: int = 65536  # held-out tokens per validation (the first eval_tokens/7 of each held-out text)
+    eval_tokens: int = 65536  # held-out tokens per validation (an equal share from each held-out text)
     train_tokens: int = 0  # use only the first N training tokens (0: all), e.g. for CPU tests
     seed: int = 0
     device: str = ""  # default: cuda if available
@@ -279,6 +279,7 @@ def train(cfg: TrainConfig) -> dict:
         "train_tokens": int(train_ids.numel()),
         "epochs": state["tokens_seen"] / train_ids.numel(),
         "validation_tokens": int(val_LS.numel()),
+        "validation_texts": list(held),
         "best_val_loss": state["best_val"],
         "best_step": state["best_step"],
         "loss_curve": state["loss_curve"],
@@ -312,15 +313,42 @@ def evaluate(name_or_path, eval_tokens: int | None = None, stats_tokens: int = 3
     ppl = perplexity(model, tok, test_ids, context=context, stride=stride, batch_size=8)
     ppl.update(test_tokens=len(test_ids), test_tokens_total=test_total)
     uni = unigram_perplexity(tok, _stream(tok, training_texts()).tolist(), test_ids)
-    held = heldout_texts()  # the same number of tokens from every held-out slice
+    held = heldout_texts()  # the same number of tokens from every held-out slice (none of it trained on)
     per_text = stats_tokens // len(held)
     stats = models.router_stats(model, _stream(tok, held, per_text=per_text), max_tokens=stats_tokens)
     stats["text"] = f"first {per_text} tokens of each of heldout_texts() {list(held)}"
-    return {"wikitext2_test": ppl, "unigram": uni, "router": stats, "params": models.n_params(model),
-            "moe": models.moe_info(model), "machine": machine(), "commit": commit()}
+    stats["texts"] = list(held)
+    heldout = {}  # next-token loss on each held-out slice, in windows of the training length
+    L = min(512, model.config.max_position_embeddings)
+    for name, text in held.items():
+        ids = _stream(tok, {name: text}, per_text)
+        with torch.no_grad():
+            heldout[name] = validation_loss(model, ids[: (ids.numel() // L) * L].view(-1, L), 8, model.device, None)
+    model.eval()
+    return {"wikitext2_test": ppl, "unigram": uni, "router": stats, "heldout_loss": heldout,
+            "heldout_tokens_each": per_text, "params": models.n_params(model), "moe": models.moe_info(model),
+            "machine": machine(), "commit": commit()}
+
+
+def _full_test_line(name: str) -> str:
+    """The unchanged model's perplexity on all of WikiText-2 test from the committed paper-tables run, if any."""
+    from moelab.results import load_optional
+
+    doc = load_optional("paper-tables")
+    base = [r for r in (doc or {}).get("rows", []) if r.get("model") == name and r.get("section") == "baseline"]
+    if not base:
+        return ""
+    r, m = base[0], doc["machine"]
+    return (f"\nOn the whole WikiText-2 test set ({r['scored_tokens']:,} scored tokens, context {r['context']}, "
+            f"stride {r['stride']}, fp32) the unchanged model scores **{r['ppl']:.1f}** on an {m['device']} "
+            f"(torch {m['torch']}, transformers {m['transformers']}, commit {doc['commit'][:7]}): "
+            f"`data/results/{doc['topic']}-{doc['created'][:10].replace('-', '')}.json`, section `baseline`, "
+            "from `benchmarks/paper_tables.py`.\n")
 
 
 def _card(name: str, path: Path, ev: dict, tlog: dict) -> str:
+    from moelab.data import heldout_texts
+
     moe = ev["moe"]
     mc = tlog["model_config"]
     d = mc.get("hidden_size")
@@ -331,6 +359,24 @@ def _card(name: str, path: Path, ev: dict, tlog: dict) -> str:
     )
     size_mb = sum(f.stat().st_size for f in path.glob("*.safetensors")) / 1e6
     val = tlog["val_curve"]
+    vt = tlog.get("validation_texts")
+    val_texts = f"the last 5% of {', '.join(vt)}" if vt else f"`heldout_texts()` of commit {tlog['commit'][:7]}"
+    seen = [t for t in vt or [] if t not in heldout_texts()]
+    if seen:  # slices found later to repeat text the model trained on
+        val_texts += (f" ({len(seen)} of which repeat training text, `moelab.data.heldout_repeats`, so these losses"
+                      " are not held-out numbers: the table under Evaluation is)")
+    last = " (the last step)" if tlog["best_step"] == tlog["steps"] else ""
+    held = ev["router"].get("texts") or []
+    held_rows = "\n".join(f"| {t} | {loss:.3f} | {math.exp(loss):.1f} |"
+                          for t, loss in ev.get("heldout_loss", {}).items())
+    held_block = (f"""
+Next-token loss on held-out text no model trained on, the first {ev['heldout_tokens_each']:,} tokens of each slice
+(`moelab.data.heldout_texts()`), windows of 512:
+
+| held-out slice | loss | perplexity |
+|---|---|---|
+{held_rows}
+""" if held_rows else "")
     wt, uni = ev["wikitext2_test"], ev["unigram"]
     renorm = "renormalised" if moe["renormalize"] else "not renormalised"
     shared = ", plus a shared expert with its gate" if moe.get("shared_expert") else ""
@@ -364,7 +410,7 @@ real learned routers, real perplexity changes. **Not** a useful language model: 
   ({tlog['tokens_seen']:,} tokens, {tlog['epochs']:.2f} epochs), AdamW lr {tlog['config']['lr']}, cosine,
   router load-balancing loss coefficient {mc.get('router_aux_loss_coef')};
   {tlog['wall_time_s']:.0f} s on {tlog['machine']['device']} (commit {tlog['commit'][:12]}).
-- Checkpoint = best validation loss on the held-out slices: step {tlog['best_step']},
+- Checkpoint = best validation loss on {val_texts}: step {tlog['best_step']}{last},
   val loss {tlog['best_val_loss']:.3f} (ppl {math.exp(tlog['best_val_loss']):.1f}); first/last validation:
   {val[0]['val_loss']:.3f} / {val[-1]['val_loss']:.3f}. Full curves in `train_log.json`.
 
@@ -376,9 +422,9 @@ real learned routers, real perplexity changes. **Not** a useful language model: 
 | this model, WikiText-2 test (raw){part}, context {wt['context']}, stride {wt['stride']} | **{wt['ppl']:.1f}** | \
 {wt['scored_tokens']:,} |
 | unigram model (add-one, fitted on the training tokens), same tokenizer | {uni['ppl']:.1f} | {uni['scored_tokens']:,} |
-
-Router statistics on {ev['router']['tokens']:,} held-out tokens, the same number from each of the seven
-held-out slices (`moelab.models.router_stats`):
+{_full_test_line(name)}{held_block}
+Router statistics on {ev['router']['tokens']:,} held-out tokens, the same number from each of the
+{len(held) or 'seven'} held-out slices{' (' + ', '.join(held) + ')' if held else ''} (`moelab.models.router_stats`):
 load entropy = normalised entropy of the expert load (top-{moe['native_k']} selections), 1 = balanced;
 per-token router entropy / log({moe['num_experts']}) at quantiles 5/25/50/75/95%.
 
