@@ -6,7 +6,8 @@ calibrated to a +0.5% perplexity budget (shared and per-layer), and EntropyAdapt
 lower fixed k at matched compute. Writes data/results/paper-tables-<yyyymmdd>.json (moelab.results).
 
 GPU (the full protocol; on one H200 about 1, 2.5 and 4 minutes for tiny-mixtral, tiny-qwen-moe and tiny-olmoe at
-2be368d, much of it compiling the routing kernel for each new policy; a run cut short is finished with --resume):
+2be368d, where the first forward of some new policies took 10-40 s, the rest about 1 s (logs/paper-tables-2be368d.txt);
+a run cut short is finished with --resume):
     PYTHONPATH=lib PYTHONUNBUFFERED=1 python benchmarks/paper_tables.py
 CPU smoke run (end to end on slices; writes topic paper-tables-smoke):
     python benchmarks/paper_tables.py --max-tokens 512 --cal-tokens 512 --budget-steps 2 --targets 0.25
