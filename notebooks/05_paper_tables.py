@@ -4,6 +4,8 @@
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -135,6 +137,8 @@ if gpu is not None:
     print(f"results: created {gpu['created']} at commit {gpu['commit']} on {m['device']} "
           f"(torch {m['torch']}, transformers {m['transformers']})")
     print(f"command: {gpu['command']}")
+    for prior in gpu.get("resumed_from", []):  # a run finished with --resume: the earlier part's own command
+        print(f"  resumed from a run of {', '.join(prior['models_done'])} created {prior['created']}: {prior['command']}")
     print(f"notes: {gpu['notes']}")
     gpu_table = paper_table(gpu["rows"])
     save_table(gpu_table, "05_paper_table_gpu", caption=f"Paper table, full WikiText-2 test, {m['device']}")

@@ -70,3 +70,36 @@ def test_a_family_name_trains_with_the_tokenizers_vocabulary(tmp_path):
     res = train(_cfg(tmp_path / "fam", model="olmoe", overrides={}, max_steps=2, eval_every=2))
     cfg = json.loads((tmp_path / "fam" / "config.json").read_text())
     assert cfg["vocab_size"] >= 8000 and res is not None
+
+
+def test_card_scores_the_unseen_heldout_slices_and_flags_seen_validation_text(tmp_path):
+    """The card's held-out losses are on exactly heldout_texts() (text never trained on) and agree with
+    moelab.perplexity on the same windows; a log whose validation used slices that repeat training text
+    says so in the card."""
+    import math
+
+    from moelab.data import heldout_texts
+    from moelab.perplexity import perplexity
+    from moelab.train import _stream, write_card
+
+    out = tmp_path / "m"
+    log = train(_cfg(out, max_steps=2, eval_every=2))
+    held = heldout_texts()
+    assert log["validation_texts"] == list(held)
+    write_card(out, eval_tokens=512)
+    ev = json.loads((out / "eval.json").read_text())
+    assert list(ev["heldout_loss"]) == list(held) == ev["router"]["texts"]
+    model, tok = models.load(out)
+    L = min(512, model.config.max_position_embeddings)
+    for name, loss in ev["heldout_loss"].items():
+        ids = _stream(tok, {name: held[name]}, ev["heldout_tokens_each"])
+        ids = ids[: (ids.numel() // L) * L]
+        ref = perplexity(model, tok, ids, context=L, stride=L, progress=False)
+        assert math.isclose(loss, ref["nll"], rel_tol=1e-5), (name, loss, ref["nll"])
+    card = (out / "README.md").read_text()
+    assert all(f"| {name} |" in card for name in held) and "repeat training text" not in card
+
+    log["validation_texts"] = ["tinyshakespeare", "olmoe_arxiv"]  # as the first trained models' logs say
+    (out / "train_log.json").write_text(json.dumps(log))
+    write_card(out, reuse=True)
+    assert "(1 of which repeat training text" in (out / "README.md").read_text()
