@@ -192,6 +192,41 @@ def test_scratch_scope_rules():
             pass
 
 
+def test_scratch_scope_belongs_to_the_thread_that_opened_it():
+    """Another thread can neither open a second scope nor take buffers from the open one (which would share
+    its free list); the opening thread keeps working, and once it closes, another thread may open a scope."""
+    import threading
+
+    sb = ScratchBuffers("cpu")
+    errors = {}
+
+    def other(name, fn):
+        try:
+            fn()
+        except RuntimeError as e:
+            errors[name] = str(e)
+
+    def open_scope():
+        with sb.forward(pool=None):
+            pass
+
+    with sb.forward(pool=None):
+        mine = sb.empty((8,), torch.float32)
+        for name, fn in (("open", open_scope), ("empty", lambda: sb.empty((4,), torch.float32))):
+            t = threading.Thread(target=other, args=(name, fn))
+            t.start()
+            t.join()
+        assert "do not nest" in errors["open"] and "open in thread" in errors["open"]
+        assert "belongs to thread" in errors["empty"]
+        sb.release(mine)
+        assert sb.empty((8,), torch.float32).untyped_storage().data_ptr() == mine.untyped_storage().data_ptr()
+    errors.clear()
+    t = threading.Thread(target=other, args=("after", open_scope))
+    t.start()
+    t.join()
+    assert errors == {}
+
+
 def test_runner_validates_arguments():
     with pytest.raises(ValueError, match="pool='global'"):
         GraphRunner(lambda x: x, lambda b: (torch.zeros(b),), [1, 2], pool="global", device="cpu")

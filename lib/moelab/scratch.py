@@ -182,6 +182,8 @@ class ScratchBuffers:
         scratch.release(buf)              # its block can serve a later request of this forward
     At the end of the scope every block goes back to the caching allocator (inside the pool).
     route_all=True also routes every other allocation of the body into the pool (the whole eager forward).
+    One scope at a time, used by the thread that opened it: another thread gets an error, not a shared
+    free list (give each thread its own ScratchBuffers).
     """
 
     def __init__(self, device=None):
@@ -192,13 +194,13 @@ class ScratchBuffers:
         self.reused = 0  # requests served by a block freed earlier in the same forward
         self.requests = 0
         self._scope = None
+        self._owner = None  # the thread that opened the scope
+        self._lock = threading.Lock()  # makes "is a scope open? then open one" one step
 
     # ----- scope
     @contextlib.contextmanager
     def forward(self, pool="preferred", stream=None, route_all: bool = False):
         """One eager forward. pool: a MemPool, None (ordinary allocator) or 'preferred'."""
-        if self._scope is not None:
-            raise RuntimeError("ScratchBuffers.forward() scopes do not nest: one eager forward at a time")
         if isinstance(pool, str):
             if pool != "preferred":
                 raise ValueError(f"pool={pool!r}: must be a MemPool, None or 'preferred'")
@@ -207,7 +209,11 @@ class ScratchBuffers:
         if pid is not None and stream is None:
             stream = capture_stream(pool)
         scope = _Scope(pool, pid, stream, route_all)
-        self._scope = scope
+        with self._lock:
+            if self._scope is not None:
+                where = "" if self._owner == threading.get_ident() else f" (open in thread {self._owner})"
+                raise RuntimeError(f"ScratchBuffers.forward() scopes do not nest: one eager forward at a time{where}")
+            self._scope, self._owner = scope, threading.get_ident()
         if pid is not None:
             with _registry_lock:
                 _open_scopes[pid] = _open_scopes.get(pid, 0) + 1
@@ -227,15 +233,20 @@ class ScratchBuffers:
                 for b in blocks:
                     _track(pid, b)
             del blocks
-            self._scope = None
+            with self._lock:
+                self._scope, self._owner = None, None
             if pid is not None:
                 with _registry_lock:
                     _open_scopes[pid] -= 1
 
     def _need_scope(self):
-        if self._scope is None:
+        scope, owner = self._scope, self._owner
+        if scope is None:
             raise RuntimeError("scratch buffers live inside `with scratch.forward():` (one eager forward)")
-        return self._scope
+        if owner != threading.get_ident():
+            raise RuntimeError(f"this ScratchBuffers' forward scope belongs to thread {owner}; a scope serves the "
+                               "thread that opened it (give each thread its own ScratchBuffers)")
+        return scope
 
     # ----- buffers
     def empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
