@@ -36,13 +36,16 @@ def commit() -> str:
         out = subprocess.run(
             ["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, check=True
         ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True, text=True, timeout=10,
-        ).stdout.strip()
-        return out + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
+    try:  # the first status of a fresh checkout or worktree hashes every file: allow it time
+        dirty = subprocess.run(
+            ["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True, text=True, timeout=300, check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return out + "-unverified"  # the commit, but whether the tree was clean could not be checked
+    return out + ("-dirty" if dirty else "")
 
 
 def machine() -> dict:
