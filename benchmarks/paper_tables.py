@@ -49,7 +49,11 @@ def resume_from(path: Path, topic: str, protocol: dict, names: list[str]):
     --resume), so one file never mixes code or settings; its models must be among --models.
     """
     doc = read_file(path)
-    problems = [f"{key} {doc.get(key)!r}, here {want!r}" for key, want in (("topic", topic), ("commit", commit()))
+    here = commit()
+    if here == "unknown" or here.endswith(("-dirty", "-unverified")):
+        raise SystemExit(f"--resume {path}: this tree's commit is {here!r}; resume only from a committed, clean "
+                         "tree (or set MOELAB_COMMIT), so that both parts name the code they ran")
+    problems = [f"{key} {doc.get(key)!r}, here {want!r}" for key, want in (("topic", topic), ("commit", here))
                 if doc.get(key) != want]
     theirs = doc.get("protocol") or {}
     problems += [f"{key} {theirs.get(key)!r}, here {protocol[key]!r}" for key in protocol
@@ -63,9 +67,10 @@ def resume_from(path: Path, topic: str, protocol: dict, names: list[str]):
     rows = [r for r in doc["rows"] if r.get("model") in done]
     traces = [t for t in doc.get("traces", []) if t.get("model") in done]
     verdicts = {m: doc["verdicts"][m] for m in done}
+    weights = {m: w for m, w in doc.get("weights", {}).items() if m in done}
     prior = [*doc.get("resumed_from", []),
              {k: doc.get(k) for k in ("created", "command", "machine", "wall_s", "models_done")}]
-    return rows, traces, verdicts, prior
+    return rows, traces, verdicts, weights, prior
 
 
 def main(argv=None) -> None:
@@ -113,16 +118,19 @@ def main(argv=None) -> None:
         + "Claimed numbers (pr_*, paper_*) are copied from the claims under test, not measured."
     )
 
+    # the settings as used (not as typed), so the same run spelled differently still resumes
     protocol = {k: v for k, v in vars(args).items() if k not in ("models", "device", "resume")}
-    protocol["batch_size"] = batch
+    protocol.update(batch_size=batch, topic=topic, targets=list(targets), max_tokens=args.max_tokens or None)
+    weights = {}  # model -> moelab.models.fingerprint of the weights its rows came from
     resumed = []
     if args.resume is not None:
-        rows, traces, verdicts, resumed = resume_from(args.resume, topic, protocol, names)
+        rows, traces, verdicts, weights, resumed = resume_from(args.resume, topic, protocol, names)
         log.info("resuming %s: keeping %s", args.resume, ", ".join(verdicts) or "nothing")
 
     def save(done: list[str]):
         # rewritten after every model, so a run cut short keeps the models it finished
-        extra = {"protocol": protocol, "traces": traces, "verdicts": verdicts, "wall_s": time.perf_counter() - t_all,
+        extra = {"protocol": protocol, "weights": weights, "traces": traces, "verdicts": verdicts,
+                 "wall_s": time.perf_counter() - t_all,
                  "models_done": done, "complete": set(done) >= set(names)}
         if resumed:
             extra["resumed_from"] = resumed
@@ -134,6 +142,10 @@ def main(argv=None) -> None:
             continue
         t0 = time.perf_counter()
         model, tok = load_model(name, args.device, dtype, args.random_init)
+        if not args.random_init:
+            from moelab.models import fingerprint
+
+            weights[name] = fingerprint(name)
         if hasattr(model, "set_experts_implementation"):
             # the baseline runs transformers' reference expert loop: any dtype, any device, any version
             try:

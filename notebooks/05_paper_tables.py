@@ -31,7 +31,7 @@
 models: list[str] = ["tiny-mixtral", "tiny-qwen-moe", "tiny-olmoe"]  # embedded names or local checkpoint paths
 device: str = "cpu"  # cpu or cuda
 eval_tokens: int = 512  # WikiText-2 test tokens evaluated here (GPU-sized: 0, meaning all, as in benchmarks/paper_tables.py)
-cal_tokens: int = 512  # held-out calibration tokens, equal shares of every corpus (GPU-sized: 32768)
+cal_tokens: int = 512  # held-out calibration tokens, equal shares of heldout_texts() (GPU-sized: 32768)
 context: int = 2048  # sliding-window length, clipped to each model's max_position_embeddings
 stride: int = 512  # new tokens scored per window
 batch_size: int = 4  # windows per forward (GPU-sized: 64)

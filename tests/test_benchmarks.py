@@ -90,7 +90,8 @@ def test_tune_policies_add_the_median_plan_where_it_differs():
 def test_paper_tables_resume_keeps_finished_models_and_refuses_another_protocol(tmp_path):
     """A run cut short is finished with --resume: the first run's models keep their rows (not re-run), the file
     says it was resumed and from which command, and a resume with other settings is refused naming them."""
-    env = {**os.environ, "PYTHONPATH": str(REPO / "lib"), "MOELAB_RESULTS_DIR": str(tmp_path)}
+    env = {**os.environ, "PYTHONPATH": str(REPO / "lib"), "MOELAB_RESULTS_DIR": str(tmp_path),
+           "MOELAB_COMMIT": "0123abc"}  # the commit both parts name (a clean tree's; the test's may be dirty)
     small = ["--max-tokens", "256", "--cal-tokens", "256", "--budget-steps", "1", "--targets", "0.25",
              "--no-per-layer"]
 
@@ -102,11 +103,19 @@ def test_paper_tables_resume_keeps_finished_models_and_refuses_another_protocol(
     (out,) = tmp_path.glob("paper-tables-smoke-*.json")
     first = out.rename(tmp_path / "first.json")
     bad = run("--models", "tiny-mixtral,tiny-olmoe", *small[:-2], "0.3", "--resume", str(first), check=False)
-    assert bad.returncode != 0 and "targets '0.25', here '0.3'" in bad.stderr and "no_per_layer" in bad.stderr
+    assert bad.returncode != 0 and "targets [0.25], here [0.3]" in bad.stderr and "no_per_layer" in bad.stderr
+    env["MOELAB_COMMIT"] = "0123abc-dirty"
+    dirty = run("--models", "tiny-mixtral,tiny-olmoe", *small, "--resume", str(first), check=False)
+    assert dirty.returncode != 0 and "'0123abc-dirty'" in dirty.stderr and "clean" in dirty.stderr
     assert not list(tmp_path.glob("paper-tables-smoke-*.json"))
-    run("--models", "tiny-mixtral,tiny-olmoe", *small, "--resume", str(first))
+    env["MOELAB_COMMIT"] = "0123abc"
+    # the same settings spelled otherwise (spaces in --targets, the default topic named) still resume
+    same = [*small[:-2], "0.25 ", "--no-per-layer", "--topic", "paper-tables-smoke"]
+    run("--models", "tiny-mixtral,tiny-olmoe", *same, "--resume", str(first))
     doc, old = json.loads(out.read_text()), json.loads(first.read_text())
     assert doc["models_done"] == ["tiny-mixtral", "tiny-olmoe"] and doc["complete"]
     assert [r for r in doc["rows"] if r["model"] == "tiny-mixtral"] == old["rows"]
     assert any(r["model"] == "tiny-olmoe" and r["section"] == "baseline" for r in doc["rows"])
     assert doc["resumed_from"][0]["command"] == old["command"] and doc["protocol"] == old["protocol"]
+    assert set(doc["weights"]) == {"tiny-mixtral", "tiny-olmoe"} and doc["weights"]["tiny-mixtral"] == old["weights"][
+        "tiny-mixtral"]

@@ -80,7 +80,7 @@ def test_card_scores_the_unseen_heldout_slices_and_flags_seen_validation_text(tm
 
     from moelab.data import heldout_texts
     from moelab.perplexity import perplexity
-    from moelab.train import _stream, write_card
+    from moelab.train import _stream, evaluate, write_card
 
     out = tmp_path / "m"
     log = train(_cfg(out, max_steps=2, eval_every=2))
@@ -96,10 +96,19 @@ def test_card_scores_the_unseen_heldout_slices_and_flags_seen_validation_text(tm
         ids = ids[: (ids.numel() // L) * L]
         ref = perplexity(model, tok, ids, context=L, stride=L, progress=False)
         assert math.isclose(loss, ref["nll"], rel_tol=1e-5), (name, loss, ref["nll"])
+    assert ev["heldout_scored_tokens"] == {
+        name: (_stream(tok, {name: held[name]}, ev["heldout_tokens_each"]).numel() // L) * (L - 1) for name in held}
     card = (out / "README.md").read_text()
-    assert all(f"| {name} |" in card for name in held) and "repeat training text" not in card
+    assert all(f"| {name} | {ev['heldout_scored_tokens'][name]:,} |" in card for name in held)
+    assert "repeat training text" not in card
+    assert "unchanged model scores" not in card  # the committed full-test runs are of the embedded models only
+    with pytest.raises(ValueError, match=r"stats_tokens=1000: must be an int >= "):
+        evaluate(out, eval_tokens=512, stats_tokens=1000)
 
     log["validation_texts"] = ["tinyshakespeare", "olmoe_arxiv"]  # as the first trained models' logs say
     (out / "train_log.json").write_text(json.dumps(log))
-    write_card(out, reuse=True)
-    assert "(1 of which repeat training text" in (out / "README.md").read_text()
+    # a checkpoint folder named like an embedded model is not that model: no line from its committed runs
+    named = out.rename(tmp_path / "tiny-olmoe")
+    write_card(named, reuse=True)
+    card = (named / "README.md").read_text()
+    assert "(1 of which repeat training text" in card and "unchanged model scores" not in card

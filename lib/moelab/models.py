@@ -8,6 +8,7 @@ renormalised, shared expert with a gate) and OLMoE-1B-7B (64 experts, top-8, not
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 from pathlib import Path
@@ -189,6 +190,26 @@ def resolve(name_or_path: str | Path) -> Path:
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"{path}: no config.json in it, so it is not a transformers checkpoint directory")
     return path
+
+
+def fingerprint(name_or_path: str | Path, edge_bytes: int = 16 << 20) -> str:
+    """Short fingerprint of a checkpoint's weights: sha256 over each safetensors file's name, size and first
+    and last `edge_bytes` (all of a small model; fast on a real one). Says which weights a result came from."""
+    h = hashlib.sha256()
+    files = sorted(resolve(name_or_path).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{resolve(name_or_path)}: no *.safetensors files to fingerprint")
+    for f in files:
+        size = f.stat().st_size
+        h.update(f"{f.name}:{size}:".encode())
+        with open(f, "rb") as fh:
+            h.update(fh.read(edge_bytes))
+            if size > 2 * edge_bytes:
+                fh.seek(size - edge_bytes)
+                h.update(fh.read())
+            elif size > edge_bytes:
+                h.update(fh.read())
+    return h.hexdigest()[:16]
 
 
 def load(name_or_path: str | Path, device=None, dtype=None, device_map=None):

@@ -306,6 +306,16 @@ def evaluate(name_or_path, eval_tokens: int | None = None, stats_tokens: int = 3
     from moelab.tokenizer import unigram_perplexity
 
     model, tok = models.load(name_or_path)
+    held = heldout_texts()  # the held-out slices none of whose text was trained on
+    L = min(512, model.config.max_position_embeddings)  # the training length of the embedded models
+    if isinstance(stats_tokens, bool) or not isinstance(stats_tokens, int) or stats_tokens < L * len(held):
+        raise ValueError(f"stats_tokens={stats_tokens!r}: must be an int >= {L * len(held)} (one window of {L} "
+                         f"tokens from each of the {len(held)} held-out slices)")
+    per_text = stats_tokens // len(held)
+    slices = {name: _stream(tok, {name: text}, per_text) for name, text in held.items()}  # each ends with EOS
+    short = {name: ids.numel() for name, ids in slices.items() if ids.numel() < L}
+    if short:
+        raise ValueError(f"held-out slices {short} (tokens) are shorter than one window of {L}")
     test_ids = encode(tok, load_text("wikitext2_test.raw"))
     test_total = len(test_ids)
     if eval_tokens:
@@ -313,35 +323,49 @@ def evaluate(name_or_path, eval_tokens: int | None = None, stats_tokens: int = 3
     ppl = perplexity(model, tok, test_ids, context=context, stride=stride, batch_size=8)
     ppl.update(test_tokens=len(test_ids), test_tokens_total=test_total)
     uni = unigram_perplexity(tok, _stream(tok, training_texts()).tolist(), test_ids)
-    held = heldout_texts()  # the same number of tokens from every held-out slice (none of it trained on)
-    per_text = stats_tokens // len(held)
-    stats = models.router_stats(model, _stream(tok, held, per_text=per_text), max_tokens=stats_tokens)
-    stats["text"] = f"first {per_text} tokens of each of heldout_texts() {list(held)}"
+    stats = models.router_stats(model, torch.cat(list(slices.values())), max_tokens=stats_tokens)
+    stats["text"] = f"up to the first {per_text} tokens of each of heldout_texts() {list(held)}"
     stats["texts"] = list(held)
-    heldout = {}  # next-token loss on each held-out slice, in windows of the training length
-    L = min(512, model.config.max_position_embeddings)
-    for name, text in held.items():
-        ids = _stream(tok, {name: text}, per_text)
+    stats["tokens_each"] = {name: ids.numel() - 1 for name, ids in slices.items()}
+    heldout, scored = {}, {}  # next-token loss on each held-out slice, in windows of L
+    for name, ids in slices.items():
+        val_LS = ids[: (ids.numel() // L) * L].view(-1, L)
         with torch.no_grad():
-            heldout[name] = validation_loss(model, ids[: (ids.numel() // L) * L].view(-1, L), 8, model.device, None)
+            heldout[name] = validation_loss(model, val_LS, 8, model.device, None)
+        scored[name] = val_LS.shape[0] * (L - 1)  # a window's first token has no prediction
     model.eval()
     return {"wikitext2_test": ppl, "unigram": uni, "router": stats, "heldout_loss": heldout,
-            "heldout_tokens_each": per_text, "params": models.n_params(model), "moe": models.moe_info(model),
-            "machine": machine(), "commit": commit()}
+            "heldout_scored_tokens": scored, "heldout_window": L, "heldout_tokens_each": per_text,
+            "params": models.n_params(model), "moe": models.moe_info(model), "machine": machine(),
+            "commit": commit()}
 
 
-def _full_test_line(name: str) -> str:
-    """The unchanged model's perplexity on all of WikiText-2 test from the committed paper-tables run, if any."""
+def _full_test_line(name: str, path: Path, test_total: int) -> str:
+    """The unchanged model's WikiText-2 test perplexity from the committed paper-tables run, where that run
+    used these weights: the embedded model's own folder, and the same fingerprint where the run recorded one."""
     from moelab.results import load_optional
 
+    if name not in models.NAMES or Path(path).resolve() != models.model_dir(name).resolve():
+        return ""  # a checkpoint elsewhere: the committed runs are of the embedded models
     doc = load_optional("paper-tables")
     base = [r for r in (doc or {}).get("rows", []) if r.get("model") == name and r.get("section") == "baseline"]
     if not base:
         return ""
+    recorded = doc.get("weights", {}).get(name)
+    if recorded is not None and recorded != models.fingerprint(path):
+        return ""  # the run was of other weights (retrained since)
     r, m = base[0], doc["machine"]
-    return (f"\nOn the whole WikiText-2 test set ({r['scored_tokens']:,} scored tokens, context {r['context']}, "
-            f"stride {r['stride']}, fp32) the unchanged model scores **{r['ppl']:.1f}** on an {m['device']} "
-            f"(torch {m['torch']}, transformers {m['transformers']}, commit {doc['commit'][:7]}): "
+    for part in doc.get("resumed_from", []):  # rows kept from an earlier part ran on that part's machine
+        if name in part.get("models_done", []):
+            m = part["machine"]
+            break
+    dtype = (doc.get("protocol") or {}).get("dtype")
+    dtype = {"float32": "fp32", "bfloat16": "bf16"}.get(dtype, dtype)
+    tokens = r.get("routed_tokens")
+    which = "whole WikiText-2 test set" if tokens == test_total else f"first {tokens:,} tokens of WikiText-2 test"
+    return (f"\nOn the {which} ({r['scored_tokens']:,} scored tokens, context {r['context']}, "
+            f"stride {r['stride']}{', ' + dtype if dtype else ''}) the unchanged model scores **{r['ppl']:.1f}** on "
+            f"{m['device']} (torch {m['torch']}, transformers {m['transformers']}, commit {doc['commit'][:7]}): "
             f"`data/results/{doc['topic']}-{doc['created'][:10].replace('-', '')}.json`, section `baseline`, "
             "from `benchmarks/paper_tables.py`.\n")
 
@@ -362,21 +386,22 @@ def _card(name: str, path: Path, ev: dict, tlog: dict) -> str:
     vt = tlog.get("validation_texts")
     val_texts = f"the last 5% of {', '.join(vt)}" if vt else f"`heldout_texts()` of commit {tlog['commit'][:7]}"
     seen = [t for t in vt or [] if t not in heldout_texts()]
-    if seen:  # slices found later to repeat text the model trained on
-        val_texts += (f" ({len(seen)} of which repeat training text, `moelab.data.heldout_repeats`, so these losses"
-                      " are not held-out numbers: the table under Evaluation is)")
     last = " (the last step)" if tlog["best_step"] == tlog["steps"] else ""
-    held = ev["router"].get("texts") or []
-    held_rows = "\n".join(f"| {t} | {loss:.3f} | {math.exp(loss):.1f} |"
+    scored = ev.get("heldout_scored_tokens", {})
+    held_rows = "\n".join(f"| {t} | {scored.get(t, 0):,} | {loss:.3f} | {math.exp(loss):.1f} |"
                           for t, loss in ev.get("heldout_loss", {}).items())
     held_block = (f"""
-Next-token loss on held-out text no model trained on, the first {ev['heldout_tokens_each']:,} tokens of each slice
-(`moelab.data.heldout_texts()`), windows of 512:
+Next-token loss on held-out text no model trained on (`moelab.data.heldout_texts()`): up to the first
+{ev['heldout_tokens_each']:,} tokens of each slice, in windows of {ev.get('heldout_window', 512)} (a window's first
+token is not scored):
 
-| held-out slice | loss | perplexity |
-|---|---|---|
+| held-out slice | scored tokens | loss | perplexity |
+|---|---|---|---|
 {held_rows}
 """ if held_rows else "")
+    if seen:  # slices found later to repeat text the model trained on
+        val_texts += (f" ({len(seen)} of which repeat training text, `moelab.data.heldout_repeats`, so these losses"
+                      " are not held-out numbers" + (": the held-out table under Evaluation is)" if held_rows else ")"))
     wt, uni = ev["wikitext2_test"], ev["unigram"]
     renorm = "renormalised" if moe["renormalize"] else "not renormalised"
     shared = ", plus a shared expert with its gate" if moe.get("shared_expert") else ""
@@ -422,9 +447,8 @@ real learned routers, real perplexity changes. **Not** a useful language model: 
 | this model, WikiText-2 test (raw){part}, context {wt['context']}, stride {wt['stride']} | **{wt['ppl']:.1f}** | \
 {wt['scored_tokens']:,} |
 | unigram model (add-one, fitted on the training tokens), same tokenizer | {uni['ppl']:.1f} | {uni['scored_tokens']:,} |
-{_full_test_line(name)}{held_block}
-Router statistics on {ev['router']['tokens']:,} held-out tokens, the same number from each of the
-{len(held) or 'seven'} held-out slices{' (' + ', '.join(held) + ')' if held else ''} (`moelab.models.router_stats`):
+{_full_test_line(name, path, wt['test_tokens_total'])}{held_block}
+Router statistics on {ev['router']['tokens']:,} held-out tokens ({ev['router']['text']}; `moelab.models.router_stats`):
 load entropy = normalised entropy of the expert load (top-{moe['native_k']} selections), 1 = balanced;
 per-token router entropy / log({moe['num_experts']}) at quantiles 5/25/50/75/95%.
 
