@@ -37,6 +37,7 @@ __all__ = [
     "CLAIMS",
     "published_configs",
     "calibration_k_values",
+    "lower_fixed_ks",
     "paper_rows",
     "paper_table",
 ]
@@ -378,6 +379,11 @@ def calibration_k_values(family: str, native_k: int) -> tuple[int, ...]:
     return tuple(ladder)
 
 
+def lower_fixed_ks(native_k: int) -> list[int]:
+    """The lower fixed k the paper tables compare against: 1, native/2 and 3*native/4 where below native."""
+    return sorted({k for k in (1, native_k // 2, (3 * native_k) // 4) if 1 <= k < native_k})
+
+
 def paper_rows(
     model,
     name: str,
@@ -467,7 +473,7 @@ def paper_rows(
         wanted = [*targets, *cal_red] if targets else []
         tg = sorted({round(float(t), 4) for t in wanted if lo_r <= t <= hi_r and t > 0})
         if fixed_ks is None:
-            fixed_ks = sorted({k for k in (1, native_k // 2, (3 * native_k) // 4) if 1 <= k < native_k})
+            fixed_ks = lower_fixed_ks(native_k)
         matched = compare_at_matched_compute(model, sample, eval_ids, tg, kv, base_ppl, fixed_ks=fixed_ks,
                                              progress=progress, **kw)
         for rec in matched.to_dict("records"):
