@@ -99,7 +99,12 @@ def main(argv=None) -> None:
         with open(args.rows_out, "w") as f:
             json.dump(rows, f)
         return
-    rows = []
+    notes = ("First and second patched forward (fp32, one batch of windows of WikiText-2 test) per policy, in a fresh "
+             "process with an empty Triton cache (phase cold) and in a second fresh process with the cache the first "
+             "filled (phase warm). compiled_first / compiled_second: new entries in TRITON_CACHE_DIR during the "
+             "first / second forward. "
+             "baseline_first_s: the unchanged model's first forward in that process (warm-up, not a policy).")
+    rows, path = [], None
     with tempfile.TemporaryDirectory(prefix="moelab-first-call-") as tmp:
         cache = os.path.join(tmp, "triton-cache")
         env = dict(os.environ, TRITON_CACHE_DIR=cache)
@@ -110,12 +115,8 @@ def main(argv=None) -> None:
             subprocess.run(cmd, env=env, check=True)
             with open(out) as f:
                 rows += json.load(f)
-    notes = ("First and second patched forward (fp32, one batch of windows of WikiText-2 test) per policy, in a fresh "
-             "process with an empty Triton cache (phase cold) and in a second fresh process with the cache the first "
-             "filled (phase warm). compiled_first / compiled_second: new entries in TRITON_CACHE_DIR during the "
-             "first / second forward. "
-             "baseline_first_s: the unchanged model's first forward in that process (warm-up, not a policy).")
-    path = write_results("first-call", rows, notes=notes)
+            # written after each phase, so a run cut short keeps the cold one
+            path = write_results("first-call", rows, notes=notes, extra={"complete": phase == "warm"})
     print(f"wrote {path}")
 
 
