@@ -6,7 +6,8 @@ calibrated to a +0.5% perplexity budget (shared and per-layer), and EntropyAdapt
 lower fixed k at matched compute. Writes data/results/paper-tables-<yyyymmdd>.json (moelab.results).
 
 GPU (the full protocol; on one H200 about 1, 2.5 and 4 minutes for tiny-mixtral, tiny-qwen-moe and tiny-olmoe at
-2be368d, where the first forward of some new policies took 10-40 s, the rest about 1 s (logs/paper-tables-2be368d.txt);
+2be368d, where the first forward of some new policies took 10-40 s, the rest about 1 s (logs/paper-tables-2be368d.txt):
+Triton compiling the routing kernel for a new policy kind or k, benchmarks/first_call.py;
 a run cut short is finished with --resume):
     PYTHONPATH=lib PYTHONUNBUFFERED=1 python benchmarks/paper_tables.py
 CPU smoke run (end to end on slices; writes topic paper-tables-smoke):
@@ -69,7 +70,7 @@ def resume_from(path: Path, topic: str, protocol: dict, names: list[str]):
     verdicts = {m: doc["verdicts"][m] for m in done}
     weights = {m: w for m, w in doc.get("weights", {}).items() if m in done}
     prior = [*doc.get("resumed_from", []),
-             {k: doc.get(k) for k in ("created", "command", "machine", "wall_s", "models_done")}]
+             {k: doc.get(k) for k in ("created", "commit", "command", "machine", "wall_s", "models_done")}]
     return rows, traces, verdicts, weights, prior
 
 

@@ -117,6 +117,7 @@ def test_paper_tables_resume_keeps_finished_models_and_refuses_another_protocol(
     assert [r for r in doc["rows"] if r["model"] == "tiny-mixtral"] == old["rows"]
     assert any(r["model"] == "tiny-olmoe" and r["section"] == "baseline" for r in doc["rows"])
     assert doc["resumed_from"][0]["command"] == old["command"] and doc["protocol"] == old["protocol"]
+    assert doc["resumed_from"][0]["commit"] == old["commit"] == "0123abc"
     assert set(doc["weights"]) == {"tiny-mixtral", "tiny-olmoe"} and doc["weights"]["tiny-mixtral"] == old["weights"][
         "tiny-mixtral"]
 
