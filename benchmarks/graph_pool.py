@@ -5,7 +5,7 @@ Workload per model (the same in every arm): `rounds` times one eager forward of 
 `decode_steps` decode steps of random batch sizes in [1, max bucket] (one new token per sequence, no
 KV cache: context length 1). Both return only what a server needs: greedy next-token ids of the last
 position (--output logits: last-position logits), so output copies stay small; the graphs' static
-outputs sit in one buffer outside the pool (moelab.graphs).
+outputs are rows of one buffer per output, outside the pool (moelab.graphs).
 Arms:
   eager          no graphs; decode and prefill eager
   private        decode graphs, one private pool per bucket; prefill eager (ordinary allocator)

@@ -182,3 +182,21 @@ def test_main_runs_every_notebook_reports_failures_and_lists_outputs(tmp_path, m
     assert f"Figures and tables (2 files) are in {tmp_path / 'figures'}/" in out
     assert "02_table.csv" in out and "02_table.tex" in out
     assert (tmp_path / "runs" / "main" / "02_second" / "summary.csv").exists()
+
+
+def test_list_gives_an_outside_engine_what_keeps_its_runs_current(toy, tmp_path):
+    """A run made by another engine from a --list line (params.json = the line, a `done` marker) counts as
+    finished for a later ordinary sweep (not stale, not rerun) and is collected into the summary."""
+    g = sweep.Grid(notebook=toy, name="ext", parameters={"x": [1, 2]}, fixed={"sleep_s": 0.0})
+    lines = sweep.list_points(g, root=tmp_path)
+    assert [ln["hash"] for ln in lines] == [h for h, _ in sweep.param_hash_points(g)]
+    for ln in lines:
+        d = Path(ln["run_dir"])
+        d.mkdir(parents=True)
+        (d / "params.json").write_text(json.dumps(ln))
+        (d / "done").write_text("{}")
+        assert sweep.run_state(d, sweep.notebook_digest(toy)) == "done"
+    rep = sweep.run_sweep(g, root=tmp_path, collect_only=True)
+    assert rep.counts().get("done") == 2 and not rep.failed
+    summary = pd.read_csv(tmp_path / "ext" / "summary.csv")
+    assert sorted(summary["x"]) == [1, 2] and set(summary["status"]) == {"ok"}

@@ -1,8 +1,8 @@
 """Corpora and real routing counts shipped in data/, each checked against data/SHA256SUMS.
 
 WikiText-2 test is the evaluation set: `training_texts()` never includes it, and
-`split_heldout()` gives the held-out slice of every training text; `heldout_texts()` those slices that
-share no text with their training part (validation, calibration).
+`split_heldout(text)` cuts a text into its training part and held-out slice (the last 5%); `heldout_texts()`
+gives the held-out slices that share no text with their training part (validation, calibration).
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 
 from moelab.compute import ModelShapes, expert_reduction
 from moelab.hf import moe_layers, patched, record_router
-from moelab.perplexity import _input_device, _model_context, perplexity, token_ids
+from moelab.perplexity import input_device, model_context, perplexity, token_ids
 from moelab.routing import EntropyAdaptiveK, Policy, RatioSkip, TopK, TopP
 
 __all__ = [
@@ -272,7 +272,7 @@ def router_sample(
     ids = token_ids(tokenizer, text_or_ids)
     if max_tokens is not None:
         ids = ids[:max_tokens]
-    limit = _model_context(model)
+    limit = model_context(model)
     context = min(context, limit) if limit else context
     n = ids.numel() // context
     if n < 1:  # a short text: one chunk of what there is
@@ -285,7 +285,7 @@ def router_sample(
     if not 1 <= k_cap <= E:
         raise ValueError(f"k_cap={k_cap}: must be in [1, num_experts={E}]")
     x_NL = ids[: n * context].view(n, context)
-    device = _input_device(model)
+    device = input_device(model)
     ent = [[] for _ in layers]
     probs = [[] for _ in layers]
     eids = [[] for _ in layers]

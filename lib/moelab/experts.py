@@ -15,9 +15,10 @@ Expert GEMMs (`set_gemm`):
   steps on padded layouts, torch ops on exact ones;
 - 'loop': a per-expert loop of matmuls (the reference);
 - 'auto' (default): 'triton' on CUDA for padded layouts in bf16 / fp16 with few rows per expert
-  (decode sizes: FUSED_MAX_ROWS_PER_EXPERT) or where the device's tuning run measured the tuned Triton
-  GEMMs faster than CUTLASS (moelab.kernels.grouped.TUNED, 'beats_cutlass'), else torch._grouped_mm where
-  supported, else the loop.
+  (decode sizes: up to FUSED_MAX_ROWS_PER_EXPERT = 32 padded rows) or, above 128 padded rows per expert
+  (where the tuned tables apply), where the device's tuning run measured the tuned Triton GEMMs faster
+  than CUTLASS (moelab.kernels.grouped.TUNED, 'beats_cutlass'); else torch._grouped_mm where supported
+  (bf16 on sm90+), else the loop (fp16 between 33 and 128 rows per expert, for one).
   On the CPU nothing changes: the torch paths.
 """
 
@@ -104,9 +105,9 @@ _GEMM_MODE = "auto"  # "auto" | "triton" | "grouped" | "loop"
 
 def set_gemm(mode: str) -> None:
     """Force the expert GEMM: 'auto' (Triton fused on CUDA padded layouts with at most
-    FUSED_MAX_ROWS_PER_EXPERT rows per expert, else grouped where supported), 'triton'
-    (moelab.kernels.grouped; padded layouts with slot_row and a SiLU activation only), 'grouped'
-    (torch._grouped_mm) or 'loop'."""
+    FUSED_MAX_ROWS_PER_EXPERT rows per expert or, above 128, where the device's tuned entry beat CUTLASS;
+    else grouped where supported, else the loop), 'triton' (moelab.kernels.grouped; padded layouts with
+    slot_row and a SiLU activation only), 'grouped' (torch._grouped_mm) or 'loop'."""
     global _GEMM_MODE
     if mode not in ("auto", "triton", "grouped", "loop"):
         raise ValueError(f"gemm mode={mode!r}: must be 'auto', 'triton', 'grouped' or 'loop'")
@@ -121,7 +122,8 @@ def get_gemm() -> str:
 # 'auto' takes the Triton experts up to this many padded rows (T * k_max) per expert: on the H200
 # (archive/moe-layer-20261130-c17d25a.json.xz) the Triton layer was faster at T = 16 and 64 (4-16 rows per expert;
 # e.g. Mixtral-like T = 16: 0.69 against 1.08 ms, OLMoE-like T = 64 in a graph: 0.24 against 0.33 ms). Above,
-# CUTLASS, unless the device's tuned entry says the Triton GEMMs beat it (fused_supported).
+# CUTLASS, unless the device's tuned entry says the Triton GEMMs beat it (fused_supported; tuned entries cover
+# more than 128 padded rows per expert only, so from 33 to 128 it is CUTLASS).
 FUSED_MAX_ROWS_PER_EXPERT = 32
 
 

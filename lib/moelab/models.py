@@ -3,7 +3,8 @@
 Three small models trained by `moelab.train` live in data/models/<name> and mirror the routing
 geometry of Mixtral-8x7B (8 experts, top-2, renormalised), Qwen1.5-MoE-A2.7B (60 experts, top-4, not
 renormalised, shared expert with a gate) and OLMoE-1B-7B (64 experts, top-8, not renormalised).
-`load` takes those names or any local transformers checkpoint directory of a supported MoE family.
+`load` takes those names or any local transformers MoE checkpoint directory (a family moelab has no
+adapter for loads with a warning; `hf.patched` refuses it).
 """
 
 from __future__ import annotations

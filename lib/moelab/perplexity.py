@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-__all__ = ["perplexity", "windows", "token_ids"]
+__all__ = ["perplexity", "windows", "token_ids", "model_context", "input_device"]
 
 
 def token_ids(tokenizer, text_or_ids) -> torch.Tensor:
@@ -59,13 +59,14 @@ def windows(n_tokens: int, context: int, stride: int) -> list[tuple[int, int, in
     return out
 
 
-def _model_context(model) -> int | None:
+def model_context(model) -> int | None:
+    """The model's maximum context (max_position_embeddings of its text config), or None if it has none."""
     cfg = getattr(model, "config", None)
     cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     return getattr(cfg, "max_position_embeddings", None)
 
 
-def _input_device(model) -> torch.device:
+def input_device(model) -> torch.device:
     """Where input ids go: the embedding's device (also right for device_map='auto' models)."""
     if hasattr(model, "get_input_embeddings") and model.get_input_embeddings() is not None:
         return model.get_input_embeddings().weight.device
@@ -100,12 +101,12 @@ def perplexity(
         raise ValueError(f"batch_size={batch_size!r}: must be an int >= 1")
     if not 1 <= stride <= context:  # as asked; the clipping below may shorten both
         raise ValueError(f"stride={stride}: must be in [1, context={context}]")
-    limit = _model_context(model)
+    limit = model_context(model)
     if limit is not None and context > limit:
         context = int(limit)
     stride = min(stride, context)
     wins = windows(ids.numel(), context, stride)
-    device = _input_device(model)
+    device = input_device(model)
     keep_arg = "logits_to_keep" in inspect.signature(model.forward).parameters
 
     # consecutive windows of the same shape form a batch

@@ -1,10 +1,11 @@
-"""Results with provenance: every number carries the machine, library versions, commit and command.
+"""Results with provenance: a results file carries the machine, library versions, commit and command.
 
 Two writers:
 - `write_results(topic, rows, ...)`: a benchmark or GPU run's file `data/results/<topic>-<yyyymmdd>.json`
   (schema 1: topic, created, commit, command, machine, rows, notes);
 - `save(name, obj)`: a notebook's named result (JSON for scalars/dicts, parquet for frames) in the
-  current run directory (`MOELAB_RUN_DIR`, set by the sweep runner; `runs/interactive` otherwise).
+  current run directory (`MOELAB_RUN_DIR`, set by the sweep runner; `runs/interactive` otherwise), as it
+  is: its provenance is the run folder's params.json and executed notebook.
 Files are written atomically (temp file + rename): a killed process leaves the old file or the new one.
 """
 

@@ -35,9 +35,10 @@ final `--collect` (no runs) builds the tables. With Slurm, for example::
     python -m moelab.sweep grid.yaml --shard $SLURM_ARRAY_TASK_ID/32
     # afterwards, once:  python -m moelab.sweep grid.yaml --collect
 
-The same works with any job array (Kubernetes indexed Jobs, SGE, ...); `--list` prints every point's
-hash and parameters for engines that prefer to start `papermill` themselves (set MOELAB_RUN_DIR to
-the run folder and keep the layout above, and `--collect` still combines them). See docs/sweeps.md.
+The same works with any job array (Kubernetes indexed Jobs, SGE, ...); `--list` prints every point
+(hash, run folder, notebook, its digest, parameters: one JSON line each) for engines that prefer to
+start `papermill` themselves (set MOELAB_RUN_DIR to the run folder, write the line as its params.json and
+keep the layout above, and `--collect` still combines them). See docs/sweeps.md.
 """
 
 from __future__ import annotations
@@ -550,6 +551,15 @@ def param_hash_points(grid: Grid) -> list[tuple[str, dict]]:
 # ------------------------------------------------------------------------------------------- tables
 
 
+def list_points(grid: Grid, root: Path | None = None) -> list[dict]:
+    """Per point, what an outside engine needs to run it itself: its run folder and the params.json to
+    write there (with the notebook's digest, so that a later ordinary sweep sees the run as current)."""
+    sweep_dir = Path(root or runs_root()) / grid.name
+    digest = notebook_digest(grid.notebook)
+    return [{"hash": h, "run_dir": str(sweep_dir / h), "notebook": str(grid.notebook), "notebook_digest": digest,
+             "parameters": p} for h, p in param_hash_points(grid)]
+
+
 def _cell(v):
     """A table cell: scalars as they are, anything else as JSON text (parquet needs one type per column)."""
     if v is None or isinstance(v, (bool, int, float, str)):
@@ -687,7 +697,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rerun", action="store_true", help="run finished points again")
     ap.add_argument("--resume", action="store_true", help="with --main: skip notebooks that finished earlier")
     ap.add_argument("--collect", action="store_true", help="run nothing; combine finished runs into tables")
-    ap.add_argument("--list", action="store_true", help="print each point's hash and parameters, run nothing")
+    ap.add_argument("--list", action="store_true",
+                    help="print each point as JSON (hash, run_dir, notebook, notebook_digest, parameters), run nothing")
     ap.add_argument("--root", type=Path, help="runs folder (default runs/ or MOELAB_RUNS)")
     ap.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -701,8 +712,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("give a grid file or --main")
     grid = load_grid(a.grid)
     if a.list:
-        for h, p in param_hash_points(grid):
-            print(h, json.dumps(p, default=str))
+        for line in list_points(grid, a.root):
+            print(json.dumps(line, default=str))
         return 0
     rep = run_sweep(grid, root=a.root, workers=a.workers, shard=a.shard, rerun=a.rerun, collect_only=a.collect)
     print(f"{rep.name}: {rep.counts()} in {rep.directory}")

@@ -1,6 +1,8 @@
 """Triton kernels: fused routing (routing.py), pair layout without host sync (layout.py), padded
 expert row ops (experts.py), grouped expert GEMMs (grouped.py), the issue-5 target checks (report.py).
-Dispatch lives in moelab.routing / moelab.experts."""
+Dispatch lives in moelab.routing / moelab.experts, which import these lazily (on CUDA), so the CPU path
+never needs Triton. This module holds the launch helpers they share: `Launcher` (a kernel's cached direct
+launch), `launch`, `on_device_of`, `pow2`, `cdiv`."""
 
 import contextlib
 import functools

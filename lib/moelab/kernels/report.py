@@ -4,7 +4,9 @@ pair layout's launch choices (`pair-layout-sweep`).
 
 Each check is a row: target, shape, T, what was measured, the limit it must meet, and whether it
 does. Nothing is measured here: the numbers come from the results files written on the GPU by
-benchmarks/moe_kernels.py, and the machine they came from travels with them.
+benchmarks/moe_kernels.py (layer-stages: layer_stages.py; pair-layout-sweep: pair_layout.py), and the
+machine they came from travels with them. `layer_runs` compares several runs of a topic; `power_trace`
+sums up an nvidia-smi log recorded beside a run.
 """
 
 from __future__ import annotations
