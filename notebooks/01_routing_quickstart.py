@@ -4,6 +4,8 @@
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -75,9 +77,12 @@ def entropy_of(logits_TE: torch.Tensor) -> torch.Tensor:
     return route(logits_TE, TopK(1), renormalize=True).entropy
 
 
-def make_policies(calib_entropy_T: torch.Tensor, native_k: int, k_values) -> dict:
+def make_policies(calib_entropy_T: torch.Tensor, native_k: int, k_values, quantiles) -> dict:
     """The policies compared; EntropyAdaptiveK's thresholds sit at entropy quantiles of calibration tokens."""
-    q = torch.tensor(adaptive_quantiles, dtype=torch.float32)
+    if len(quantiles) != len(k_values) - 1:
+        raise ValueError(f"quantiles={list(quantiles)}: need len(k_values) - 1 = {len(k_values) - 1} for "
+                         f"k_values={list(k_values)}")
+    q = torch.tensor(quantiles, dtype=torch.float32)
     thresholds = torch.quantile(calib_entropy_T.float(), q).tolist()
     out = {f"TopK k={native_k} (native)": TopK(native_k)}
     if native_k > 1:
@@ -98,7 +103,7 @@ def compare(logits_TE: torch.Tensor, policies: dict, native_k: int, renormalize:
 
 
 entropy_T = entropy_of(logits_TE)
-policies = make_policies(entropy_T, native_k, adaptive_k_values)  # calibrated on the same tokens: a demo
+policies = make_policies(entropy_T, native_k, adaptive_k_values, adaptive_quantiles)  # same tokens: a demo
 stats = compare(logits_TE, policies, native_k, renormalize)
 print(f"router entropy (nats, max log E = {np.log(num_experts):.2f}): quantiles 10/50/90% =",
       np.round(np.quantile(entropy_T.numpy(), [0.1, 0.5, 0.9]), 3))
@@ -127,7 +132,7 @@ def plot_stats(stats: pd.DataFrame, title: str, native_k: int):
     ax_r.barh(y, 100 * stats.expert_reduction, color=[color(r.policy, r.kind) for r in stats.itertuples()])
     labels = [f"mean k {m:.2f}" for m in stats.mean_k]
     if "forward_reduction" in stats:  # whole-forward FLOPs saved, from the model's shapes
-        labels = [f"{lb}\nforward {0.0 - 100 * f:+.1f}%" for lb, f in zip(labels, stats.forward_reduction)]
+        labels = [f"{lb}\nforward saved {100 * f:.1f}%" for lb, f in zip(labels, stats.forward_reduction)]
     ax_r.set(yticks=y, yticklabels=labels,
              xlabel=f"routed-expert FLOPs saved vs native k={native_k} (%)")
     ax_r.axvline(0, color="black", lw=0.6)
@@ -151,7 +156,7 @@ plt.show()
 # `moelab.hf.record_router` keeps every MoE layer's router logits of the unchanged forward. Each
 # policy then routes them layer by layer. EntropyAdaptiveK's thresholds sit at entropy quantiles of
 # *held-out training text* (never the evaluation tokens), per layer, with k values half and full
-# native k. The whole-forward saving adds attention, router and LM head FLOPs from the model's shapes
+# native k and the thresholds at evenly spaced entropy quantiles (the median for two k values). The whole-forward saving adds attention, router and LM head FLOPs from the model's shapes
 # (`ModelShapes.forward_reduction`). These are compute counts of the plans only: what routing does to
 # perplexity needs the patched forward (notebook 02).
 
@@ -159,44 +164,31 @@ plt.show()
 recorded = None
 if model:
     from moelab import hf, models
-    from moelab.compute import ModelShapes
+    from moelab.compute import ModelShapes, pool_layers
     from moelab.data import heldout_texts, load_text
+    from moelab.perplexity import token_ids
 
     lm, tokenizer = models.load(model)
     info = models.moe_info(lm)
     m_native_k, m_renorm = info["native_k"], info["renormalize"]
     ctx = min(seq_len, getattr(lm.config, "max_position_embeddings", seq_len) or seq_len)
 
-    def record_logits(text: str, n_tokens: int) -> dict:
-        """Router logits [T, E] per MoE layer for the first n_tokens of a text, in forwards of ctx tokens."""
-        ids = torch.tensor(tokenizer(text[: 40 * n_tokens])["input_ids"][:n_tokens])
+    def first_ids(text: str, n_tokens: int) -> torch.Tensor:
+        ids = token_ids(tokenizer, text[: 40 * n_tokens])[:n_tokens]
         if len(ids) < n_tokens:
             raise ValueError(f"text has {len(ids)} tokens, fewer than the {n_tokens} asked for")
-        with torch.no_grad(), hf.record_router(lm, logits=True) as rec:
-            for start in range(0, n_tokens, ctx):
-                lm(ids[None, start : start + ctx])
-        return {layer: rec.router_logits(layer) for layer in rec.layers}
+        return ids
 
-    eval_logits = record_logits(load_text("wikitext2_test.raw"), eval_tokens)
-    calib_text = "\n".join(heldout_texts().values())
-    calib_logits = record_logits(calib_text, calib_tokens)
+    eval_logits = hf.router_logits(lm, first_ids(load_text("wikitext2_test.raw"), eval_tokens), ctx)
+    calib_logits = hf.router_logits(lm, first_ids("\n".join(heldout_texts().values()), calib_tokens), ctx)
     m_k_values = sorted({max(1, m_native_k // 2), m_native_k})
+    m_quantiles = [j / len(m_k_values) for j in range(1, len(m_k_values))]  # evenly spaced
     rows = []
     for layer, logits_le in eval_logits.items():
-        pols = make_policies(entropy_of(calib_logits[layer]), m_native_k, m_k_values)
+        pols = make_policies(entropy_of(calib_logits[layer]), m_native_k, m_k_values, m_quantiles)
         rows.append(compare(logits_le, pols, m_native_k, m_renorm).assign(layer=layer))
     per_layer = pd.concat(rows, ignore_index=True)
-    shapes = ModelShapes.from_config(lm.config)
-    agg = []
-    for (label, kind), g in per_layer.groupby(["policy", "kind"], sort=False):
-        hist = np.sum([np.pad(h, (0, m_native_k + 1 - len(h))) for h in g.k_hist], axis=0)
-        mean_k_layers = g.sort_values("layer").mean_k.tolist()
-        agg.append({"policy": label, "kind": kind, "tokens": int(g.tokens.sum()), "k_hist": hist.tolist(),
-                    "kept_pairs": int(g.kept_pairs.sum()), "native_pairs": int(g.native_pairs.sum()),
-                    "mean_k": float(g.kept_pairs.sum() / g.tokens.sum()),
-                    "expert_reduction": float(1 - g.kept_pairs.sum() / g.native_pairs.sum()),
-                    "forward_reduction": shapes.forward_reduction(mean_k_layers, context=ctx // 2)})
-    recorded = pd.DataFrame(agg)
+    recorded = pool_layers(per_layer, m_native_k, ModelShapes.from_config(lm.config), context=ctx // 2)
     fig = plot_stats(recorded, f"{model}: router logits on WikiText-2 test, {eval_tokens} tokens x "
                      f"{len(eval_logits)} layers (E={info['num_experts']}, native top-{m_native_k})", m_native_k)
     savefig(fig, f"01_quickstart_recorded_{Path(model).name}")
@@ -240,6 +232,8 @@ for ax, layer in zip(axes, COUNT_LAYERS):
     ax.set(title=f"layer {layer}", xlabel="expert rank by load")
 axes[0].set_ylabel("share of routed pairs (%)")
 axes[-1].legend(frameon=False)
+source = {"olmoe": "OLMoE-1B-7B", "mistral": "Mixtral-8x7B"}.get(counts_model, counts_model)
+fig.suptitle(f"{source}: expert load per layer on five domains (AllenAI's routing counts)", fontsize=9)
 savefig(fig, f"01_expert_load_{counts_model}")
 plt.show()
 table

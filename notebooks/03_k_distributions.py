@@ -32,6 +32,7 @@ context: int = 2048  # window length, clipped to the model's max_position_embedd
 batch_size: int = 4  # windows per forward (GPU-sized: 64)
 preset: str = "auto"  # published configuration (moelab.calibrate.PUBLISHED) or auto for the family's SDK preset
 calibrated_target: float = 0.25  # routed-expert reduction for the calibrated thresholds (held-out text)
+cal_tokens: int = 1024  # calibration tokens, equal shares of the held-out slices no model trained on (GPU-sized: 32768)
 counts_model: str = "auto"  # real routing counts to compare: olmoe, mistral or auto (by family)
 interactive: bool = False  # show ipywidgets explorers (never in headless runs)
 
@@ -42,7 +43,7 @@ import pandas as pd
 import torch
 
 from moelab import results
-from moelab.calibrate import PUBLISHED, calibrate_thresholds, calibration_k_values
+from moelab.calibrate import PUBLISHED, calibrate_thresholds, calibration_ids, calibration_k_values
 from moelab.data import COUNT_LAYERS, DOMAINS, EVAL_TEXT, heldout_texts, load_routing_counts, load_text
 from moelab.data import normalised_entropy as load_entropy
 from moelab.evaluate import entropy_quantiles, estimate, evaluate, router_sample
@@ -60,7 +61,6 @@ if preset not in PUBLISHED:
     raise ValueError(f"preset={preset!r}: choose auto or one of {sorted(PUBLISHED)}")
 if counts_model == "auto":
     counts_model = "mistral" if family == "mixtral" else "olmoe"
-held = heldout_texts()  # slices with no text in common with the training part: calibration
 domain_slices = heldout_texts(unseen_only=False)  # the five domain files repeat text: seen in training
 texts = {d: domain_slices[name] for d, name in DOMAINS.items()}
 texts["wikitext2-test"] = load_text(EVAL_TEXT)
@@ -101,29 +101,33 @@ for j, (d, s) in enumerate(samples.items()):
     ax.plot([], [], color=f"C{j}", label=d, lw=4, alpha=0.6)
 ax.set(xticks=np.arange(n_layers), xticklabels=[f"layer {i}" for i in range(n_layers)],
        ylabel="router entropy / log E", title=f"{tag}: per-token router entropy")
-ax.legend(frameon=False, fontsize=6, ncol=3)
+ax.legend(frameon=False, fontsize=6, ncol=len(samples), loc="upper center", bbox_to_anchor=(0.5, -0.12))
 savefig(fig, f"03_entropy_by_layer_{tag}")
 plt.show()
 quant[quant.domain == "wikitext2-test"]
 
 # %% [markdown]
 # ## 2 · k per layer: published and calibrated thresholds
-# Estimated from the recorded router outputs (no forward), then measured on WikiText-2 test with
-# patched forwards (later layers see changed inputs, so the two can differ).
+# Estimated from router outputs recorded on the evaluation tokens (no forward with the policy), then
+# measured on the same WikiText-2 test tokens with patched forwards (later layers see changed inputs,
+# so the two can differ). The calibrated thresholds come from held-out text no model trained on.
 
 # %%
 kv_pub, th_pub = PUBLISHED[preset]
 policies = {}
 if kv_pub[-1] <= E:
     policies[f"{preset} {list(kv_pub)}/{list(th_pub)}"] = EntropyAdaptiveK(kv_pub, th_pub)
+else:
+    print(f"preset {preset} {list(kv_pub)} left out: its k_max {kv_pub[-1]} exceeds the model's {E} experts")
 kv_cal = calibration_k_values(family, native_k)
-cal_sample = router_sample(net, torch.cat([ids_of(held[n], tokens_per_domain) for n in held]), context=context,
-                           batch_size=batch_size, progress=False)
+cal_sample = router_sample(net, calibration_ids(tok, cal_tokens), context=context, batch_size=batch_size,
+                           progress=False)
 cal_pol = calibrate_thresholds(cal_sample, kv_cal, calibrated_target)
 policies[f"calibrated {calibrated_target:.0%} {list(kv_cal)}"] = cal_pol
 
-wt = samples["wikitext2-test"]
 eval_ids = ids_of(texts["wikitext2-test"], eval_tokens)
+wt = router_sample(net, eval_ids, context=context, batch_size=batch_size, k_cap=min(E, max(16, native_k)),
+                   progress=False)  # the estimate's router outputs: the tokens the measurement runs on
 hist_rows, summary = [], []
 for label, pol in policies.items():
     est = estimate(wt, pol)
@@ -151,7 +155,7 @@ for ax, (label, pol) in zip(axes[0], policies.items()):
         g = h[h.k == k].sort_values("layer")
         ax.bar(g.layer + (j - (len(pol.k_values) - 1) / 2) * width, g.fraction, width, label=f"k={k}", color=f"C{j}")
     ax.set(title=label, xlabel="layer", xticks=range(wt.num_layers))
-    ax.legend(frameon=False, fontsize=6)
+    ax.legend(frameon=False, fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=len(pol.k_values))
 axes[0][0].set_ylabel("share of tokens (measured)")
 savefig(fig, f"03_k_by_layer_{tag}")
 plt.show()
@@ -185,9 +189,10 @@ save_table(table, f"03_expert_load_{tag}", caption=f"Normalised expert-load entr
 fig, ax = figure()
 for j, (src, g) in enumerate(loads.groupby("source")):
     m = g.groupby("domain")["normalised_entropy"].mean()
-    ax.plot(m.index, m.values, "o-", ms=3, lw=1, label=src,
+    ax.plot(m.index, m.values, "o", ms=4, label=src,  # markers only: the domains are not a sequence
             color=POLICY_COLORS["native"] if "real" in src else f"C{j}")
-ax.set(ylabel="expert-load entropy / log E (mean over layers)", title=f"{tag} vs {counts_model}")
+ax.set(ylabel="expert-load entropy / log E", title=f"{tag} (mean over its {n_layers} layers) vs {counts_model} "
+       f"(mean over layers {', '.join(map(str, COUNT_LAYERS))})")
 ax.tick_params(axis="x", rotation=30)
 ax.legend(frameon=False, fontsize=6)
 savefig(fig, f"03_expert_load_{tag}")

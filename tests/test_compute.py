@@ -51,3 +51,32 @@ def test_shapes_from_config_and_whole_forward(cfg, moe_layers, shared):
     assert whole == pytest.approx(0.5 * expert_part)
     with pytest.raises(ValueError, match="one per MoE layer"):
         s.forward_flops([1.0] * (moe_layers + 1), 256)
+
+
+def test_pool_layers_sums_pairs_and_histograms_per_policy():
+    """Pooling plan_stats over layers: pairs and tokens add, the reduction is that of the sums, histograms of
+    different widths add, and the whole-forward reduction comes from each layer's own mean k."""
+    import pandas as pd
+
+    from moelab.compute import pool_layers
+
+    torch.manual_seed(0)
+    rows = []
+    for layer in range(3):
+        logits = torch.randn(64, 8) * (layer + 1)
+        for label, pol in (("native", TopK(2)), ("ead", EntropyAdaptiveK((1, 2), (1.0,)))):
+            rows.append({"layer": layer, "policy": label, "kind": type(pol).__name__,
+                         **plan_stats(route(logits, pol, renormalize=True), 2)})
+    per_layer = pd.DataFrame(rows)
+    cfg = MixtralConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_local_experts=8,
+                        num_experts_per_tok=2, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2)
+    shapes = ModelShapes.from_config(cfg)
+    pooled = pool_layers(per_layer, 2, shapes, context=32).set_index("policy")
+    g = per_layer[per_layer.policy == "ead"]
+    assert pooled.loc["ead", "kept_pairs"] == g.kept_pairs.sum() and pooled.loc["ead", "tokens"] == 192
+    assert pooled.loc["ead", "expert_reduction"] == pytest.approx(1 - g.kept_pairs.sum() / (192 * 2))
+    assert pooled.loc["ead", "k_hist"] == [sum(h[j] for h in g.k_hist) for j in range(3)]
+    assert pooled.loc["ead", "forward_reduction"] == pytest.approx(shapes.forward_reduction(g.mean_k.tolist(), 32))
+    assert pooled.loc["native", "expert_reduction"] == 0.0 and pooled.loc["native", "forward_reduction"] == 0.0
+    with pytest.raises(ValueError, match="context=None"):
+        pool_layers(per_layer, 2, shapes)

@@ -214,3 +214,24 @@ def test_patched_bf16_takes_the_fused_experts_cuda(family, monkeypatch):
             ex.set_gemm("auto")
     assert len(calls) == len(moe_layers(m))
     torch.testing.assert_close(fused, unfused, rtol=3e-2, atol=3e-2)
+
+
+@torch.no_grad()
+def test_router_logits_reads_every_layer_in_causal_chunks(model):
+    """router_logits gives [T, E] per MoE layer; read in chunks, a chunk's first tokens see what one whole
+    forward shows them (causal attention), and bad input is refused naming it."""
+    from moelab.hf import router_logits
+
+    x = ids(40)[0]
+    whole = router_logits(model, x, context=40)
+    chunked = router_logits(model, x, context=16)
+    layers = moe_layers(model)
+    assert sorted(whole) == sorted(chunked) == [layer.index for layer in layers]
+    for i, logits_TE in chunked.items():
+        assert logits_TE.shape == (40, layers[0].num_experts)
+        torch.testing.assert_close(logits_TE[:16], whole[i][:16])
+        assert not torch.allclose(logits_TE[16:32], whole[i][16:32])  # the second chunk starts afresh
+    with pytest.raises(ValueError, match="context=0"):
+        router_logits(model, x, context=0)
+    with pytest.raises(ValueError, match=r"ids of shape \(2, 40\)"):
+        router_logits(model, ids(40), context=8)

@@ -30,6 +30,30 @@ def plan_stats(plan: RoutingPlan, native_k: int) -> dict:
     }
 
 
+def pool_layers(per_layer, native_k: int, shapes: "ModelShapes | None" = None, context: int | None = None):
+    """plan_stats rows of several MoE layers (a DataFrame with columns layer, policy, kind and plan_stats'
+    keys) pooled per (policy, kind): pairs and tokens summed, k histograms added, the reduction of the sums;
+    with shapes, also the whole-forward reduction from each layer's mean k (attended context `context`)."""
+    import numpy as np
+    import pandas as pd
+
+    if shapes is not None and context is None:
+        raise ValueError("context=None: the whole-forward reduction needs the attended context length")
+    rows = []
+    for (label, kind), g in per_layer.groupby(["policy", "kind"], sort=False):
+        width = max(native_k + 1, *(len(h) for h in g.k_hist))
+        hist = np.sum([np.pad(np.asarray(h), (0, width - len(h))) for h in g.k_hist], axis=0)
+        row = {"policy": label, "kind": kind, "tokens": int(g.tokens.sum()), "k_hist": hist.tolist(),
+               "kept_pairs": int(g.kept_pairs.sum()), "native_pairs": int(g.native_pairs.sum()),
+               "mean_k": float(g.kept_pairs.sum() / g.tokens.sum()),
+               "expert_reduction": float(1 - g.kept_pairs.sum() / g.native_pairs.sum())}
+        if shapes is not None:
+            row["forward_reduction"] = shapes.forward_reduction(g.sort_values("layer").mean_k.tolist(),
+                                                                context=context)
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
 def expert_reduction(mean_k: float, native_k: int) -> float:
     """Fraction of routed-expert FLOPs saved against the native top-k (negative if more is spent)."""
     if native_k < 1:

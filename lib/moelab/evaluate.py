@@ -354,7 +354,8 @@ def confirm_estimates(
     model, sample: RouterSample, policies, text_or_ids, tokenizer=None, baseline_ppl: float | None = None,
     progress: bool = True, **eval_kw
 ) -> pd.DataFrame:
-    """Estimated and measured (patched forwards) mean k side by side for a few policies."""
+    """Estimated and measured (patched forwards) mean k side by side for a few policies; per MoE layer too
+    (`est_error_layers`: estimated minus measured routed-expert reduction, first MoE layer first)."""
     rows = []
     for p in tqdm(list(policies), desc="confirm", disable=not progress):
         est = estimate(sample, p)
@@ -371,5 +372,7 @@ def confirm_estimates(
             "ppl": ev.summary["ppl"],
             "ppl_change": ev.summary.get("ppl_change"),
             "est_error": est["expert_reduction"] - ev.summary["expert_reduction"],
+            "est_error_layers": [expert_reduction(mk, sample.native_k) - r for mk, r in
+                                 zip(est["mean_k_layers"], ev.layers.sort_values("layer")["expert_reduction"])],
         })
     return pd.DataFrame(rows)

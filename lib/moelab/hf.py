@@ -30,7 +30,8 @@ import torch.nn.functional as F
 from moelab.experts import run_experts
 from moelab.routing import EntropyAdaptiveK, Policy, RatioSkip, TopK, TopP, route
 
-__all__ = ["MoELayer", "moe_layers", "patched", "record_router", "Patch", "RoutingRecord", "native_policy"]
+__all__ = ["MoELayer", "moe_layers", "patched", "record_router", "router_logits", "Patch", "RoutingRecord",
+           "native_policy"]
 
 log = logging.getLogger(__name__)
 
@@ -280,3 +281,20 @@ def record_router(model, logits: bool = True):
     finally:
         for h in handles:
             h.remove()
+
+
+@torch.no_grad()
+def router_logits(model, ids: torch.Tensor, context: int) -> dict[int, torch.Tensor]:
+    """Router logits [T, E] per MoE layer of the unchanged model over the token ids [T], read in forwards
+    of `context` tokens (the last one shorter)."""
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 1 or ids.numel() == 0:
+        raise ValueError(f"ids of shape {tuple(getattr(ids, 'shape', ()))}: need a non-empty 1-D tensor of token ids")
+    if isinstance(context, bool) or not isinstance(context, int) or context < 1:
+        raise ValueError(f"context={context!r}: must be an int >= 1")
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    device = emb.weight.device if emb is not None else next(model.parameters()).device
+    with record_router(model, logits=True) as rec:
+        for start in range(0, ids.numel(), context):
+            model(input_ids=ids[None, start : start + context].to(device), use_cache=False)
+    return {layer: rec.router_logits(layer) for layer in rec.layers}
+
