@@ -42,11 +42,13 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import pandas as pd
 import torch
+from IPython.display import display
 
 from moelab import results
-from moelab.kernels.report import (LAYER_SLACK, STAGES, batch_summary, batch_targets, expert_gemms, gemm_scaling,
-                                   layer_runs, layer_targets, layout_sweep, machine_line, power_trace,
-                                   routing_targets, stage_paths, stage_table, stage_time)
+from moelab.kernels.report import (GRAPH_LIMIT_US, HBM_FRACTION, LAYER_SLACK, STAGES, batch_summary, batch_targets,
+                                   expert_gemms, gemm_scaling, layer_runs, layer_targets, layout_sweep, machine_line,
+                                   power_trace, routing_targets, run_docs, run_policies, runs_line, stage_paths,
+                                   stage_table, stage_time)
 from moelab.plots import figure, save_table, savefig
 
 REPO = results.REPO
@@ -73,8 +75,9 @@ print("command:", routing_doc["command"])
 # large T reads HBM. The dotted grey line is the HBM bound: logits read once and the plan written once,
 # at the copy bandwidth measured in the same run. The memory-only kernel reads the logits and writes a
 # plan of the same size with no softmax or selection: what moving the same bytes costs at this size,
-# launch and ramp included (at T = 65536, how much of the bound a kernel of a few microseconds reaches). Methods that cannot be captured (host syncs,
-# host-to-device copies per call) have no graph time.
+# launch and ramp included (at T = 65536, how much of the bound a kernel of a few microseconds reaches).
+# Methods that cannot be captured (host syncs, host-to-device copies per call) have no graph time. The thin
+# black line is the graph-time target for T <= 4096 (`report.GRAPH_LIMIT_US`).
 
 # %%
 METHODS = {
@@ -95,12 +98,12 @@ for ax, shape in zip(axes.flat, shapes):
         ax.plot(dm["T"], dm["graph_us"], ls=ls, marker=mk, ms=3, label=label)
     hb = d[d["method"] == "triton_topk"].sort_values("T")
     ax.plot(hb["T"], hb["hbm_bound_us"], ":", color="grey", label="HBM bound")
-    ax.axhline(5.0, color="black", lw=0.6, alpha=0.5)
+    ax.axhline(GRAPH_LIMIT_US, color="black", lw=0.6, alpha=0.5, label=f"target: {GRAPH_LIMIT_US:g} us (T <= 4096)")
     ax.set(xscale="log", yscale="log", title=f"{shape}: E={d['E'].iloc[0]}, k={d['native_k'].iloc[0]}",
            xlabel="tokens T", ylabel="us per call (graph)", ylim=(0.3, None))
 for ax in axes.flat[len(shapes):]:
     ax.axis("off")
-axes.flat[0].legend(fontsize=6)
+fig.legend(*axes.flat[0].get_legend_handles_labels(), loc="outside lower center", ncols=4, fontsize=6)
 fig.suptitle(machine_line(routing_doc), fontsize=7)
 savefig(fig, "04_routing_graph_time")
 plt.show()
@@ -108,7 +111,7 @@ plt.show()
 # %% [markdown]
 # Where the time goes at T = 65536 (`benchmarks/routing_ablation.py`, run on its own): the kernel
 # recompiled without its chunk selection, without exp, without both, beside the memory-only kernel.
-# The dashed line is the target, half the HBM bound.
+# The dashed line is the target: `report.HBM_FRACTION` of the HBM bound, i.e. the bound's time over that fraction.
 
 # %%
 abl_doc = results.load_optional("routing-ablation", rdir)
@@ -119,11 +122,14 @@ if abl_doc is not None:
     for ax, (E, d) in zip(axes.flat, abl.groupby("E")):
         d = d.set_index("variant").loc[variants]
         ax.barh(variants, d["graph_us"], color=["grey"] + ["C0"] * 3 + ["C1"])
-        ax.axvline(2 * d["hbm_bound_us"].iloc[0], ls="--", color="black", lw=0.8)
+        ax.axvline(d["hbm_bound_us"].iloc[0] / HBM_FRACTION, ls="--", color="black", lw=0.8,
+                   label=f"target: {HBM_FRACTION:g} of the HBM bound (bound time / {HBM_FRACTION:g})")
         for y, (us, frac) in enumerate(zip(d["graph_us"], d["frac_of_hbm_bound"])):
-            ax.text(us, y, f" {us:.2f} us ({frac:.0%})", va="center", fontsize=6)
+            ax.text(us, y, f" {us:.2f} us ({frac:.0%})", va="center", fontsize=6,
+                    bbox=dict(fc="white", ec="none", pad=0.3))
         ax.set(title=f"E={E}, k={d['k'].iloc[0]}, T={d['T'].iloc[0]}", xlabel="us per call (graph)",
                xlim=(0, d["graph_us"].max() * 1.35))
+    fig.legend(*axes.flat[0].get_legend_handles_labels(), loc="outside lower center", fontsize=6)
     fig.suptitle(machine_line(abl_doc), fontsize=7)
     savefig(fig, "04_routing_ablation")
     plt.show()
@@ -147,15 +153,18 @@ if abl_doc is not None and abl_doc.get("profile"):
 # %%
 eager = routing.pivot_table(index=["shape", "T"], columns="method", values="eager_us").reset_index()
 fig, ax = figure("full", aspect=0.35, layout="constrained")
-order = ["triton_adaptive", "triton_adaptive_stats", "torch_softmax_topk", "trtllm_adaptive",
-         "trtllm_adaptive_stats", "torch_reference_adaptive"]
+labels = {m: label for m, (label, _, _) in METHODS.items()}
+labels |= {"trtllm_adaptive_stats": "TRT-LLM proposal + stats (torch)",
+           "torch_reference_adaptive": "moelab torch reference, adaptive-k"}
+order = [m for m in ["triton_adaptive", "triton_adaptive_stats", "torch_softmax_topk", "trtllm_adaptive",
+                     "trtllm_adaptive_stats", "torch_reference_adaptive"] if m in eager]
 lab = [f"{s}\nT={t}" for s, t in zip(eager["shape"], eager["T"])]
 width = 0.8 / len(order)
-for i, m in enumerate(order):
-    ax.bar([j + i * width for j in range(len(eager))], eager[m], width, label=m)
-ax.set_xticks([j + 0.4 for j in range(len(eager))], lab, fontsize=5, rotation=90)
-ax.set(yscale="log", ylabel="us per eager call")
-ax.legend(fontsize=6, ncols=3)
+for i, m in enumerate(order):  # bars centred on their group's tick
+    ax.bar([j + (i - (len(order) - 1) / 2) * width for j in range(len(eager))], eager[m], width, label=labels[m])
+ax.set_xticks(range(len(eager)), lab, fontsize=5, rotation=90)
+ax.set(yscale="log", ylabel="us per eager call", xlim=(-0.6, len(eager) - 0.4))
+fig.legend(loc="outside lower center", fontsize=6, ncols=3)
 ax.set_title(machine_line(routing_doc), fontsize=7)
 savefig(fig, "04_routing_eager_time")
 plt.show()
@@ -171,8 +180,8 @@ if host_doc is not None:
     host_all = results.rows_frame(host_doc)
     host = host_all.pivot_table(index=["shape", "T"], columns="method", values="eager_us")
     host.index = [f"{sh}\nT={t}" for sh, t in host.index]
-    parts = ["route_triton", "route_triton_public_launch", "plan_buffers"]
-    host_r = host[parts].dropna()
+    host_methods = ["route_triton", "route_triton_public_launch", "plan_buffers"]
+    host_r = host[host_methods].dropna()
     decode = host[["experts", "experts_public_launch"]].dropna() if "experts" in host else None
     fig, axes = figure("full", aspect=0.35, ncols=2 if decode is not None else 1, squeeze=False,
                        layout="constrained", width_ratios=[2, 1] if decode is not None else None)
@@ -288,8 +297,9 @@ if sweep_doc is not None:
 # %% [markdown]
 # ## 4 · Do compute savings become wall-clock savings?
 # Adaptive-k layer time over native top-k layer time, against the fraction of (token, expert) pairs
-# kept (the target: at most 1.1 x that fraction at T = 4096) and the fraction of 128-row GEMM tiles
-# kept. At decode sizes the weights dominate: there only experts that no token of the batch uses
+# kept and the fraction of 128-row GEMM tiles kept. The target: at most `report.LAYER_SLACK` x the
+# fraction of pairs kept at T = 4096 (thin grey line; the limit the target checks is marked at its T).
+# At decode sizes the weights dominate: there only experts that no token of the batch uses
 # are saved, so the right comparison is the fraction of experts used.
 
 # %%
@@ -302,15 +312,24 @@ saving = pd.DataFrame({
     "time_ratio_eager": ada["time_us"] / nat["time_us"],
     "time_ratio_graph": ada["graph_us"] / nat["graph_us"],
 }).reset_index()
+lt = layer_targets(layer_doc)
+limit = lt[(lt["variant"] == "moelab_adaptive") & (lt["timer"] == "time_us")].set_index("shape")
+SAVING = {"kept_pairs_ratio": ("pairs kept", ":"), "gemm_tiles_ratio": ("128-row GEMM tiles kept", (0, (1, 3))),
+          "experts_used_ratio": ("experts used", "-."), "time_ratio_eager": ("layer time, eager", "-"),
+          "time_ratio_graph": ("layer time, CUDA graph", "--")}
 fig, axes = figure("full", aspect=0.32, ncols=len(lshapes), squeeze=False, sharey=True, layout="constrained")
 for ax, shape in zip(axes.flat, lshapes):
     d = saving[saving["shape"] == shape]
-    for col, ls in (("kept_pairs_ratio", ":"), ("experts_used_ratio", "-."), ("time_ratio_eager", "-"),
-                    ("time_ratio_graph", "--")):
-        ax.plot(d["T"], d[col], ls, marker="o", ms=3, label=col)
+    for col, (label, ls) in SAVING.items():
+        ax.plot(d["T"], d[col], ls=ls, marker="o", ms=3, label=label)
+    ax.plot(d["T"], LAYER_SLACK * d["kept_pairs_ratio"], color="grey", lw=0.8,
+            label=f"{LAYER_SLACK:g} x pairs kept (the target's limit)")
+    if shape in limit.index:
+        ax.plot(limit.loc[shape, "T"], limit.loc[shape, "limit"], "_", color="black", ms=10, mew=1.5,
+                label=f"limit at T = {limit.loc[shape, 'T']}")
     ax.set(xscale="log", xlabel="tokens T", title=shape, ylim=(0, 1.3))
 axes.flat[0].set_ylabel("adaptive / native")
-axes.flat[0].legend(fontsize=6)
+fig.legend(*axes.flat[0].get_legend_handles_labels(), loc="outside lower center", ncols=4, fontsize=6)
 fig.suptitle(machine_line(layer_doc), fontsize=7)
 savefig(fig, "04_adaptive_saving")
 plt.show()
@@ -401,7 +420,7 @@ else:
     ax2.set(xlabel="share of the native plan's GEMM row tiles", ylabel="adaptive / native")
     lo, hi = ax2.get_xlim()
     ax2.plot([lo, hi], [lo * LAYER_SLACK, hi * LAYER_SLACK], ":", color="grey", lw=0.8)
-    ax2.text(hi, hi * LAYER_SLACK, "1.1 x tile share", fontsize=5, ha="right", va="bottom", color="grey")
+    ax2.text(hi, hi * LAYER_SLACK, f"{LAYER_SLACK:g} x tile share", fontsize=5, ha="right", va="bottom", color="grey")
     fig.legend(loc="outside lower center", ncols=3, fontsize=5)
     fig.suptitle(machine_line(layer_doc), fontsize=7)
     savefig(fig, "04_layer_batches")
@@ -411,28 +430,38 @@ else:
 # ## 5b · How far the layer ratios move between runs
 # The committed `moe-layer` runs that routed the same pairs (`results.load_runs`: the current file and the
 # archived ones it replaced; `like=None`: the pairs the most runs routed, one input batch and the same
-# policies), one column per run, beside the limit. Runs on one machine differ by a few percent: the H200
-# runs these layers at its power cap (the nvidia-smi traces below, taken during the layer runs), so a point
-# within a few percent of its bound meets it in some runs and not in others.
+# policies), one column per run, beside the limit; each line is labelled by its variant and the k values of
+# its policy (the results' `policy` column). Every column is another commit, and the code of the layer
+# (routing, layout, expert GEMMs) changed between them, so the spread from run to run mixes code changes with
+# run-to-run noise: the H200 runs these layers at its power cap (the nvidia-smi traces below, taken during the
+# layer runs). Only runs of one commit would show the noise alone. A point close to its limit meets it in
+# some runs and not in others.
 
 # %%
-runs = layer_runs(results.load_runs("moe-layer"), like=None)
+layer_docs = results.load_runs("moe-layer")
+runs = layer_runs(layer_docs, like=None)
+shown = run_docs(layer_docs, runs)  # the runs behind the columns
+policy_ks = run_policies(shown)  # (shape, variant) -> 'k=(1, 2)'
 adaptive_default = runs[runs.index.get_level_values("target").str.match(r"moelab_adaptive(_q50)? /")]
 display(adaptive_default.round(3))
 shapes_r = list(dict.fromkeys(adaptive_default.index.get_level_values("shape")))
-fig, axes = figure("full", aspect=0.3, ncols=len(shapes_r), squeeze=False, layout="constrained")
+fig, axes = figure("full", aspect=0.38, ncols=len(shapes_r), squeeze=False, layout="constrained")
 for ax, shape in zip(axes.flat, shapes_r):
     for target, row in adaptive_default.loc[shape].iterrows():
         r = row.drop("limit")
-        policy = "median (k/2, k)" if "_q50" in target else "terciles (k/4, k/2, k)"
+        variant = target.split(" / ")[0]
         timing = "graph" if "graph_us" in target else "eager"
         line, = ax.plot(range(len(r)), r.values, "--" if timing == "graph" else "-", marker="o", ms=2.5,
-                        label=f"{policy}, {timing}")
+                        label=f"{variant.removeprefix('moelab_')} {policy_ks.get((shape, variant), '')}, {timing}")
         ax.axhline(row["limit"], color=line.get_color(), ls=":", lw=0.8)
     ax.set_xticks(range(len(r)), r.index, rotation=60, fontsize=5)
     ax.set(title=shape, xlabel="run (commit)")
 axes.flat[0].set_ylabel("adaptive / native (dotted: limit)")
-axes.flat[0].legend(fontsize=5)
+for ax in axes.flat:  # the k values differ between shapes: a legend per panel, above the lines
+    lo, hi = ax.get_ylim()
+    ax.set_ylim(lo, hi + 0.6 * (hi - lo))
+    ax.legend(fontsize=5, loc="upper center")
+fig.suptitle(runs_line(shown), fontsize=7)
 savefig(fig, "04_layer_runs")
 plt.show()
 traces = sorted((REPO / "data" / "results" / "logs").glob("smi-trace-*.csv"))
@@ -445,7 +474,6 @@ pd.DataFrame({f.stem: power_trace(f) for f in traces}).T
 # %%
 if interactive:
     import ipywidgets as widgets
-    from IPython.display import display
 
     def show(shape):
         d = routing[routing["shape"] == shape].pivot_table(index="T", columns="method",

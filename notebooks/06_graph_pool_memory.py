@@ -4,6 +4,8 @@
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -41,12 +43,15 @@ interactive: bool = False  # show ipywidgets explorers (never in headless runs)
 # %%
 import pandas as pd
 import torch
+from IPython.display import display
 
 from moelab import results
+from moelab.kernels.report import machine_line
 from moelab.plots import figure, save_table, savefig
 
 doc = results.load_results("graph-pool", results_dir or None)
 m = doc["machine"]
+src = machine_line(doc)  # device, versions, commit and date of the results: on every figure and table
 print(f"results: {doc['topic']} created {doc['created']} at commit {doc['commit']}")
 print(f"machine: {m['device']}, torch {m['torch']}, CUDA {m['cuda']}, transformers {m['transformers']}, "
       f"triton {m['triton']}, Python {m['python']}")
@@ -60,31 +65,55 @@ arm_rows = rows[rows["arm"].isin(arms) & rows["model"].isin(models)].copy()
 
 # %% [markdown]
 # ## 1 · Targets per model
-# `max_mib` = max(graph pool after capture, eager-only reserved peak); `sum_mib` their sum. With
-# reuse the serving loop's reserved peak should be at most 1.05 x max (memory target:
+# `graph_pool_mib`: the graph pool after capture in the `shared` arm (the graphs alone, no eager
+# forward in it); `max_mib` = max(`graph_pool_mib`, eager-only reserved peak); `sum_mib` their sum.
+# With reuse the serving loop's reserved peak should be at most 1.05 x max (memory target:
 # `reuse_over_max`), and decode tokens/s within 2% of the shared pool without reuse (speed target).
-# `saved_mib` / `saved_pct`: against the shared pool without reuse; `reuse_pool_growth_mib`: how much
-# the graph pool grew to hold the eager forward. `reuse_layout`: the layout `capture('auto')` kept.
-# `primed_*`: one prefill runs in the pool before capture, so the graphs are captured into segments
-# sized for the eager forward; `unprimed_*`: graph segments first, the prefill adds its own.
+# `saved_mib` / `saved_pct`: against the shared pool without reuse.
+#
+# The graph pool of the `shared+reuse` arm (`capture(prime='auto')` with the prefill as eager example)
+# is measured at two points. `reuse_pool_after_capture_mib`: when `capture()` returned. The 'auto'
+# trial ends with one prefill in the layout it keeps, so this already includes the prefill's segments:
+# with the unprimed layout those the prefill added after the graphs, with the primed layout the
+# prefill-sized segments the graphs were captured into. `reuse_pool_over_graphs_mib` = that minus
+# `graph_pool_mib`: what holding the prefill adds to the pool over the graphs alone.
+# `reuse_pool_growth_mib`: the pool at the end of the serving loop minus the pool after capture
+# (allocator snapshots): growth during the serving loop, where only the eager forwards allocate in
+# the pool. It is 0 whenever the trial prefill already sized the pool, so it does not say what the
+# prefill costs the pool (the runner's own counter, `eager_growth_bytes`, is likewise reset to 0 when
+# `capture('auto')` returns).
+# `reuse_layout`: the layout `capture('auto')` kept (the smaller pool after one prefill, unprimed on a
+# tie). Arms that force one layout: `primed_*`: one prefill runs in the pool before capture, so the
+# graphs are captured into segments sized for the eager forward; `unprimed_*`: graph segments first,
+# the serving loop's first prefill adds its own.
 
 # %%
 summary = rows[(rows["arm"] == "summary") & rows["model"].isin(models)].dropna(axis=1, how="all")
+reuse_after = rows[rows["arm"] == "shared+reuse"].set_index("model")["graph_pool_mib_after_capture"]
+summary = summary.assign(reuse_pool_after_capture_mib=summary["model"].map(reuse_after))
+summary["reuse_pool_over_graphs_mib"] = summary["reuse_pool_after_capture_mib"] - summary["graph_pool_mib"]
 cols = ["model", "prefill_tokens", "graph_pool_mib", "eager_reserved_peak_mib", "max_mib", "sum_mib",
-        "no_reuse_reserved_peak_mib", "reuse_reserved_peak_mib", "reuse_over_max", "reuse_pool_growth_mib",
-        "saved_mib", "saved_pct", "tokens_per_s_reuse_over_no_reuse", "memory_target_met", "speed_target_met",
+        "no_reuse_reserved_peak_mib", "reuse_reserved_peak_mib", "reuse_over_max", "reuse_pool_after_capture_mib",
+        "reuse_pool_over_graphs_mib", "reuse_pool_growth_mib", "saved_mib", "saved_pct",
+        "tokens_per_s_reuse_over_no_reuse", "memory_target_met", "speed_target_met",
         "reuse_layout", "primed_reserved_peak_mib", "primed_over_max", "primed_tokens_per_s_over_no_reuse",
         "unprimed_reserved_peak_mib", "unprimed_over_max", "unprimed_tokens_per_s_over_no_reuse"]
 summary = summary[[c for c in cols if c in summary]]
-save_table(summary, "06_graph_pool_targets", caption="graph pool reuse: memory and speed targets per model")
+save_table(summary, "06_graph_pool_targets", caption=f"graph pool reuse: memory and speed targets per model; {src}")
 results.save("06_graph_pool_targets", summary)
-summary
+print(src)
+summary.set_index("model").T  # one column per model: every row visible (pandas elides columns past 20)
 
 # %% [markdown]
 # ## 2 · Proof that reuse is on
-# Share of the eager forward's allocated bytes (allocator history) whose addresses fall inside the
-# graph pool's segments: 100% with reuse, 0% without. `in captured segments`: inside the segments the
-# pool had right after capture, i.e. memory really shared rather than the pool growing.
+# One more prefill after the serving loop, its allocations traced (allocator history; the copied-out
+# results excluded). `scratch_fraction_in_pool`: share of its allocated bytes whose addresses fall
+# inside the graph pool's segments (expected: 1 with reuse, 0 without).
+# `scratch_fraction_in_captured_segments`: inside the segments the pool had right after the graphs
+# were captured, i.e. memory shared with the graphs. Those are recorded before the trial prefill of
+# `capture('auto')`: with the primed layout they include the priming prefill's segments; with the
+# unprimed layout the rest of the bytes lie in segments a prefill added to the pool (for `shared+reuse`
+# the trial prefill inside `capture()`, for `shared+reuse-unprimed` the serving loop's first prefill).
 
 # %%
 proof_cols = ["model", "arm", "scratch_mib_traced", "scratch_fraction_in_pool", "scratch_fraction_in_captured_segments",
@@ -92,13 +121,15 @@ proof_cols = ["model", "arm", "scratch_mib_traced", "scratch_fraction_in_pool", 
 proof = arm_rows[arm_rows["arm"].str.startswith("shared")]
 proof = proof[[c for c in proof_cols if c in proof]]
 results.save("06_graph_pool_proof", proof.reset_index(drop=True))
+print(src)
 proof
 
 
 # %% [markdown]
 # ## 3 · Memory and throughput per arm
 # Reserved peak of the serving loop (after capture), split into the graph pools and the ordinary
-# pool at the end of the loop; dashed: max(graph pool, eager peak), dotted: their sum.
+# pool at the end of the loop; dashed: max(graph pool, eager peak), dotted: their sum. The figure's
+# title names the machine and commit of the results.
 
 # %%
 def plot_model(name: str):
@@ -120,6 +151,7 @@ def plot_model(name: str):
     ax2.set_xticks(list(x), r.index, rotation=20, ha="right", fontsize=6)
     ax2.set_ylabel("decode tokens/s (thousands)")
     ax2.set_title(f"{name}: decode throughput")
+    fig.suptitle(src, fontsize=7)
     savefig(fig, f"06_graph_pool_memory_{name}")
     return fig
 
@@ -132,8 +164,9 @@ mem_cols = ["model", "arm", "prefill_tokens", "reserved_peak_mib", "allocated_pe
             "graph_pool_mib_after_capture", "graph_pool_mib_end", "default_pool_mib_end", "capture_reserved_peak_mib",
             "decode_tokens_per_s", "prefill_ms"]
 arms_table = arm_rows[[c for c in mem_cols if c in arm_rows]].reset_index(drop=True)
-save_table(arms_table, "06_graph_pool_arms", caption="graph pool arms: memory (MiB) and decode throughput")
+save_table(arms_table, "06_graph_pool_arms", caption=f"graph pool arms: memory (MiB) and decode throughput; {src}")
 results.save("06_graph_pool_arms", arms_table)
+print(src)
 arms_table
 
 # %% [markdown]
@@ -151,18 +184,21 @@ if len(ad):
     table = ad.pivot_table(index=["model", "policy"], columns="mode", values="decode_tokens_per_s").reset_index()
     table = table.merge(ad.groupby(["model", "policy"])[["mean_k", "expert_reduction"]].first().reset_index())
     table["graphs_over_eager"] = table["graphs"] / table["eager"]
-    save_table(table, "06_graph_pool_adaptive", caption="adaptive routing in CUDA graphs: decode tokens/s")
+    save_table(table, "06_graph_pool_adaptive", caption=f"adaptive routing in CUDA graphs: decode tokens/s; {src}")
     results.save("06_graph_pool_adaptive", table)
     fig, ax = figure("full", aspect=0.3)
     labels = [f"{a}\n{b}" for a, b in zip(table["model"], table["policy"])]
     xs = range(len(table))
-    ax.bar([i - 0.2 for i in xs], table["eager"] / 1e3, width=0.4, label="eager", color="#DE8F05")
-    ax.bar([i + 0.2 for i in xs], table["graphs"] / 1e3, width=0.4, label="graphs", color="#0173B2")
+    for dx, mode, color in ((-0.2, "eager", "#DE8F05"), (0.2, "graphs", "#0173B2")):
+        bars = ax.bar([i + dx for i in xs], table[mode] / 1e3, width=0.4, label=mode, color=color)
+        ax.bar_label(bars, fmt="%.1f", fontsize=6, padding=1)
     ax.set_xticks(list(xs), labels, fontsize=6)
     ax.set_ylabel("decode tokens/s (thousands)")
-    ax.set_yscale("log")
-    ax.legend(frameon=False)
+    ax.margins(y=0.15)
+    ax.legend(frameon=False, fontsize=6, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    ax.set_title(src, fontsize=7)
     savefig(fig, "06_graph_pool_adaptive")
+    print(src)
 else:
     table = pd.DataFrame()
     print("no adaptive rows in this results file (benchmark run without --adaptive)")
@@ -189,7 +225,9 @@ elif live:
     live_df = pd.DataFrame(live_rows)
     print({f"{a}:{b}": v for (a, b), v in runner.pool_bytes().items()})
     results.save("06_graph_pool_live", live_df)
-    live_df
+    lm = results.machine()
+    print(f"live run: {lm['device']} · torch {lm['torch']} · commit {results.commit()}")
+    display(live_df)
 
 # %% [markdown]
 # ## 6 · Explorer (`interactive=True`)
@@ -197,7 +235,6 @@ elif live:
 # %%
 if interactive:
     import ipywidgets as widgets
-    from IPython.display import display
 
     pick = widgets.Dropdown(options=models, description="model")
     out = widgets.Output()

@@ -349,3 +349,22 @@ def test_layer_targets_tile_share_follows_the_path_the_run_took():
     assert got["moelab_adaptive"][0].startswith("128") and got["moelab_adaptive_triton"][0].startswith("128")
     got = tiles(None)
     assert got["moelab_adaptive"][0].startswith("128") and got["moelab_adaptive_triton"][0].startswith("64")
+
+
+def test_policy_k_and_runs_line_read_what_the_rows_say():
+    """A layer row's policy text gives its k values for a legend; several runs give one caption naming every
+    machine field's values, the commits and the dates, and bad input is refused naming it."""
+    from moelab.kernels.report import policy_k, runs_line
+
+    assert policy_k("EntropyAdaptiveK(k_values=(1, 2), thresholds=(0.5,), renormalize=None)") == "k=(1, 2)"
+    assert policy_k("TopK(k=8, renormalize=None)") == "k=8"
+    with pytest.raises(ValueError, match="policy='RatioSkip'"):
+        policy_k("RatioSkip")
+    m = {"device": "NVIDIA H200", "torch": "2.11", "triton": "3.6", "transformers": "5.17"}
+    docs = [{"machine": m, "commit": "abc1234ff", "created": "2026-11-30T10:00"},
+            {"machine": m, "commit": "def5678aa", "created": "2026-12-01T09:00"}]
+    line = runs_line(docs)
+    assert "NVIDIA H200" in line and "2 runs, 2 commits, abc1234 to def5678" in line
+    assert "2026-11-30 to 2026-12-01" in line
+    with pytest.raises(ValueError, match="docs=\\[\\]"):
+        runs_line([])

@@ -35,6 +35,7 @@ __all__ = [
     "verdict",
     "PUBLISHED",
     "CLAIMS",
+    "PR_PPL_CLAIM",
     "published_configs",
     "calibration_k_values",
     "lower_fixed_ks",
@@ -341,6 +342,8 @@ PUBLISHED = {
     "sdk-olmoe": ((1, 2, 4), (0.7, 1.3)),
     "qwen1.5-measured": ((2, 3, 4), (3.55, 3.79)),
 }
+# the PR's stated bound on the perplexity change of its configurations (its text; the paper's table is below)
+PR_PPL_CLAIM = 0.005
 # family -> what was claimed for the real model of that family
 CLAIMS = {
     "mixtral": {"claimed_model": "Mixtral 8x7B", "pr_reduction": 0.525, "paper_native_k": 2, "paper_mean_k": 0.95,

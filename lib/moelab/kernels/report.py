@@ -11,12 +11,14 @@ sums up an nvidia-smi log recorded beside a run.
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pandas as pd
 
 __all__ = ["routing_targets", "layer_targets", "batch_targets", "batch_summary", "machine_line", "stage_table",
            "stage_time", "gemm_scaling", "least_regret", "expert_gemms", "layout_sweep", "layer_runs", "power_trace",
-           "stage_paths", "STAGES", "STAGE_TIMES", "GEMM_KEYS"]
+           "stage_paths", "run_docs", "runs_line", "policy_k", "run_policies", "STAGES", "STAGE_TIMES", "GEMM_KEYS"]
 
 GRAPH_LIMIT_US = 5.0  # routing in a CUDA graph, T <= 4096
 HBM_FRACTION = 0.5  # routing at T = 65536, E = 64 and 128: fraction of the HBM bound
@@ -377,3 +379,53 @@ def layout_sweep(doc: dict) -> pd.DataFrame:
                     "fastest": f"{int(best['block_slots_used'])} w{int(best['warps'])}", "fastest_us": best["graph_us"],
                     "rule_over_fastest": r["graph_us"] / best["graph_us"] if r is not None else float("nan")})
     return pd.DataFrame(out)
+
+
+def run_docs(docs: list[dict], table: pd.DataFrame) -> list[dict]:
+    """The runs of `docs` behind the run columns of a `layer_runs(docs, ...)` table, in its column order."""
+    out = []
+    for col in table.columns.drop("limit", errors="ignore"):
+        commit, _, created = str(col).partition(" ")  # 'abc1234', or 'abc1234 2026-11-30T12:00' for a repeated commit
+        match = [d for d in docs if str(d["commit"])[:7] == commit and (not created or d["created"][:16] == created)]
+        if not match:
+            raise ValueError(f"column {col!r}: no run of that commit among the {len(docs)} runs given")
+        out.append(match[0])
+    return out
+
+
+def runs_line(docs: list[dict]) -> str:
+    """`machine_line` for several runs: each machine field's distinct values, the runs' commits and dates."""
+    if not docs:
+        raise ValueError("docs=[]: need at least one run")
+
+    def field(key):
+        return " / ".join(dict.fromkeys(str(d["machine"][key]) for d in docs))
+
+    commits = list(dict.fromkeys(str(d["commit"])[:7] for d in docs))
+    dates = sorted(d["created"][:10] for d in docs)
+    span = dates[0] if dates[0] == dates[-1] else f"{dates[0]} to {dates[-1]}"
+    which = commits[0] if len(commits) == 1 else f"{len(commits)} commits, {commits[0]} to {commits[-1]}"
+    return (f"{field('device')} · torch {field('torch')} · triton {field('triton')} · transformers "
+            f"{field('transformers')} · {len(docs)} runs, {which} · {span}")
+
+
+def policy_k(policy: str) -> str:
+    """The k values of a results row's `policy` text: 'k=(1, 2)' for 'EntropyAdaptiveK(k_values=(1, 2), ...)',
+    'k=2' for 'TopK(k=2, ...)'."""
+    m = re.search(r"k_values=\(([^)]*)\)", str(policy))
+    if m:
+        return f"k=({m.group(1)})"
+    m = re.search(r"\bk=(\d+)", str(policy))
+    if m is None:
+        raise ValueError(f"policy={policy!r}: no k_values=(...) or k=N in it")
+    return f"k={m.group(1)}"
+
+
+def run_policies(docs: list[dict], tokens: int = 4096) -> pd.Series:
+    """`policy_k` of each (shape, variant) at `tokens` in the runs given (runs that disagree: joined by ' / ')."""
+    df = pd.concat([pd.DataFrame(d["rows"]) for d in docs], ignore_index=True)
+    if "policy" not in df:
+        return pd.Series(dtype=object)
+    df = df[(df["T"] == tokens) & df["policy"].notna()]
+    return df.groupby(["shape", "variant"], sort=False)["policy"].agg(
+        lambda p: " / ".join(dict.fromkeys(map(policy_k, p))))
