@@ -397,6 +397,8 @@ def _launch(notebook: Path, params: dict, final: Path, figures: str, gpu: str | 
         "started_epoch": time.time(),
     })
     env = dict(os.environ)
+    # headless: transformers' weight-loading bar would stay in the saved notebook as a widget frozen at 0%
+    env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     if gpu is not None:
         env["CUDA_VISIBLE_DEVICES"] = gpu
     env["MOELAB_SWEEP_PARENT"] = str(os.getpid())
