@@ -174,8 +174,8 @@ if gpu is not None:
     proto = gpu.get("protocol", {})
     gpu_budget = proto.get("budget", budget)
     g = pd.DataFrame(gpu["rows"])
-    # the range the policies share: up to the run's largest target (lower fixed k goes far beyond)
-    top = max(proto.get("targets") or g.loc[g.section == "matched", "target_reduction"].dropna()) + 0.05
+    # the range the policies share: up to the run's largest matched target (lower fixed k goes far beyond)
+    top = g.loc[(g.section == "matched") & (g.kind != "TopK"), "target_reduction"].max() + 0.05
     g = g[g.section.isin(["matched", "calibrated"]) & (g.expert_reduction <= top)]
     fig, axes = figure("full", aspect=0.34, ncols=len(g.model.unique()), sharey=False)
     for ax, (name, part) in zip(np.atleast_1d(axes), g.groupby("model", sort=False)):
