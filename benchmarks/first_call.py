@@ -2,11 +2,12 @@
 
 The routing kernel takes the policy kind and k_max as compile-time constants, so the first call of each
 new (kind, k_max, dtype, tile) compiles a kernel; Triton keeps it in its disk cache (TRITON_CACHE_DIR).
-For one model and the policies paper_tables evaluates (its own TopK through moelab, EntropyAdaptiveK,
-TopP, RatioSkip, each lower fixed k), this times the first and the second patched forward of one batch
-of windows, in a fresh process with an empty Triton cache ('cold'), then in a second fresh process
-that finds the kernels the first one compiled ('warm disk cache'), and counts the kernels each first
-forward compiled (new entries in the cache directory). Writes data/results/first-call-<yyyymmdd>.json.
+For each model and the policy kinds paper_tables evaluates, in its order (its own TopK through moelab,
+the published configurations that apply, EntropyAdaptiveK, TopP, RatioSkip, the lower fixed k), this
+times the first and the second patched forward of one batch of windows, in a fresh process with an
+empty Triton cache of the model's own ('cold'), then in a second fresh process that finds the kernels
+the first one compiled ('warm disk cache'), and counts the kernels each first forward compiled (new
+entries in the cache directory). Writes data/results/first-call-<yyyymmdd>.json.
 
 GPU:  PYTHONPATH=lib python benchmarks/first_call.py --models tiny-olmoe,tiny-qwen-moe
 CPU:  the torch routing path compiles nothing; the script runs (plumbing) but measures no compile.
@@ -27,14 +28,17 @@ import torch
 from moelab.results import write_results
 
 
-def policies(native_k: int, family: str):
-    """(job, policy) in paper_tables' order of first use: native k, the calibrated kinds, lower fixed k."""
-    from moelab.calibrate import calibration_k_values, lower_fixed_ks
+def policies(native_k: int, family: str, num_experts: int):
+    """(job, policy) in paper_tables' order of first use: native k, the published configurations, the
+    calibrated kinds, lower fixed k."""
+    from moelab.calibrate import calibration_k_values, lower_fixed_ks, published_configs
     from moelab.routing import EntropyAdaptiveK, RatioSkip, TopK, TopP
 
     kv = calibration_k_values(family, native_k)
     th = tuple(0.5 + 0.5 * i for i in range(len(kv) - 1))  # any ascending thresholds: the kernel is the same
-    jobs = [(f"TopK k={native_k}", TopK(native_k)), ("EntropyAdaptiveK", EntropyAdaptiveK(kv, th)),
+    jobs = [(f"TopK k={native_k}", TopK(native_k))]
+    jobs += [(name, pol) for name, pol in published_configs(family, num_experts).items()]
+    jobs += [("EntropyAdaptiveK", EntropyAdaptiveK(kv, th)),
             ("TopP", TopP(0.9, k_max=kv[-1], k_min=kv[0])), ("RatioSkip", RatioSkip(0.3, k_max=kv[-1], k_min=kv[0]))]
     jobs += [(f"TopK k={k}", TopK(k)) for k in lower_fixed_ks(native_k)]
     return jobs
@@ -65,7 +69,7 @@ def child(args) -> list[dict]:
         evaluate(model, None, ids, **kw)  # the unchanged model first: CUDA, cuBLAS and allocator warm-up
         sync()
         warm_s = time.perf_counter() - t0
-        for job, pol in policies(info["native_k"], info["family"]):
+        for job, pol in policies(info["native_k"], info["family"], info["num_experts"]):
             times, compiled = [], []
             for _ in range(2):
                 before = entries(cache)
@@ -100,23 +104,27 @@ def main(argv=None) -> None:
             json.dump(rows, f)
         return
     notes = ("First and second patched forward (fp32, one batch of windows of WikiText-2 test) per policy, in a fresh "
-             "process with an empty Triton cache (phase cold) and in a second fresh process with the cache the first "
+             "process with an empty Triton cache of the model's own (phase cold) and in a second fresh process with "
+             "the cache the first "
              "filled (phase warm). compiled_first / compiled_second: new entries in TRITON_CACHE_DIR during the "
              "first / second forward. "
              "baseline_first_s: the unchanged model's first forward in that process (warm-up, not a policy).")
     rows, path = [], None
+    names = [m.strip() for m in args.models.split(",") if m.strip()]
     with tempfile.TemporaryDirectory(prefix="moelab-first-call-") as tmp:
-        cache = os.path.join(tmp, "triton-cache")
-        env = dict(os.environ, TRITON_CACHE_DIR=cache)
-        for phase in ("cold", "warm"):  # the second process finds what the first compiled on disk
-            out = os.path.join(tmp, f"rows-{phase}.json")
-            cmd = [sys.executable, os.path.abspath(__file__), "--models", args.models, "--windows", str(args.windows),
-                   "--context", str(args.context), "--device", args.device, "--phase", phase, "--rows-out", out]
-            subprocess.run(cmd, env=env, check=True)
-            with open(out) as f:
-                rows += json.load(f)
-            # written after each phase, so a run cut short keeps the cold one
-            path = write_results("first-call", rows, notes=notes, extra={"complete": phase == "warm"})
+        for i, name in enumerate(names):
+            cache = os.path.join(tmp, f"triton-cache-{i}")  # each model starts from an empty cache of its own
+            env = dict(os.environ, TRITON_CACHE_DIR=cache)
+            for phase in ("cold", "warm"):  # the second process finds what the first compiled on disk
+                out = os.path.join(tmp, f"rows-{i}-{phase}.json")
+                cmd = [sys.executable, os.path.abspath(__file__), "--models", name, "--windows", str(args.windows),
+                       "--context", str(args.context), "--device", args.device, "--phase", phase, "--rows-out", out]
+                subprocess.run(cmd, env=env, check=True)
+                with open(out) as f:
+                    rows += json.load(f)
+                # written after each process, so a run cut short keeps what finished
+                done = i == len(names) - 1 and phase == "warm"
+                path = write_results("first-call", rows, notes=notes, extra={"complete": done})
     print(f"wrote {path}")
 
 

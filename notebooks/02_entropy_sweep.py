@@ -102,8 +102,9 @@ grid[["u", "label", "mean_k", "expert_reduction", "forward_reduction", "estimate
 # %%
 pick = np.linspace(1, grid_points - 2, confirm_points).round().astype(int) if confirm_points else []
 same_chunks = dict(context=sample.context, stride=sample.context, batch_size=batch_size)
-cal_base = evaluate(net, None, cal_ids, progress=False, **same_chunks).summary["ppl"]
-conf = confirm_estimates(net, sample, [thresholds_at(sample, kv, float(grid_u[i])) for i in pick], cal_ids,
+sampled_ids = cal_ids[: sample.num_tokens]  # the sample's whole chunks: the same tokens in both
+cal_base = evaluate(net, None, sampled_ids, progress=False, **same_chunks).summary["ppl"]
+conf = confirm_estimates(net, sample, [thresholds_at(sample, kv, float(grid_u[i])) for i in pick], sampled_ids,
                          baseline_ppl=cal_base, progress=False, **same_chunks)
 results.save("confirmed_estimates", conf)
 if len(conf):

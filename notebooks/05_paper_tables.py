@@ -175,7 +175,9 @@ if gpu is not None:
     gpu_budget = proto.get("budget", budget)
     g = pd.DataFrame(gpu["rows"])
     # the range the policies share: up to the run's largest matched target (lower fixed k goes far beyond)
-    top = g.loc[(g.section == "matched") & (g.kind != "TopK"), "target_reduction"].max() + 0.05
+    matched_t = g.loc[g.section == "matched"]
+    matched_t = matched_t.loc[matched_t["kind"] != "TopK", "target_reduction"] if "kind" in g else matched_t.iloc[:0]
+    top = (matched_t.max() if len(matched_t) else g.loc[g.section == "calibrated", "expert_reduction"].max()) + 0.05
     g = g[g.section.isin(["matched", "calibrated"]) & (g.expert_reduction <= top)]
     fig, axes = figure("full", aspect=0.34, ncols=len(g.model.unique()), sharey=False)
     for ax, (name, part) in zip(np.atleast_1d(axes), g.groupby("model", sort=False)):

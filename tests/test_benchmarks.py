@@ -123,14 +123,16 @@ def test_paper_tables_resume_keeps_finished_models_and_refuses_another_protocol(
 
 
 def test_first_call_times_every_policy_paper_tables_runs_cold_then_warm(tmp_path):
-    """benchmarks/first_call.py runs paper_tables' policy kinds and lower fixed k, first in a process with an empty
-    Triton cache, then in one that finds it; on the CPU the torch routing path compiles nothing."""
+    """benchmarks/first_call.py runs paper_tables' policy kinds (published configurations included) and lower fixed
+    k, first in a process with an empty Triton cache, then in one that finds it; on the CPU the torch routing path
+    compiles nothing."""
     env = {**os.environ, "PYTHONPATH": str(REPO / "lib"), "MOELAB_RESULTS_DIR": str(tmp_path)}
     subprocess.run([sys.executable, "benchmarks/first_call.py", "--models", "tiny-qwen-moe", "--windows", "1",
                     "--context", "32", "--device", "cpu"], cwd=REPO, env=env, check=True, capture_output=True,
                    timeout=600)
     (out,) = tmp_path.glob("first-call-*.json")
     rows = json.loads(out.read_text())["rows"]
-    jobs = ["TopK k=4", "EntropyAdaptiveK", "TopP", "RatioSkip", "TopK k=1", "TopK k=2", "TopK k=3"]
+    jobs = ["TopK k=4", "trtllm-default", "sdk-qwen-moe", "qwen1.5-measured", "EntropyAdaptiveK", "TopP", "RatioSkip",
+            "TopK k=1", "TopK k=2", "TopK k=3"]
     assert [(r["phase"], r["job"]) for r in rows] == [(p, j) for p in ("cold", "warm") for j in jobs]
     assert all(r["compiled_first"] == r["compiled_second"] == 0 and r["first_s"] > 0 for r in rows)

@@ -64,7 +64,7 @@ def test_pool_layers_sums_pairs_and_histograms_per_policy():
     rows = []
     for layer in range(3):
         logits = torch.randn(64, 8) * (layer + 1)
-        for label, pol in (("native", TopK(2)), ("ead", EntropyAdaptiveK((1, 2), (1.0,)))):
+        for label, pol in (("native", TopK(2)), ("ead", EntropyAdaptiveK((1, 2), (1.0,))), ("k1", TopK(1))):
             rows.append({"layer": layer, "policy": label, "kind": type(pol).__name__,
                          **plan_stats(route(logits, pol, renormalize=True), 2)})
     per_layer = pd.DataFrame(rows)
@@ -78,5 +78,9 @@ def test_pool_layers_sums_pairs_and_histograms_per_policy():
     assert pooled.loc["ead", "k_hist"] == [sum(h[j] for h in g.k_hist) for j in range(3)]
     assert pooled.loc["ead", "forward_reduction"] == pytest.approx(shapes.forward_reduction(g.mean_k.tolist(), 32))
     assert pooled.loc["native", "expert_reduction"] == 0.0 and pooled.loc["native", "forward_reduction"] == 0.0
+    assert pooled.loc["k1", "k_hist"] == [0, 192, 0]  # k_hist of width 2 padded to native k + 1
+    mixed = per_layer[per_layer.policy == "k1"].copy()  # one policy, histograms of different widths
+    mixed["k_hist"] = [[0, 64], [0, 64, 0], [0, 64, 0, 0]]
+    assert pool_layers(mixed, 2).loc[0, "k_hist"] == [0, 192, 0, 0]
     with pytest.raises(ValueError, match="context=None"):
         pool_layers(per_layer, 2, shapes)

@@ -252,6 +252,12 @@ def test_layer_runs_side_by_side():
     row = t.loc[("olmoe", "moelab_adaptive / native layer time_us (kept 0.600, 128-row tiles 0.600)")]
     assert row["limit"] == pytest.approx(0.66) and row["bbbbbbb"] == pytest.approx(0.65)
     assert row["ccccccc 2026-11-30T23:10"] == pytest.approx(0.64)
+    from moelab.kernels.report import run_docs
+
+    # the runs behind the columns are the ones kept, even where a left-out run shares a commit
+    docs.insert(0, doc("bbbbbbb", "0", 100.0, 70.0, kept=50))
+    t = layer_runs(docs)
+    assert [d["created"] for d in run_docs(docs, t)] == ["2", "3", "2026-11-30T23:10:00"]
     with pytest.raises(ValueError, match="docs="):
         layer_runs([])
 

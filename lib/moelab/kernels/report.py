@@ -185,10 +185,11 @@ def layer_runs(docs: list[dict], tokens: int = 4096, like: int | None = -1) -> p
         pairs = [tuple(sorted(kept(doc).items())) for doc in docs]
         like = max(range(len(docs)), key=lambda i: (pairs.count(pairs[i]), i))
     newest = kept(docs[like])
-    frames, labels = [], []
+    frames, labels, shown = [], [], []
     for doc in docs:
         if kept(doc) != newest:
             continue
+        shown.append(doc)
         t = layer_targets(doc, tokens)
         t = t[(t["T"] == tokens) & ~t["target"].str.startswith("native")]
         label = doc["commit"][:7]
@@ -204,6 +205,7 @@ def layer_runs(docs: list[dict], tokens: int = 4096, like: int | None = -1) -> p
     out.insert(0, "limit", newest_row["limit"])
     out.index = pd.MultiIndex.from_arrays([out.index.get_level_values("shape"), newest_row.loc[out.index, "target"]],
                                           names=["shape", "target"])
+    out.attrs["runs"] = shown  # the runs behind the columns, in their order (run_docs)
     return out
 
 
@@ -383,6 +385,8 @@ def layout_sweep(doc: dict) -> pd.DataFrame:
 
 def run_docs(docs: list[dict], table: pd.DataFrame) -> list[dict]:
     """The runs of `docs` behind the run columns of a `layer_runs(docs, ...)` table, in its column order."""
+    if "runs" in table.attrs:  # recorded by layer_runs: exactly the runs it kept
+        return list(table.attrs["runs"])
     out = []
     for col in table.columns.drop("limit", errors="ignore"):
         commit, _, created = str(col).partition(" ")  # 'abc1234', or 'abc1234 2026-11-30T12:00' for a repeated commit
