@@ -440,7 +440,7 @@ else:
 # %%
 layer_docs = results.load_runs("moe-layer")
 runs = layer_runs(layer_docs, like=None)
-shown = run_docs(layer_docs, runs)  # the runs behind the columns
+shown = run_docs(runs)  # the runs behind the columns
 policy_ks = run_policies(shown)  # (shape, variant) -> 'k=(1, 2)'
 adaptive_default = runs[runs.index.get_level_values("target").str.match(r"moelab_adaptive(_q50)? /")]
 display(adaptive_default.round(3))

@@ -257,7 +257,9 @@ def test_layer_runs_side_by_side():
     # the runs behind the columns are the ones kept, even where a left-out run shares a commit
     docs.insert(0, doc("bbbbbbb", "0", 100.0, 70.0, kept=50))
     t = layer_runs(docs)
-    assert [d["created"] for d in run_docs(docs, t)] == ["2", "3", "2026-11-30T23:10:00"]
+    assert [d["created"] for d in run_docs(t)] == ["2", "3", "2026-11-30T23:10:00"]
+    with pytest.raises(ValueError, match="attrs"):
+        run_docs(type(t)(t.values))  # a frame rebuilt from the values has no record of the runs
     with pytest.raises(ValueError, match="docs="):
         layer_runs([])
 

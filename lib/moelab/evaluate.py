@@ -25,7 +25,8 @@ from tqdm.auto import tqdm
 
 from moelab.compute import ModelShapes, expert_reduction
 from moelab.hf import moe_layers, patched, record_router
-from moelab.perplexity import input_device, model_context, perplexity, token_ids
+from moelab.models import input_device, model_context
+from moelab.perplexity import perplexity, token_ids
 from moelab.routing import EntropyAdaptiveK, Policy, RatioSkip, TopK, TopP
 
 __all__ = [

@@ -252,6 +252,20 @@ def load(name_or_path: str | Path, device=None, dtype=None, device_map=None):
     return model, tokenizer
 
 
+def model_context(model) -> int | None:
+    """The model's maximum context (max_position_embeddings of its text config), or None if it has none."""
+    cfg = getattr(model, "config", None)
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    return getattr(cfg, "max_position_embeddings", None)
+
+
+def input_device(model) -> torch.device:
+    """Where input ids go: the embedding's device (also right for device_map='auto' models)."""
+    if hasattr(model, "get_input_embeddings") and model.get_input_embeddings() is not None:
+        return model.get_input_embeddings().weight.device
+    return next(model.parameters()).device
+
+
 def n_params(model) -> int:
     """Distinct parameters (tied embeddings counted once)."""
     seen, total = set(), 0

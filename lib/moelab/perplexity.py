@@ -20,7 +20,9 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-__all__ = ["perplexity", "windows", "token_ids", "model_context", "input_device"]
+from moelab.models import input_device, model_context
+
+__all__ = ["perplexity", "windows", "token_ids"]
 
 
 def token_ids(tokenizer, text_or_ids) -> torch.Tensor:
@@ -57,20 +59,6 @@ def windows(n_tokens: int, context: int, stride: int) -> list[tuple[int, int, in
         if end == n_tokens:
             break
     return out
-
-
-def model_context(model) -> int | None:
-    """The model's maximum context (max_position_embeddings of its text config), or None if it has none."""
-    cfg = getattr(model, "config", None)
-    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-    return getattr(cfg, "max_position_embeddings", None)
-
-
-def input_device(model) -> torch.device:
-    """Where input ids go: the embedding's device (also right for device_map='auto' models)."""
-    if hasattr(model, "get_input_embeddings") and model.get_input_embeddings() is not None:
-        return model.get_input_embeddings().weight.device
-    return next(model.parameters()).device
 
 
 @torch.no_grad()

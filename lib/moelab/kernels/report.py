@@ -383,18 +383,11 @@ def layout_sweep(doc: dict) -> pd.DataFrame:
     return pd.DataFrame(out)
 
 
-def run_docs(docs: list[dict], table: pd.DataFrame) -> list[dict]:
-    """The runs of `docs` behind the run columns of a `layer_runs(docs, ...)` table, in its column order."""
-    if "runs" in table.attrs:  # recorded by layer_runs: exactly the runs it kept
-        return list(table.attrs["runs"])
-    out = []
-    for col in table.columns.drop("limit", errors="ignore"):
-        commit, _, created = str(col).partition(" ")  # 'abc1234', or 'abc1234 2026-11-30T12:00' for a repeated commit
-        match = [d for d in docs if str(d["commit"])[:7] == commit and (not created or d["created"][:16] == created)]
-        if not match:
-            raise ValueError(f"column {col!r}: no run of that commit among the {len(docs)} runs given")
-        out.append(match[0])
-    return out
+def run_docs(table: pd.DataFrame) -> list[dict]:
+    """The runs behind the run columns of a `layer_runs` table, in its column order (recorded by layer_runs)."""
+    if "runs" not in table.attrs:
+        raise ValueError("table has no attrs['runs']: pass layer_runs' own table, not a copy pandas rebuilt")
+    return list(table.attrs["runs"])
 
 
 def runs_line(docs: list[dict]) -> str:
