@@ -32,11 +32,11 @@ from moelab.results import commit, read_file, write_results
 log = logging.getLogger("paper_tables")
 
 
-def load_model(name: str, device: str, dtype: torch.dtype, random_init: bool):
+def load_model(name: str, device: str, dtype: torch.dtype, random_init: bool, device_map: str | None = None):
     from moelab import models
 
     if not random_init:
-        return models.load(name, device=device, dtype=dtype)
+        return models.load(name, device=device, dtype=dtype, device_map=device_map)
     from transformers import AutoTokenizer
 
     model = models.build(name).to(device=device, dtype=dtype).eval()
@@ -46,8 +46,8 @@ def load_model(name: str, device: str, dtype: torch.dtype, random_init: bool):
 def resume_from(path: Path, topic: str, protocol: dict, names: list[str]):
     """Rows, traces and verdicts of the models an earlier run finished, and the record of that run.
 
-    Refused unless it is the same topic, commit and protocol (every option but --models, --device and
-    --resume), so one file never mixes code or settings; its models must be among --models.
+    Refused unless it is the same topic, commit and protocol (every option but --models, --device,
+    --device-map and --resume), so one file never mixes code or settings; its models must be among --models.
     """
     doc = read_file(path)
     here = commit()
@@ -89,6 +89,8 @@ def main(argv=None) -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                     help="float32 keeps the patched native k equal to the unchanged model")
+    ap.add_argument("--device-map", default=None,
+                    help="'auto': spread a model too large for one GPU over all of them (accelerate); --device unused")
     ap.add_argument("--random-init", action="store_true", help="untrained models (plumbing check only)")
     ap.add_argument("--topic", default=None, help="results topic (default paper-tables, -smoke with --max-tokens)")
     ap.add_argument("--resume", type=Path, default=None,
@@ -120,7 +122,7 @@ def main(argv=None) -> None:
     )
 
     # the settings as used (not as typed), so the same run spelled differently still resumes
-    protocol = {k: v for k, v in vars(args).items() if k not in ("models", "device", "resume")}
+    protocol = {k: v for k, v in vars(args).items() if k not in ("models", "device", "device_map", "resume")}
     protocol.update(batch_size=batch, topic=topic, targets=list(targets), max_tokens=args.max_tokens or None)
     weights = {}  # model -> moelab.models.fingerprint of the weights its rows came from
     resumed = []
@@ -142,7 +144,7 @@ def main(argv=None) -> None:
         if name in verdicts:
             continue
         t0 = time.perf_counter()
-        model, tok = load_model(name, args.device, dtype, args.random_init)
+        model, tok = load_model(name, args.device, dtype, args.random_init, args.device_map)
         if not args.random_init:
             from moelab.models import fingerprint
 

@@ -40,6 +40,8 @@ adaptive_quantiles: list[float] = [0.5]  # entropy quantiles that set its thresh
 top_p: float = 0.7  # TopP: smallest expert set reaching this probability mass
 ratio_beta: float = 0.3  # RatioSkip: keep expert i while its probability is at least beta times the top one
 model: str = "tiny-mixtral"  # embedded model (tiny-mixtral, tiny-qwen-moe, tiny-olmoe) or a local checkpoint; empty skips
+device: str = "auto"  # auto (CUDA when this machine has it), cpu, cuda or cuda:N
+dtype: str = "float32"  # model weights: float32 (as the committed tables), bfloat16, float16 or auto (bf16 on CUDA)
 eval_tokens: int = 1024  # WikiText-2 test tokens whose router logits are recorded (GPU-sized: 250000)
 calib_tokens: int = 1024  # held-out training-text tokens that place EntropyAdaptiveK's thresholds per layer
 seq_len: int = 256  # tokens per forward while recording (clipped to the model's context)
@@ -168,7 +170,7 @@ if model:
     from moelab.data import heldout_texts, load_text
     from moelab.perplexity import token_ids
 
-    lm, tokenizer = models.load(model)
+    lm, tokenizer = models.load(model, device=device, dtype=dtype)
     info = models.moe_info(lm)
     m_native_k, m_renorm = info["native_k"], info["renormalize"]
     ctx = min(seq_len, getattr(lm.config, "max_position_embeddings", seq_len) or seq_len)

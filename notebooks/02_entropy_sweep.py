@@ -26,7 +26,8 @@
 
 # %% tags=["parameters"]
 model: str = "tiny-olmoe"  # embedded model (tiny-mixtral, tiny-qwen-moe, tiny-olmoe) or a local checkpoint path
-device: str = "cpu"  # cpu or cuda
+device: str = "auto"  # auto (CUDA when this machine has it), cpu, cuda or cuda:N
+dtype: str = "float32"  # model weights: float32 (as the committed tables), bfloat16, float16 or auto (bf16 on CUDA)
 eval_tokens: int = 512  # WikiText-2 test tokens for measured perplexity (GPU-sized: 0, meaning all)
 cal_tokens: int = 1024  # calibration tokens, equal shares of the held-out slices no model trained on (GPU-sized: 32768)
 context: int = 2048  # sliding-window length, clipped to the model's max_position_embeddings
@@ -63,7 +64,7 @@ from moelab.models import load, moe_info
 from moelab.plots import POLICY_COLORS, figure, save_table, savefig
 from moelab.routing import EntropyAdaptiveK, RatioSkip, TopP
 
-net, tok = load(model, device=device)
+net, tok = load(model, device=device, dtype=dtype)
 info = moe_info(net)
 tag = model.rstrip("/").split("/")[-1]
 kv = tuple(k_values) or calibration_k_values(info["family"], info["native_k"])

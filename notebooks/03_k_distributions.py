@@ -25,7 +25,8 @@
 
 # %% tags=["parameters"]
 model: str = "tiny-olmoe"  # embedded model (tiny-mixtral, tiny-qwen-moe, tiny-olmoe) or a local checkpoint path
-device: str = "cpu"  # cpu or cuda
+device: str = "auto"  # auto (CUDA when this machine has it), cpu, cuda or cuda:N
+dtype: str = "float32"  # model weights: float32 (as the committed tables), bfloat16, float16 or auto (bf16 on CUDA)
 tokens_per_domain: int = 512  # tokens recorded per domain (GPU-sized: 16384)
 eval_tokens: int = 512  # WikiText-2 test tokens for the measured k histograms (GPU-sized: 0, meaning all)
 context: int = 2048  # window length, clipped to the model's max_position_embeddings
@@ -51,7 +52,7 @@ from moelab.models import load, moe_info
 from moelab.plots import POLICY_COLORS, figure, save_table, savefig
 from moelab.routing import EntropyAdaptiveK
 
-net, tok = load(model, device=device)
+net, tok = load(model, device=device, dtype=dtype)
 info = moe_info(net)
 E, native_k, family = info["num_experts"], info["native_k"], info["family"]
 tag = model.rstrip("/").split("/")[-1]

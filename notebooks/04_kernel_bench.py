@@ -27,10 +27,10 @@
 
 # %% tags=["parameters"]
 run_benchmark: bool = False  # on a GPU: run benchmarks/moe_kernels.py first (about 1 min on an H200); CPU: plot only
-parts: str = "routing,layer"  # benchmark parts to run: routing, layer (and tune: launch shapes of the kernel)
+parts: str = "routing,layer"  # benchmark parts: routing, host, layer, tune, tune-gemm, cutlass-tiles (--help of the script)
 tokens: str = "1,16,64,512,4096,65536"  # token counts T of the benchmark (the set)
 quick: bool = False  # benchmark fewer shapes (routing at E 64 and 128; the OLMoE-like layer only)
-results_dir: str = ""  # read results from this folder (e.g. a GPU run's output); topics it lacks: data/results
+results_dir: str = ""  # read results from (and with run_benchmark write them to) this folder; topics it lacks: data/results
 interactive: bool = False  # show ipywidgets explorers (never in headless runs)
 
 # %%
@@ -58,9 +58,12 @@ if run_benchmark:
     cmd = [sys.executable, str(REPO / "benchmarks" / "moe_kernels.py"), "--parts", parts, "--tokens", tokens]
     cmd += ["--quick"] if quick else []
     env = dict(os.environ, PYTHONPATH=str(REPO / "lib"), PYTHONUNBUFFERED="1")
+    if results_dir:  # the benchmark writes where this notebook reads
+        env["MOELAB_RESULTS_DIR"] = results_dir
     subprocess.run(cmd, check=True, env=env)
 
-rdir = Path(results_dir) if results_dir else None
+# the folder read: results_dir, else where a benchmark run just wrote (MOELAB_RESULTS_DIR or data/results)
+rdir = Path(results_dir) if results_dir else (results.results_dir() if run_benchmark else None)
 routing_doc = results.load_results("routing-kernel", rdir, fallback=True)  # a part not run: the committed file
 layer_doc = results.load_results("moe-layer", rdir, fallback=True)
 routing = results.rows_frame(routing_doc)

@@ -30,7 +30,8 @@
 
 # %% tags=["parameters"]
 models: list[str] = ["tiny-mixtral", "tiny-qwen-moe", "tiny-olmoe"]  # embedded names or local checkpoint paths
-device: str = "cpu"  # cpu or cuda
+device: str = "auto"  # auto (CUDA when this machine has it), cpu, cuda or cuda:N
+dtype: str = "float32"  # model weights: float32 (as the committed tables), bfloat16, float16 or auto (bf16 on CUDA)
 eval_tokens: int = 512  # WikiText-2 test tokens evaluated here (GPU-sized: 0, meaning all, as in benchmarks/paper_tables.py)
 cal_tokens: int = 512  # held-out calibration tokens, equal shares of heldout_texts() (GPU-sized: 32768)
 context: int = 2048  # sliding-window length, clipped to each model's max_position_embeddings
@@ -70,7 +71,7 @@ for name, (kv, th) in PUBLISHED.items():
 # %%
 rows, verdicts = [], {}
 for name in models:
-    model, tok = load(name, device=device)
+    model, tok = load(name, device=device, dtype=dtype)
     ids = torch.tensor(tok(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
     eval_ids = ids[:eval_tokens] if eval_tokens else ids
     cal_ids = calibration_ids(tok, cal_tokens)

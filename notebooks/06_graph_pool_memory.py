@@ -28,14 +28,14 @@
 # committed results file and says where it came from. Four arms, everything else fixed: eager only;
 # graphs with a private pool per bucket; graphs sharing one pool; shared pool + eager reuse (the
 # runner's default `capture(prime='auto')`: both pool layouts tried, the smaller kept; two more arms
-# force the primed and the unprimed layout). With
-# `live=True` on a CUDA machine it also runs a small runner here and shows the proof that reuse is on.
+# force the primed and the unprimed layout). On a machine with
+# CUDA (`live`, on by default) it also runs a small runner here and shows the proof that reuse is on.
 
 # %% tags=["parameters"]
 model: str = "all"  # model rows to chart: all, tiny-mixtral, tiny-qwen-moe, tiny-olmoe or synthetic
 arms: list[str] = ["eager", "private", "shared", "shared+reuse", "shared+reuse-primed", "shared+reuse-unprimed"]  # in order
 results_dir: str = ""  # directory with graph-pool-*.json (default data/results, the committed results)
-live: bool = False  # also run a small GraphRunner on this machine's GPU (needs CUDA; skipped without)
+live: bool = True  # also run a small GraphRunner on this machine's GPU when it has CUDA (skipped without)
 live_model: str = "tiny-mixtral"  # model for the live run (GPU-sized: synthetic via benchmarks/graph_pool.py)
 buckets: list[int] = [1, 2, 4, 8, 16, 32, 64]  # decode buckets of the live run (GPU-sized: up to 256)
 interactive: bool = False  # show ipywidgets explorers (never in headless runs)
@@ -205,13 +205,13 @@ else:
 table
 
 # %% [markdown]
-# ## 5 · Live run (optional, CUDA only)
+# ## 5 · Live run (CUDA only)
 # A small `GraphRunner` on this machine: bucket graphs in one shared pool, one eager forward with and
 # without reuse, and the share of its bytes that landed in the pool.
 
 # %%
 if live and not torch.cuda.is_available():
-    print("live=True but this machine has no CUDA: skipped (the charts above are the committed GPU results)")
+    print("No CUDA on this machine: the live run is skipped (the charts above are the committed GPU results)")
 elif live:
     from moelab import models as mm
     from moelab.graphs import GraphRunner, hf_decode_step

@@ -171,3 +171,31 @@ def test_paper_rows_sections(model):
     assert all(r.get("estimated") is False for r in rows if "ppl" in r)
     table = paper_table(rows)
     assert list(table["model"].unique()) == ["rand-mixtral"] and (table["claimed"] == "Mixtral 8x7B").all()
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(budget=0), r"budget=0: must be > 0"),
+    (dict(budget_steps=-3), r"steps=-3: .* int >= 0"),
+    (dict(targets=(0.2, 5)), r"targets=\[0.2, 5\]: \[5\] not in \(0, 1\)"),
+    (dict(fixed_ks=[1, 9]), r"fixed_ks=\[1, 9\]: \[9\] not ints in \[1, 8\]"),
+    (dict(k_values=(2, 1)), r"k_values=\[2, 1\]: must be at least two strictly ascending ints"),
+])
+def test_paper_rows_checks_its_arguments_before_any_evaluation(model, monkeypatch, kw, match):
+    """A bad argument fails at once, not after hours of evaluations whose rows would be lost."""
+    import moelab.calibrate as cal
+
+    def no_forward(*a, **k):
+        raise AssertionError("evaluated before checking the arguments")
+
+    monkeypatch.setattr(cal, "evaluate", no_forward)
+    ids = torch.randint(0, 256, (256,), generator=torch.Generator().manual_seed(1))
+    with pytest.raises(ValueError, match=match):
+        cal.paper_rows(model, "x", ids, ids, context=CTX, **kw)
+
+
+def test_matched_compute_and_thresholds_reject_bad_ks(model, sample):
+    with pytest.raises(ValueError, match=r"fixed_ks=\[1, 9\]"):
+        compare_at_matched_compute(model, sample, torch.arange(64), [0.25], (1, 2), 10.0, fixed_ks=[1, 9])
+    for kv in ("12", (1.7, 2)):
+        with pytest.raises(ValueError, match="must be a sequence of ints"):
+            thresholds_at(sample, kv, 0.5)

@@ -115,3 +115,16 @@ def test_empty_and_mismatch(layer):
     assert ex.run_experts(x[:0], plan, gu, dn).shape == (0, x.shape[1])
     with pytest.raises(ValueError, match="tokens"):
         ex.run_experts(x[:5], route(logits, TopK(2), renormalize=True), gu, dn)
+
+
+def test_weights_that_do_not_fit_are_named(layer):
+    x, gu, dn, logits = layer
+    plan = route(logits, TopK(2, renormalize=True))
+    with pytest.raises(ValueError, match=r"down \(6, 32, 48\): must be \[E, 2F, D\] / \[E, D, F\] with E=8"):
+        ex.run_experts(x, plan, gu, dn[:6])
+    with pytest.raises(ValueError, match=r"must be \[E, 2F, D\] / \[E, D, F\]"):
+        ex.run_experts(x, plan, gu, dn[:, :, :5])
+    with pytest.raises(ValueError, match=r"must be \[T, D\], \[E, 2F, D\] and \[E, D, F\]"):
+        ex.run_experts(x[None], plan, gu, dn)
+    with pytest.raises(ValueError, match=r"dtypes x torch.bfloat16, gate_up torch.float32.*must be one dtype"):
+        ex.run_experts(x.bfloat16(), plan, gu, dn)

@@ -228,6 +228,9 @@ def test_scratch_scope_belongs_to_the_thread_that_opened_it():
 
 
 def test_runner_validates_arguments():
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="device=None means the current CUDA device, and this machine has none"):
+            GraphRunner(lambda x: x, lambda b: (torch.zeros(b),), [1, 2])
     with pytest.raises(ValueError, match="pool='global'"):
         GraphRunner(lambda x: x, lambda b: (torch.zeros(b),), [1, 2], pool="global", device="cpu")
     with pytest.raises(ValueError, match="warmup=0"):

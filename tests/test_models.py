@@ -109,6 +109,31 @@ def test_load_errors(tmp_path):
         models.model_dir("tiny-gpt")
 
 
+def test_device_and_dtype_choice():
+    """'auto' follows the machine (notebooks default to it); float32 stays float32 on any device."""
+    cuda = torch.cuda.is_available()
+    assert models.pick_device("auto").type == ("cuda" if cuda else "cpu")
+    assert models.pick_device(None).type == "cpu"
+    assert models.pick_dtype("auto", torch.device("cpu")) == torch.float32
+    assert models.pick_dtype(None, torch.device("cuda")) == torch.bfloat16
+    assert models.pick_dtype("float32", torch.device("cuda")) == torch.float32
+    assert models.pick_dtype(torch.float16, torch.device("cpu")) == torch.float16
+    with pytest.raises(ValueError, match=r"device='gpu': must be 'auto', 'cpu', 'cuda' or 'cuda:N'"):
+        models.pick_device("gpu")
+    with pytest.raises(ValueError, match=r"dtype='fp8': must be 'auto' or one of"):
+        models.pick_dtype("fp8", torch.device("cpu"))
+    if not cuda:
+        with pytest.raises(ValueError, match="no CUDA device"):
+            models.pick_device("cuda")
+
+
+@needs_ckpt
+def test_load_device_dtype():
+    net, _ = models.load("tiny-mixtral", device="auto", dtype="bfloat16")
+    assert next(net.parameters()).dtype == torch.bfloat16
+    assert next(net.parameters()).device.type == ("cuda" if torch.cuda.is_available() else "cpu")
+
+
 def test_a_local_folder_named_like_an_embedded_model(tmp_path, monkeypatch, tok):
     """A Path (or './name') is always the folder; a bare name that is also a folder here is ambiguous."""
     m = models.tiny_random("olmoe", vocab_size=len(tok))
@@ -137,3 +162,14 @@ def test_tiny_random(family):
     assert models.tiny_random("mixtral", num_local_experts=4).config.num_local_experts == 4
     with pytest.raises(ValueError, match="family='gpt2'"):
         models.tiny_random("gpt2")
+
+
+def test_router_stats_and_ids_checks():
+    net = models.tiny_random("mixtral")
+    vocab = net.get_input_embeddings().num_embeddings
+    with pytest.raises(ValueError, match=rf"token id {vocab} at position 3: must be in \[0, vocab_size={vocab}\)"):
+        models.check_ids(net, torch.tensor([0, 1, 2, vocab]))
+    for kw, match in ((dict(seq_len=0), "seq_len=0: must be an int >= 1 or None"),
+                      (dict(batch_size=0), "batch_size=0: must be an int >= 1")):
+        with pytest.raises(ValueError, match=match):
+            models.router_stats(net, torch.arange(64), **kw)

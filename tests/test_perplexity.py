@@ -85,3 +85,17 @@ def test_bad_input_raises():
         perplexity(None, None, torch.arange(10), context=512, stride=1024)
     with pytest.raises(ValueError, match="must be integers"):
         token_ids(None, torch.zeros(5))
+
+
+def test_ids_outside_the_vocabulary_and_bad_context_are_named(model):
+    """An id the embedding cannot look up is named with its position (not an IndexError or a device assert)."""
+    ids = torch.arange(20) % 97
+    ids[7] = 500
+    with pytest.raises(ValueError, match=r"token id 500 at position 7: must be in \[0, vocab_size=97\)"):
+        perplexity(model, None, ids, context=16, stride=8, progress=False)
+    with pytest.raises(ValueError, match=r"token id -1 at position 0"):
+        perplexity(model, None, torch.tensor([-1, 2, 3]), context=16, stride=8, progress=False)
+    with pytest.raises(ValueError, match=r"context=0: must be >= 2"):
+        perplexity(model, None, torch.arange(10), context=0, stride=1, progress=False)
+    with pytest.raises(ValueError, match=r"context=16.0: must be an int"):
+        perplexity(model, None, torch.arange(10), context=16.0, stride=8, progress=False)

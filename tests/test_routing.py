@@ -184,6 +184,26 @@ def test_bad_input():
     wide[1, :2] = torch.tensor([3e38, -3e38])  # finite, but max - min overflows float32
     with pytest.raises(ValueError, match=r"logits\[1\] span .* float32 range"):
         route(wide, pol)
+    with pytest.raises(ValueError, match=r"policy=None: must be a TopK, EntropyAdaptiveK, TopP or RatioSkip"):
+        route(torch.randn(4, 8), None, renormalize=True)
+    with pytest.raises(ValueError, match=r"renormalize='yes': must be True, False or None"):
+        route(torch.randn(4, 8), TopK(2), renormalize="yes")
+    with pytest.raises(ValueError, match=r"num_experts='8': must be an int"):
+        route(torch.randn(4, 8), pol, num_experts="8")
+
+
+def test_triton_backend_on_cpu_needs_the_interpreter(monkeypatch):
+    """Forcing the kernel on CPU tensors without TRITON_INTERPRET names the fix, not '0 active drivers'."""
+    from moelab.routing import get_backend, set_backend
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    before = get_backend()
+    set_backend("triton")
+    try:
+        with pytest.raises(ValueError, match=r"set_backend\('triton'\) on a cpu tensor: .*TRITON_INTERPRET=1"):
+            route(torch.randn(4, 8), TopK(2, renormalize=True))
+    finally:
+        set_backend(before)
 
 
 def test_numpy_scalars_and_extreme_rows():

@@ -200,3 +200,20 @@ def test_list_gives_an_outside_engine_what_keeps_its_runs_current(toy, tmp_path)
     assert rep.counts().get("done") == 2 and not rep.failed
     summary = pd.read_csv(tmp_path / "ext" / "summary.csv")
     assert sorted(summary["x"]) == [1, 2] and set(summary["status"]) == {"ok"}
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--main", "--list"], "--main runs every notebook with its defaults; it takes only --resume and --root, not --list"),
+    (["--main", "--collect", "--shard", "0/2"], "not --collect, --shard"),
+    (["missing-grid.yaml"], "grid 'missing-grid.yaml': no such file"),
+    (["notebooks/grids/ci.yaml", "--workers", "0"], "--workers 0: must be at least 1"),
+    (["notebooks/grids/ci.yaml", "--resume"], "--resume is for --main"),
+])
+def test_cli_refuses_flags_it_would_ignore(argv, match, capsys, monkeypatch):
+    """A flag the command would not honour (--main --list used to run every notebook) stops it at once."""
+    monkeypatch.setattr(sweep, "run_main", lambda **kw: pytest.fail("ran notebooks"))
+    monkeypatch.setattr(sweep, "run_sweep", lambda *a, **kw: pytest.fail("ran a sweep"))
+    with pytest.raises(SystemExit) as e:
+        sweep.main(argv)
+    assert e.value.code == 2
+    assert match in capsys.readouterr().err

@@ -53,7 +53,7 @@ def calibration_ids(tokenizer, max_tokens: int, names=None) -> torch.Tensor:
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 2:
         raise ValueError(f"max_tokens={max_tokens!r}: must be an int >= 2")
     texts = heldout_texts()
-    names = list(names or texts)
+    names = [names] if isinstance(names, str) else list(names or texts)
     bad = [n for n in names if n not in texts]
     if bad:
         raise ValueError(f"calibration texts {bad}: unknown; choose from {sorted(texts)}")
@@ -80,7 +80,23 @@ def _strict(ths: list[float]) -> tuple[float, ...]:
     return tuple(out)
 
 
+def _check_budget(budget: float, steps: int) -> None:
+    if not budget > 0:
+        raise ValueError(f"budget={budget}: must be > 0 (relative perplexity increase, e.g. 0.005)")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+        raise ValueError(f"steps={steps!r}: the budget search's bisection steps must be an int >= 0")
+
+
+def _check_fixed_ks(fixed_ks, k_cap: int) -> list[int]:
+    bad = [k for k in fixed_ks if isinstance(k, bool) or int(k) != k or not 1 <= k <= k_cap]
+    if bad:
+        raise ValueError(f"fixed_ks={list(fixed_ks)}: {bad} not ints in [1, {k_cap}] (the router sample's k_cap)")
+    return [int(k) for k in fixed_ks]
+
+
 def _check_k_values(k_values, sample: RouterSample) -> tuple[int, ...]:
+    if isinstance(k_values, (str, bytes)) or any(isinstance(k, bool) or int(k) != k for k in k_values):
+        raise ValueError(f"k_values={k_values!r}: must be a sequence of ints")
     kv = tuple(int(k) for k in k_values)
     if len(kv) < 2:
         raise ValueError(f"k_values={list(kv)}: need at least two k values to calibrate thresholds")
@@ -179,8 +195,7 @@ def budget_search(
     patched perplexity on cal_ids (held-out text). Returns dict(policy, target_reduction, ppl,
     ppl_change, within_budget, trace: DataFrame of every step).
     """
-    if not budget > 0:
-        raise ValueError(f"budget={budget}: must be > 0 (relative perplexity increase, e.g. 0.005)")
+    _check_budget(budget, steps)
     kv = _check_k_values(k_values, sample)
     if baseline_ppl is None:
         baseline_ppl = evaluate(model, None, cal_ids, progress=False, **eval_kw).summary["ppl"]
@@ -243,7 +258,8 @@ def compare_at_matched_compute(
     """
     kv = tuple(int(k) for k in k_values)
     k_min, k_max = kv[0], kv[-1]
-    fixed_ks = list(range(max(1, k_min), sample.native_k)) if fixed_ks is None else list(fixed_ks)
+    fixed_ks = list(range(max(1, k_min), sample.native_k)) if fixed_ks is None else _check_fixed_ks(fixed_ks,
+                                                                                                    sample.k_cap)
     jobs = []
     for t in targets:
         for kind in kinds:
@@ -420,6 +436,18 @@ def paper_rows(
 
     info = moe_info(model)
     family, native_k, E = info["family"], info["native_k"], info["num_experts"]
+    # every argument checked before the first (long) evaluation
+    _check_budget(budget, budget_steps)
+    bad = [t for t in targets if not 0 < float(t) < 1]
+    if bad:
+        raise ValueError(f"targets={list(targets)}: {bad} not in (0, 1) (routed-expert reductions against native k)")
+    if fixed_ks is not None:
+        _check_fixed_ks(fixed_ks, E)
+    if k_values:
+        kv = tuple(k_values)
+        if any(isinstance(k, bool) or int(k) != k for k in kv) or any(b <= a for a, b in zip(kv, kv[1:])) \
+                or len(kv) < 2 or kv[0] < 1 or kv[-1] > E:
+            raise ValueError(f"k_values={list(kv)}: must be at least two strictly ascending ints in [1, E={E}]")
     kw = dict(context=context, stride=stride, batch_size=batch_size)
     claims = CLAIMS.get(family, {})
     rows, traces = [], []
@@ -475,6 +503,10 @@ def paper_rows(
     if targets or fixed_ks:  # matched compute: the targets plus the calibrated reductions
         wanted = [*targets, *cal_red] if targets else []
         tg = sorted({round(float(t), 4) for t in wanted if lo_r <= t <= hi_r and t > 0})
+        out = [t for t in targets if not lo_r <= t <= hi_r]
+        if out:
+            log.warning("%s: targets %s left out: k_values %s reach only [%.3f, %.3f]", name, out, list(kv),
+                        lo_r, hi_r)
         if fixed_ks is None:
             fixed_ks = lower_fixed_ks(native_k)
         matched = compare_at_matched_compute(model, sample, eval_ids, tg, kv, base_ppl, fixed_ks=fixed_ks,

@@ -171,6 +171,9 @@ def load_routing_counts(model: str, domain: str, top1: bool = False) -> np.ndarr
 def normalised_entropy(counts) -> float:
     """Entropy of a load vector divided by log(E): 1 = perfectly balanced, 0 = one expert."""
     c = np.asarray(counts, dtype=np.float64)
+    if c.ndim != 1 or len(c) < 2 or not np.isfinite(c).all() or (c < 0).any() or c.sum() <= 0:
+        raise ValueError(f"counts of shape {c.shape}: need one finite, non-negative count per expert (at least 2 "
+                         "experts) and a positive total")
     p = c / c.sum()
     nz = p[p > 0]
     return float(-(nz * np.log(nz)).sum() / np.log(len(c)))

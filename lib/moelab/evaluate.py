@@ -25,9 +25,9 @@ from tqdm.auto import tqdm
 
 from moelab.compute import ModelShapes, expert_reduction
 from moelab.hf import moe_layers, patched, record_router
-from moelab.models import input_device, model_context
+from moelab.models import check_ids, input_device, model_context
 from moelab.perplexity import perplexity, token_ids
-from moelab.routing import EntropyAdaptiveK, Policy, RatioSkip, TopK, TopP
+from moelab.routing import EntropyAdaptiveK, Policy, RatioSkip, TopK, TopP, check_policy
 
 __all__ = [
     "Evaluation",
@@ -270,7 +270,7 @@ def router_sample(
             raise ValueError(f"{name}={v!r}: must be an int >= 1" + ("" if name == "context" else " or None"))
     if context is None or batch_size is None:
         raise ValueError(f"context={context!r}, batch_size={batch_size!r}: must be ints >= 1")
-    ids = token_ids(tokenizer, text_or_ids)
+    ids = check_ids(model, token_ids(tokenizer, text_or_ids))
     if max_tokens is not None:
         ids = ids[:max_tokens]
     limit = model_context(model)
@@ -325,9 +325,12 @@ def _as_layer_list(policy, n: int) -> list[Policy]:
     if isinstance(policy, (list, tuple)):
         if len(policy) != n:
             raise ValueError(f"{len(policy)} policies: need one per MoE layer ({n})")
+        for p in policy:
+            check_policy(p)
         return list(policy)
     if isinstance(policy, dict):
         raise ValueError("estimate takes one policy or a list (one per layer), not a dict")
+    check_policy(policy)
     return [policy] * n
 
 

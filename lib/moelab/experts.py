@@ -94,7 +94,10 @@ def set_layout(mode: str) -> None:
 def make_layout(plan: RoutingPlan) -> PairLayout:
     """The layout the current mode picks for this plan."""
     if _LAYOUT_MODE == "padded" or (_LAYOUT_MODE == "auto" and plan.expert_ids.is_cuda):
+        from moelab.kernels import check_kernel_input
         from moelab.kernels.layout import pair_layout_padded
+
+        check_kernel_input(plan.expert_ids, "set_layout('padded')")
 
         return pair_layout_padded(plan)
     return pair_layout(plan)
@@ -176,16 +179,20 @@ def run_experts(
     layout: PairLayout | None = None,
 ) -> torch.Tensor:
     """Sum over kept experts of weight * down(act(gate(x)) * up(x)); returns [T, D] in x's dtype."""
+    if x_TD.dim() != 2 or gate_up_EHD.dim() != 3 or down_EDF.dim() != 3:
+        raise ValueError(f"x {tuple(x_TD.shape)}, gate_up {tuple(gate_up_EHD.shape)}, down {tuple(down_EDF.shape)}: "
+                         "must be [T, D], [E, 2F, D] and [E, D, F]")
     T, D = x_TD.shape
-    E = gate_up_EHD.shape[0]
+    E, H = gate_up_EHD.shape[:2]
     if plan.num_tokens != T:
         raise ValueError(f"plan has {plan.num_tokens} tokens but x has T={T}")
     if plan.num_experts != E:
         raise ValueError(f"plan has num_experts={plan.num_experts} but the weights have E={E}")
-    if gate_up_EHD.shape[2] != D or down_EDF.shape[1] != D:
-        raise ValueError(
-            f"weights gate_up {tuple(gate_up_EHD.shape)} / down {tuple(down_EDF.shape)} do not match hidden D={D}"
-        )
+    if gate_up_EHD.shape[2] != D or H % 2 or tuple(down_EDF.shape) != (E, D, H // 2):
+        raise ValueError(f"weights gate_up {tuple(gate_up_EHD.shape)} / down {tuple(down_EDF.shape)}: must be "
+                         f"[E, 2F, D] / [E, D, F] with E={E}, hidden D={D} (from x) and one F")
+    if not x_TD.dtype == gate_up_EHD.dtype == down_EDF.dtype:
+        raise ValueError(f"dtypes x {x_TD.dtype}, gate_up {gate_up_EHD.dtype}, down {down_EDF.dtype}: must be one dtype")
     layout = layout if layout is not None else make_layout(plan)
     fusable = layout.padded and layout.slot_row is not None and is_silu(act_fn)
     if _GEMM_MODE == "triton" and not fusable:

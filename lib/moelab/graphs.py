@@ -239,6 +239,9 @@ class GraphRunner:
         self.buckets = check_buckets(buckets)
         self.pool_mode = pool
         self.warmup = warmup
+        if device is None and not torch.cuda.is_available():
+            raise ValueError("device=None means the current CUDA device, and this machine has none "
+                             "(device='cpu' builds a runner for eager forwards only; capture needs CUDA)")
         self.device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
         self.graphs: dict[int, _Graph] = {}
         self.out_buffers: tuple = ()  # one [max bucket, ...] buffer per output, ordinary allocator

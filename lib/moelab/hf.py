@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from moelab.experts import run_experts
-from moelab.models import input_device
+from moelab.models import check_ids, input_device, model_context
 from moelab.routing import EntropyAdaptiveK, Policy, RatioSkip, TopK, TopP, route
 
 __all__ = ["MoELayer", "moe_layers", "patched", "record_router", "router_logits", "Patch", "RoutingRecord",
@@ -292,6 +292,8 @@ def router_logits(model, ids: torch.Tensor, context: int) -> dict[int, torch.Ten
         raise ValueError(f"ids of shape {tuple(getattr(ids, 'shape', ()))}: need a non-empty 1-D tensor of token ids")
     if isinstance(context, bool) or not isinstance(context, int) or context < 1:
         raise ValueError(f"context={context!r}: must be an int >= 1")
+    check_ids(model, ids)
+    context = min(context, model_context(model) or context)  # no forward longer than the model's positions
     device = input_device(model)
     with record_router(model, logits=True) as rec:
         for start in range(0, ids.numel(), context):

@@ -118,9 +118,12 @@ def build(name_or_family: str, seed: int = 0, **overrides):
                       num_key_value_heads=2, max_position_embeddings=128, **_RANDOM.get(family, {}))
     kwargs.update(overrides)
     cfg_cls, model_cls = _classes(family)
+    cfg = cfg_cls(**kwargs)
+    info = moe_info(cfg)
+    if not 1 <= info["native_k"] <= info["num_experts"]:
+        raise ValueError(f"num_experts_per_tok={info['native_k']}: must be in [1, num_experts={info['num_experts']}]")
     torch.manual_seed(seed)
-    model = model_cls(cfg_cls(**kwargs))
-    return model.eval()
+    return model_cls(cfg).eval()
 
 
 def tiny_random(family: str, seed: int = 0, **overrides):
@@ -213,11 +216,41 @@ def fingerprint(name_or_path: str | Path, edge_bytes: int = 16 << 20) -> str:
     return h.hexdigest()[:16]
 
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def pick_device(device=None) -> torch.device:
+    """None -> CPU; 'auto' -> CUDA when this machine has it, else CPU; else `torch.device(device)`."""
+    if device is None:
+        return torch.device("cpu")
+    if isinstance(device, str) and device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device={device!r}: must be 'auto', 'cpu', 'cuda' or 'cuda:N'") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r}: this machine has no CUDA device (use 'auto' or 'cpu')")
+    return dev
+
+
+def pick_dtype(dtype, device: torch.device) -> torch.dtype:
+    """None or 'auto' -> bfloat16 on CUDA, float32 on CPU; a name in DTYPES or a torch dtype."""
+    if dtype is None or (isinstance(dtype, str) and dtype == "auto"):
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+        return dtype
+    if isinstance(dtype, str) and dtype in DTYPES:
+        return DTYPES[dtype]
+    raise ValueError(f"dtype={dtype!r}: must be 'auto' or one of {sorted(DTYPES)}")
+
+
 def load(name_or_path: str | Path, device=None, dtype=None, device_map=None):
     """(model, tokenizer) from a registry name or a local checkpoint dir; eval mode.
 
-    device: default CPU. dtype: default float32 on CPU, bfloat16 on CUDA (with a device_map: on the
-    map's devices). device_map: passed to `from_pretrained` (accelerate) for models that need several
+    device: default CPU; 'auto' takes CUDA when there is one (`pick_device`). dtype: a torch dtype or
+    its name; default ('auto') float32 on CPU, bfloat16 on CUDA (with a device_map: on the map's
+    devices). device_map: passed to `from_pretrained` (accelerate) for models that need several
     GPUs, e.g. "auto" or {module: gpu}; then `device` is ignored. Raises FileNotFoundError for a missing
     checkpoint and ValueError for a model that is not an MoE model; an MoE family moelab has no adapter
     for loads with a warning (`hf.patched` refuses it, with the reason).
@@ -238,9 +271,8 @@ def load(name_or_path: str | Path, device=None, dtype=None, device_map=None):
                       for t in targets)
         device = torch.device("cuda" if on_cuda else "cpu")
     else:
-        device = torch.device(device if device is not None else "cpu")
-    if dtype is None:
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        device = pick_device(device)
+    dtype = pick_dtype(dtype, device)
     if device_map is not None:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=device_map).eval()
     else:
@@ -266,6 +298,21 @@ def input_device(model) -> torch.device:
     return next(model.parameters()).device
 
 
+def check_ids(model, ids: torch.Tensor) -> torch.Tensor:
+    """ids unchanged, once every id is inside the model's vocabulary: a clear error here instead of an
+    IndexError (CPU) or a device-side assert (CUDA) in the embedding."""
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    vocab = getattr(emb, "num_embeddings", None) or getattr(getattr(model, "config", None), "vocab_size", None)
+    if vocab is None or ids.numel() == 0:
+        return ids
+    bad = ((ids < 0) | (ids >= vocab)).flatten().nonzero()
+    if len(bad):
+        i = int(bad[0])
+        raise ValueError(f"token id {int(ids.flatten()[i])} at position {i}: must be in [0, vocab_size={vocab}) "
+                         f"({len(bad)} ids outside; was the text tokenized for another model?)")
+    return ids
+
+
 def n_params(model) -> int:
     """Distinct parameters (tied embeddings counted once)."""
     seen, total = set(), 0
@@ -285,8 +332,12 @@ def router_stats(model, ids, seq_len: int | None = None, max_tokens: int = 16384
     """
     info = moe_info(model)
     E, k = info["num_experts"], info["native_k"]
-    ids = torch.as_tensor(ids, dtype=torch.long).flatten()[:max_tokens]
-    seq_len = seq_len or min(512, model.config.max_position_embeddings)
+    for name, v in (("seq_len", seq_len), ("max_tokens", max_tokens), ("batch_size", batch_size)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ValueError(f"{name}={v!r}: must be an int >= 1" + (" or None" if name == "seq_len" else ""))
+    ids = check_ids(model, torch.as_tensor(ids, dtype=torch.long).flatten()[:max_tokens])
+    limit = model_context(model) or 512
+    seq_len = min(seq_len, limit) if seq_len else min(512, limit)
     n = ids.numel() // seq_len
     if n < 1:
         raise ValueError(f"{ids.numel()} tokens: need at least seq_len={seq_len} for router statistics")

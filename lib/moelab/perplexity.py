@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from moelab.models import input_device, model_context
+from moelab.models import check_ids, input_device, model_context
 
 __all__ = ["perplexity", "windows", "token_ids"]
 
@@ -78,7 +78,12 @@ def perplexity(
     max_tokens: score only the first max_tokens tokens of the stream (None: all).
     batch_size: windows of equal shape run together (no padding, so results do not depend on it).
     """
-    ids = token_ids(tokenizer, text_or_ids)
+    for name, v in (("context", context), ("stride", stride)):
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ValueError(f"{name}={v!r}: must be an int")
+    if context < 2:
+        raise ValueError(f"context={context}: must be >= 2 (a window's first token has no prediction)")
+    ids = check_ids(model, token_ids(tokenizer, text_or_ids))
     if max_tokens is not None:
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 2:
             raise ValueError(f"max_tokens={max_tokens!r}: must be an int >= 2 or None")

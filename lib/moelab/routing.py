@@ -217,6 +217,12 @@ class RatioSkip:
 Policy = Union[TopK, EntropyAdaptiveK, TopP, RatioSkip]
 
 
+def check_policy(policy) -> None:
+    """ValueError unless `policy` is one of the four policies."""
+    if not isinstance(policy, (TopK, EntropyAdaptiveK, TopP, RatioSkip)):
+        raise ValueError(f"policy={policy!r}: must be a TopK, EntropyAdaptiveK, TopP or RatioSkip instance")
+
+
 def resolve_renormalize(policy: Policy, renormalize: bool | None) -> bool:
     """The policy's own setting wins; otherwise the caller's (the model's convention)."""
     r = policy.renormalize if policy.renormalize is not None else renormalize
@@ -225,11 +231,14 @@ def resolve_renormalize(policy: Policy, renormalize: bool | None) -> bool:
             f"{type(policy).__name__}.renormalize is None and no model convention was given: "
             "pass renormalize=True (Mixtral, Qwen3-MoE) or False (OLMoE, Qwen1.5-MoE)"
         )
+    if not isinstance(r, bool):
+        raise ValueError(f"renormalize={r!r}: must be True, False or None")
     return r
 
 
 def check_logits(logits: torch.Tensor, policy: Policy, num_experts: int | None = None, finite: bool = True):
     """Validate shape, dtype and (optionally, one host sync) finiteness and range of router logits."""
+    check_policy(policy)
     if not isinstance(logits, torch.Tensor):
         raise ValueError(f"logits of type {type(logits).__name__}: must be a torch.Tensor [T, E]")
     if logits.dim() != 2:
@@ -237,6 +246,8 @@ def check_logits(logits: torch.Tensor, policy: Policy, num_experts: int | None =
     if logits.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"logits.dtype={logits.dtype}: must be float32, float16 or bfloat16")
     E = logits.shape[1]
+    if num_experts is not None and (isinstance(num_experts, bool) or not isinstance(num_experts, int)):
+        raise ValueError(f"num_experts={num_experts!r}: must be an int (or None)")
     if num_experts is not None and E != num_experts:
         raise ValueError(f"logits have E={E} experts but the layer has num_experts={num_experts}")
     if not 1 <= policy.k_max <= E:
@@ -292,6 +303,9 @@ def _use_kernel(logits: torch.Tensor) -> bool:
     if _BACKEND == "torch":
         return False
     if _BACKEND == "triton":
+        from moelab.kernels import check_kernel_input
+
+        check_kernel_input(logits, "set_backend('triton')")
         return True
     return logits.is_cuda
 

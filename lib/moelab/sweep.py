@@ -172,7 +172,12 @@ def load_grid(path: str | Path) -> Grid:
     import yaml
 
     path = Path(path)
-    doc = yaml.safe_load(path.read_text())
+    if not path.is_file():
+        raise ValueError(f"grid {str(path)!r}: no such file (a grid YAML file; notebooks/grids/ has examples)")
+    try:
+        doc = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ValueError(f"{path}: not valid YAML: {e}") from None
     if not isinstance(doc, dict):
         raise ValueError(f"{path}: a grid file must be a YAML mapping with notebook, name, parameters, fixed")
     allowed = {"notebook", "name", "parameters", "fixed", "timeout_s", "workers", "figures"}
@@ -708,11 +713,22 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("papermill").setLevel(logging.WARNING)
     if a.worker:
         return _worker(a.worker)
+    if a.workers is not None and a.workers < 1:
+        ap.error(f"--workers {a.workers}: must be at least 1")
     if a.main:
+        clash = [f"--{k}" for k in ("list", "collect", "shard", "workers", "rerun") if getattr(a, k)]
+        if a.grid or clash:
+            ap.error(f"--main runs every notebook with its defaults; it takes only --resume and --root, "
+                     f"not {', '.join(clash + ([a.grid] if a.grid else []))}")
         return run_main(root=a.root, resume=a.resume)
     if not a.grid:
         ap.error("give a grid file or --main")
-    grid = load_grid(a.grid)
+    if a.resume:
+        ap.error("--resume is for --main; a grid sweep always skips its finished points (--rerun runs them again)")
+    try:
+        grid = load_grid(a.grid)
+    except ValueError as e:
+        ap.error(str(e))
     if a.list:
         for line in list_points(grid, a.root):
             print(json.dumps(line, default=str))

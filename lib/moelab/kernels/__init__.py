@@ -2,7 +2,7 @@
 expert row ops (experts.py), grouped expert GEMMs (grouped.py), the issue-5 target checks (report.py).
 Dispatch lives in moelab.routing / moelab.experts, which import these lazily (on CUDA), so the CPU path
 never needs Triton. This module holds the launch helpers they share: `Launcher` (a kernel's cached direct
-launch), `launch`, `on_device_of`, `pow2`, `cdiv`."""
+launch), `launch`, `on_device_of`, `check_kernel_input`, `pow2`, `cdiv`."""
 
 import contextlib
 import functools
@@ -27,6 +27,14 @@ def cdiv(a: int, b: int) -> int:
 
 
 _NO_SWITCH = contextlib.nullcontext()
+
+
+def check_kernel_input(t: torch.Tensor, what: str) -> None:
+    """ValueError when a Triton kernel would get a CPU tensor without Triton's interpreter (whose own
+    error, "0 active drivers", names neither)."""
+    if not t.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"{what} on a {t.device.type} tensor: the Triton kernels need CUDA tensors, or "
+                         "TRITON_INTERPRET=1 in the environment before triton is first imported")
 
 
 @functools.lru_cache(maxsize=1)
