@@ -203,7 +203,8 @@ def test_list_gives_an_outside_engine_what_keeps_its_runs_current(toy, tmp_path)
 
 
 @pytest.mark.parametrize("argv, match", [
-    (["--main", "--list"], "--main runs every notebook with its defaults; it takes only --resume and --root, not --list"),
+    (["--main", "--list"], "--main runs every notebook with its defaults; it takes only --resume and --root, "
+                           "not --list"),
     (["--main", "--collect", "--shard", "0/2"], "not --collect, --shard"),
     (["missing-grid.yaml"], "grid 'missing-grid.yaml': no such file"),
     (["notebooks/grids/ci.yaml", "--workers", "0"], "--workers 0: must be at least 1"),

@@ -192,7 +192,8 @@ def run_experts(
         raise ValueError(f"weights gate_up {tuple(gate_up_EHD.shape)} / down {tuple(down_EDF.shape)}: must be "
                          f"[E, 2F, D] / [E, D, F] with E={E}, hidden D={D} (from x) and one F")
     if not x_TD.dtype == gate_up_EHD.dtype == down_EDF.dtype:
-        raise ValueError(f"dtypes x {x_TD.dtype}, gate_up {gate_up_EHD.dtype}, down {down_EDF.dtype}: must be one dtype")
+        raise ValueError(f"dtypes x {x_TD.dtype}, gate_up {gate_up_EHD.dtype}, down {down_EDF.dtype}: "
+                         "must be one dtype")
     layout = layout if layout is not None else make_layout(plan)
     fusable = layout.padded and layout.slot_row is not None and is_silu(act_fn)
     if _GEMM_MODE == "triton" and not fusable:
