@@ -30,8 +30,8 @@ gpu-test:
 	$(PY) -m pytest -q -m gpu
 
 bench:  # the GPU benchmarks as the README's results were run; each writes data/results/<topic>-<date>.json
-	PYTHONPATH=lib $(PY) benchmarks/moe_kernels.py
-	PYTHONPATH=lib $(PY) benchmarks/graph_pool.py --rounds 5 --decode-steps 40 --adaptive --adaptive-models synthetic
+	PYTHONPATH=lib $(PY) benchmarks/moe_kernels.py --parts routing,host,layer
+	PYTHONPATH=lib $(PY) benchmarks/graph_pool.py --models synthetic,tiny-mixtral,tiny-qwen-moe,tiny-olmoe --rounds 5 --decode-steps 40 --adaptive --adaptive-models synthetic
 	PYTHONPATH=lib $(PY) benchmarks/paper_tables.py --targets 0.1,0.25,0.4 --budget-steps 5
 
 clean:

@@ -199,3 +199,17 @@ def test_matched_compute_and_thresholds_reject_bad_ks(model, sample):
     for kv in ("12", (1.7, 2)):
         with pytest.raises(ValueError, match="must be a sequence of ints"):
             thresholds_at(sample, kv, 0.5)
+
+
+def test_paper_rows_fixed_k_above_16_experts_is_sampled():
+    """A fixed k between 16 and E (OLMoE: 64 experts) is within the router sample's k_cap, not a late error."""
+    import moelab.calibrate as cal
+
+    net = tiny_random("olmoe", num_experts=32, num_hidden_layers=1)
+    ids = torch.randint(0, 256, (128,), generator=torch.Generator().manual_seed(2))
+    out = cal.paper_rows(net, "x", ids, ids, context=CTX, stride=CTX, batch_size=2, budget_steps=0, targets=(),
+                         fixed_ks=[20], per_layer=False, progress=False)
+    assert out["sample"].k_cap >= 20
+    assert any(r.get("kind") == "TopK" and r.get("k_max") == 20 for r in out["rows"])
+    with pytest.raises(ValueError, match=r"fixed_ks=\[40\]: \[40\] not ints in \[1, 32\] \(num_experts=32\)"):
+        cal.paper_rows(net, "x", ids, ids, context=CTX, fixed_ks=[40])

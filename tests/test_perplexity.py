@@ -99,3 +99,11 @@ def test_ids_outside_the_vocabulary_and_bad_context_are_named(model):
         perplexity(model, None, torch.arange(10), context=0, stride=1, progress=False)
     with pytest.raises(ValueError, match=r"context=16.0: must be an int"):
         perplexity(model, None, torch.arange(10), context=16.0, stride=8, progress=False)
+
+
+def test_ids_past_max_tokens_are_not_checked(model):
+    """Only what the model reads must be in the vocabulary: max_tokens cuts the stream first."""
+    ids = torch.arange(40) % 97
+    ids[30] = 500
+    r = perplexity(model, None, ids, context=16, stride=8, max_tokens=24, progress=False)
+    assert r["ppl"] > 0

@@ -87,14 +87,16 @@ def _check_budget(budget: float, steps: int) -> None:
         raise ValueError(f"steps={steps!r}: the budget search's bisection steps must be an int >= 0")
 
 
-def _check_fixed_ks(fixed_ks, k_cap: int) -> list[int]:
+def _check_fixed_ks(fixed_ks, k_cap: int, what: str = "the router sample's k_cap") -> list[int]:
+    fixed_ks = list(fixed_ks)
     bad = [k for k in fixed_ks if isinstance(k, bool) or int(k) != k or not 1 <= k <= k_cap]
     if bad:
-        raise ValueError(f"fixed_ks={list(fixed_ks)}: {bad} not ints in [1, {k_cap}] (the router sample's k_cap)")
+        raise ValueError(f"fixed_ks={fixed_ks}: {bad} not ints in [1, {k_cap}] ({what})")
     return [int(k) for k in fixed_ks]
 
 
 def _check_k_values(k_values, sample: RouterSample) -> tuple[int, ...]:
+    k_values = k_values if isinstance(k_values, (str, bytes)) else list(k_values)
     if isinstance(k_values, (str, bytes)) or any(isinstance(k, bool) or int(k) != k for k in k_values):
         raise ValueError(f"k_values={k_values!r}: must be a sequence of ints")
     kv = tuple(int(k) for k in k_values)
@@ -442,7 +444,7 @@ def paper_rows(
     if bad:
         raise ValueError(f"targets={list(targets)}: {bad} not in (0, 1) (routed-expert reductions against native k)")
     if fixed_ks is not None:
-        _check_fixed_ks(fixed_ks, E)
+        fixed_ks = _check_fixed_ks(fixed_ks, E, f"num_experts={E}")
     if k_values:
         kv = tuple(k_values)
         if any(isinstance(k, bool) or int(k) != k for k in kv) or any(b <= a for a, b in zip(kv, kv[1:])) \
@@ -471,8 +473,8 @@ def paper_rows(
 
     t0 = time.perf_counter()
     kv = tuple(k_values) if k_values else calibration_k_values(family, native_k)
-    sample = router_sample(model, cal_ids, context=context, batch_size=batch_size, k_cap=min(E, max(kv[-1], 16)),
-                           progress=False)
+    k_cap = min(E, max(kv[-1], 16, *(fixed_ks or ())))  # every k asked for fits the sample
+    sample = router_sample(model, cal_ids, context=context, batch_size=batch_size, k_cap=k_cap, progress=False)
     log.info("%s: router sample of %d held-out tokens in %.1fs", name, sample.num_tokens, time.perf_counter() - t0)
     lo_r, hi_r = 1 - kv[-1] / native_k, 1 - kv[0] / native_k
     if claims:

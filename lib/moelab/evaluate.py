@@ -270,9 +270,10 @@ def router_sample(
             raise ValueError(f"{name}={v!r}: must be an int >= 1" + ("" if name == "context" else " or None"))
     if context is None or batch_size is None:
         raise ValueError(f"context={context!r}, batch_size={batch_size!r}: must be ints >= 1")
-    ids = check_ids(model, token_ids(tokenizer, text_or_ids))
+    ids = token_ids(tokenizer, text_or_ids)
     if max_tokens is not None:
         ids = ids[:max_tokens]
+    check_ids(model, ids)
     limit = model_context(model)
     context = min(context, limit) if limit else context
     n = ids.numel() // context

@@ -287,7 +287,7 @@ def record_router(model, logits: bool = True):
 @torch.no_grad()
 def router_logits(model, ids: torch.Tensor, context: int) -> dict[int, torch.Tensor]:
     """Router logits [T, E] per MoE layer of the unchanged model over the token ids [T], read in forwards
-    of `context` tokens (the last one shorter)."""
+    of `context` tokens (the last one shorter; context clipped to the model's max_position_embeddings)."""
     if not isinstance(ids, torch.Tensor) or ids.dim() != 1 or ids.numel() == 0:
         raise ValueError(f"ids of shape {tuple(getattr(ids, 'shape', ()))}: need a non-empty 1-D tensor of token ids")
     if isinstance(context, bool) or not isinstance(context, int) or context < 1:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import numbers
 import os
 from pathlib import Path
 
@@ -302,7 +303,9 @@ def check_ids(model, ids: torch.Tensor) -> torch.Tensor:
     """ids unchanged, once every id is inside the model's vocabulary: a clear error here instead of an
     IndexError (CPU) or a device-side assert (CUDA) in the embedding."""
     emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    vocab = getattr(emb, "num_embeddings", None) or getattr(getattr(model, "config", None), "vocab_size", None)
+    cfg = getattr(model, "config", None)
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    vocab = getattr(emb, "num_embeddings", None) or getattr(cfg, "vocab_size", None)
     if vocab is None or ids.numel() == 0:
         return ids
     bad = ((ids < 0) | (ids >= vocab)).flatten().nonzero()
@@ -325,7 +328,8 @@ def n_params(model) -> int:
 
 @torch.no_grad()
 def router_stats(model, ids, seq_len: int | None = None, max_tokens: int = 16384, batch_size: int = 8) -> dict:
-    """Per-layer router statistics of a model on a token stream (chunks of seq_len, no padding).
+    """Per-layer router statistics of a model on a token stream (chunks of seq_len, no padding; seq_len
+    clipped to the model's max_position_embeddings, default min(512, that)).
 
     load_entropy[l]: normalised entropy of layer l's expert load (top-k selections counted), 1 = balanced;
     token_entropy_q[l]: quantiles (q05, q25, q50, q75, q95) of per-token router entropy / log(E).
@@ -333,8 +337,9 @@ def router_stats(model, ids, seq_len: int | None = None, max_tokens: int = 16384
     info = moe_info(model)
     E, k = info["num_experts"], info["native_k"]
     for name, v in (("seq_len", seq_len), ("max_tokens", max_tokens), ("batch_size", batch_size)):
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1):
             raise ValueError(f"{name}={v!r}: must be an int >= 1" + (" or None" if name == "seq_len" else ""))
+    seq_len, max_tokens, batch_size = (None if v is None else int(v) for v in (seq_len, max_tokens, batch_size))
     ids = check_ids(model, torch.as_tensor(ids, dtype=torch.long).flatten()[:max_tokens])
     limit = model_context(model) or 512
     seq_len = min(seq_len, limit) if seq_len else min(512, limit)

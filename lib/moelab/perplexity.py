@@ -83,11 +83,12 @@ def perplexity(
             raise ValueError(f"{name}={v!r}: must be an int")
     if context < 2:
         raise ValueError(f"context={context}: must be >= 2 (a window's first token has no prediction)")
-    ids = check_ids(model, token_ids(tokenizer, text_or_ids))
+    ids = token_ids(tokenizer, text_or_ids)
     if max_tokens is not None:
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 2:
             raise ValueError(f"max_tokens={max_tokens!r}: must be an int >= 2 or None")
         ids = ids[:max_tokens]
+    check_ids(model, ids)  # only what the model will read
     if ids.numel() < 2:
         raise ValueError(f"{ids.numel()} tokens: need at least 2 to score one")
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
