@@ -95,7 +95,8 @@ def _check_fixed_ks(fixed_ks, k_cap: int, what: str = "the router sample's k_cap
     return [int(k) for k in fixed_ks]
 
 
-def _check_k_values(k_values, sample: RouterSample) -> tuple[int, ...]:
+def _check_k_values(k_values, k_cap: int, what: str = "the sample's k_cap") -> tuple[int, ...]:
+    """At least two strictly ascending ints in [1, k_cap]."""
     k_values = k_values if isinstance(k_values, (str, bytes)) else list(k_values)
     if isinstance(k_values, (str, bytes)) or any(isinstance(k, bool) or int(k) != k for k in k_values):
         raise ValueError(f"k_values={k_values!r}: must be a sequence of ints")
@@ -104,8 +105,8 @@ def _check_k_values(k_values, sample: RouterSample) -> tuple[int, ...]:
         raise ValueError(f"k_values={list(kv)}: need at least two k values to calibrate thresholds")
     if any(b <= a for a, b in zip(kv, kv[1:])) or kv[0] < 1:
         raise ValueError(f"k_values={list(kv)}: must be strictly ascending ints >= 1")
-    if kv[-1] > sample.k_cap:
-        raise ValueError(f"k_values={list(kv)}: k_max exceeds the sample's k_cap={sample.k_cap}")
+    if kv[-1] > k_cap:
+        raise ValueError(f"k_values={list(kv)}: k_max exceeds {what}={k_cap}")
     return kv
 
 
@@ -113,7 +114,7 @@ def thresholds_at(sample: RouterSample, k_values, u: float, per_layer: bool = Fa
     """EntropyAdaptiveK (shared) or a per-layer list of them with thresholds at the family's quantiles."""
     if not 0.0 <= u <= 1.0:
         raise ValueError(f"u={u}: must be in [0, 1]")
-    kv = _check_k_values(k_values, sample)
+    kv = _check_k_values(k_values, sample.k_cap)
     q = torch.tensor(_levels(u, len(kv)), dtype=torch.float64)
 
     def make(ent_T):
@@ -140,7 +141,7 @@ def _bisect(f, lo: float, hi: float, target: float, increasing: bool, iters: int
 
 def calibrate_thresholds(sample: RouterSample, k_values, target_reduction: float, per_layer: bool = False):
     """Thresholds whose estimated routed-expert reduction on the sample reaches target_reduction."""
-    kv = _check_k_values(k_values, sample)
+    kv = _check_k_values(k_values, sample.k_cap)
     native = sample.native_k
     lo_r, hi_r = 1 - kv[-1] / native, 1 - kv[0] / native
     if not lo_r <= target_reduction <= hi_r:
@@ -198,7 +199,7 @@ def budget_search(
     ppl_change, within_budget, trace: DataFrame of every step).
     """
     _check_budget(budget, steps)
-    kv = _check_k_values(k_values, sample)
+    kv = _check_k_values(k_values, sample.k_cap)
     if baseline_ppl is None:
         baseline_ppl = evaluate(model, None, cal_ids, progress=False, **eval_kw).summary["ppl"]
     lo, hi = max(0.0, 1 - kv[-1] / sample.native_k), 1 - kv[0] / sample.native_k
@@ -446,10 +447,7 @@ def paper_rows(
     if fixed_ks is not None:
         fixed_ks = _check_fixed_ks(fixed_ks, E, f"num_experts={E}")
     if k_values:
-        kv = tuple(k_values)
-        if any(isinstance(k, bool) or int(k) != k for k in kv) or any(b <= a for a, b in zip(kv, kv[1:])) \
-                or len(kv) < 2 or kv[0] < 1 or kv[-1] > E:
-            raise ValueError(f"k_values={list(kv)}: must be at least two strictly ascending ints in [1, E={E}]")
+        k_values = _check_k_values(k_values, E, "num_experts")
     kw = dict(context=context, stride=stride, batch_size=batch_size)
     claims = CLAIMS.get(family, {})
     rows, traces = [], []
