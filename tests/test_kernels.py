@@ -338,6 +338,18 @@ def test_rows16_split_rows(split, sel, monkeypatch):
                 assert_same_plan(logits.to(dtype).to(DEV), pol, E % 2 == 0)
 
 
+def test_fp32_rows_on_a_column_slice(monkeypatch):
+    """The fp32 row kernel on logits that are a column slice of a wider tensor (row stride 64, E = 62: the last
+    16-byte chunk half masked) and on E = 3 (one-logit chunks): the reference plan for every policy kind."""
+    monkeypatch.setitem(kr.LAUNCH, "select", "rowwise")
+    rng = torch.Generator().manual_seed(62)
+    wide = (torch.randn(19, 64, generator=rng) * 2).to(DEV)
+    for x in (wide[:, :62], wide[:, 5:8]):
+        assert x.stride(0) == 64 and kr._shape_launch(19, x.shape[1], 3, -1, (None,) * 4, 4, 64)[0] is kr._launch_rows
+        for pol in (TopK(3), EntropyAdaptiveK((1, 2, 3), (0.4, 0.8)), TopP(0.6, k_max=3), RatioSkip(0.3, k_max=3)):
+            assert_same_plan(x, pol, True)
+
+
 @gpu
 @pytest.mark.gpu
 def test_gpu_direct_launch_is_used_and_specialises(monkeypatch):
@@ -444,6 +456,24 @@ def test_gpu_rowwise_at_the_tuned_shapes(E, K, split, sel, monkeypatch):
         assert_same_plan(x, pol, E == 8, stats if isinstance(pol, EntropyAdaptiveK) else None)
         assert_same_plan(x.float(), pol, False)  # fp32 logits: 4 per 16-byte chunk
     assert stats.summary()["tokens"] == 3000
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_fp32_rows_one_compile_for_every_policy(monkeypatch):
+    """fp32 logits on the row kernel take the policy at run time: TopK, EntropyAdaptiveK with one or two
+    thresholds, TopP and RatioSkip of one k_max share one compiled kernel, each with the reference plan, on its
+    first (compiling or public) call and on the direct calls after it."""
+    monkeypatch.setattr(kr, "_PREPARED", {})
+    monkeypatch.setitem(kr.LAUNCH, "select", "rowwise")
+    before = set(kr._launch_rows.cache)
+    x = (torch.randn(777, 40, generator=torch.Generator().manual_seed(40)) * 2).cuda()
+    pols = (TopK(6), EntropyAdaptiveK((2, 6), (2.5,)), EntropyAdaptiveK((1, 3, 6), (2.0, 3.0)),
+            TopP(0.7, k_max=6, k_min=2), RatioSkip(0.2, k_max=6))
+    for _ in range(3):
+        for pol in pols:
+            assert_same_plan(x, pol, False)
+    assert len(set(kr._launch_rows.cache) - before) == 1
 
 
 @gpu

@@ -8,7 +8,9 @@ selections find the k_max largest: on tiles of tokens x experts, k_max rounds of
 max and the lowest index holding it; or with rows in threads ('rowwise'), each key inserted into k_max
 sorted registers (bf16 / fp16 logits: 32-bit (logit, reversed index) keys, one pass, a row split over
 up to 8 threads; 'rowsort': chunks of eight keys sorted and merged). Which is fastest depends on E,
-k_max and T (TUNED, per device). Optional running statistics (k histogram, entropy sum, tokens) are
+k_max and T (TUNED, per device). k_max and the launch shape are compile-time constants; so is the policy
+kind, except in the fp32 row kernel (the fp32 models' path), where one compiled kernel serves every kind.
+Optional running statistics (k histogram, entropy sum, tokens) are
 added to device tensors with atomics, so the call can be captured in a CUDA graph.
 `moelab.routing.route` dispatches here on CUDA (or when the backend is forced to 'triton'; on a CPU
 that needs TRITON_INTERPRET=1).
@@ -155,8 +157,9 @@ class RoutingStats:
 
 
 @triton.jit
-def _count(w_tile, top, slots, fpar, POLICY: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr):
-    """TopP / RatioSkip: how many ranked slots the rule keeps (before k_min and k_max)."""
+def _count(w_tile, top, slots, fpar, POLICY, K: tl.constexpr, BLOCK_T: tl.constexpr):
+    """TopP / RatioSkip: how many ranked slots the rule keeps (before k_min and k_max). POLICY (and NTH in
+    _finish) is a constexpr in the 16-bit and tile kernels, a run-time scalar in the fp32 row kernel."""
     cnt = tl.zeros((BLOCK_T,), tl.int32)
     if POLICY == 2:  # running sum in rank order, as torch.cumsum adds them
         csum = tl.zeros((BLOCK_T,), tl.float32)
@@ -173,7 +176,7 @@ def _count(w_tile, top, slots, fpar, POLICY: tl.constexpr, K: tl.constexpr, BLOC
 def _finish(
     ids_tile, w_tile, cnt, ent, rows, row_ok, slots, pid, ids_ptr, w_ptr, k_ptr, ent_ptr,
     hist_ptr, entsum_ptr, tok_ptr, th0, th1, th2, th3, th4, th5, th6, kv_packed, KMIN, NSLOT,
-    POLICY: tl.constexpr, NTH: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr, RENORM: tl.constexpr,
+    POLICY, NTH, K: tl.constexpr, BLOCK_T: tl.constexpr, RENORM: tl.constexpr,
     STATS: tl.constexpr, BLOCK_K1: tl.constexpr,
 ):
     """From the ranked top-k_max (ids, weights) [BLOCK_T, BLOCK_K]: the policy's k, the mask, the
@@ -312,9 +315,9 @@ def _route_kernel(
 # each value's int64 key is inserted into the row's k_max best keys (kept sorted in registers) by a
 # max/min pass: 2 * K - 1 in-thread operations per logit, no shuffle, no shared memory. Its work grows
 # with E * K, so it wins for small E * K or many tokens (H200, T = 65536: E = 60, k = 4 in 13 us against
-# 40; E = 8 from T = 512; E = 64, k = 8 in 26 us against 20 for 'split'). The chunk loops are unrolled
-# and compile time grows with E (E = 128: a minute per kernel on the H200 host), so it is used for
-# K <= 8 and BLOCK_E <= 64. bf16 / fp16 logits take the 32-bit-key kernel further below.
+# 40; E = 8 from T = 512; E = 64, k = 8 in 26 us against 20 for 'split'; measured with its chunk loops
+# unrolled, which made compile time grow with E: a minute per kernel at E = 128 on the H200 host). It is
+# used for K <= 8 and BLOCK_E <= 64. bf16 / fp16 logits take the 32-bit-key kernel further below.
 MAX_ROWWISE_K = 8
 MAX_ROWWISE_E = 64
 
@@ -374,18 +377,21 @@ def _slot(tile, v, j: tl.constexpr, slots):
     return tl.where(slots == j, v[:, None], tile)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["POLICY", "NTH"])
 def _route_rows_kernel(
     logits_ptr, ids_ptr, w_ptr, k_ptr, ent_ptr,
     hist_ptr, entsum_ptr, tok_ptr,
     T, E, stride_t,
-    fpar, th0, th1, th2, th3, th4, th5, th6, kv_packed, KMIN, NSLOT,
-    POLICY: tl.constexpr, NTH: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr,
+    fpar, th0, th1, th2, th3, th4, th5, th6, kv_packed, KMIN, NSLOT, POLICY, NTH,
+    K: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, RENORM: tl.constexpr, STATS: tl.constexpr,
     BLOCK_K1: tl.constexpr, CH: tl.constexpr, EC: tl.constexpr, SC: tl.constexpr,
 ):
     # EC, SC: E and the row stride as constants (E and stride_t unused): whole chunks load unmasked
-    # across columns, and the known row alignment lets a chunk be one vector load
+    # across columns (FULL: E a multiple of CH), and the known row alignment lets a chunk be one vector load.
+    # POLICY and NTH are run-time scalars: one compiled kernel serves every policy of a k_max (fp32 logits
+    # are the fp32 models' path in the notebooks, where each compile cost seconds on the H200 host)
+    FULL: tl.constexpr = EC % CH == 0
     pid = tl.program_id(0)
     rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = rows < T
@@ -394,10 +400,11 @@ def _route_rows_kernel(
     # pass 1: max and sum of exp, online over the chunks (rows past T load zeros: finite)
     m = tl.full((BLOCK_T,), float("-inf"), tl.float32)
     s = tl.zeros((BLOCK_T,), tl.float32)
-    for c0 in tl.static_range(0, BLOCK_E, CH):
+    for c0 in tl.range(0, EC, CH):  # a loop, not unrolled: compile time does not grow with E
         ok = (c0 + cc) < EC
-        x = _load_chunk(base + c0 + cc, row_ok, ok, c0 + CH <= EC)
-        x = tl.where(ok, x, float("-inf"))
+        x = _load_chunk(base + c0 + cc, row_ok, ok, FULL)
+        if not FULL:
+            x = tl.where(ok, x, float("-inf"))
         m_new = tl.maximum(m, tl.max(x, axis=1))
         s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new[:, None]), axis=1)
         m = m_new
@@ -414,9 +421,9 @@ def _route_rows_kernel(
     v5 = v0
     v6 = v0
     v7 = v0
-    for c0 in tl.static_range(0, BLOCK_E, CH):
+    for c0 in tl.range(0, EC, CH):
         ok = (c0 + cc) < EC
-        x = _load_chunk(base + c0 + cc, row_ok, ok, c0 + CH <= EC)
+        x = _load_chunk(base + c0 + cc, row_ok, ok, FULL)
         logp = (x - m[:, None]) - lse[:, None]
         p = tl.exp(logp)
         ent -= tl.sum(tl.where(ok, p * logp, 0.0), axis=1)
@@ -829,8 +836,14 @@ def _prepare(logits, T: int, E: int, K: int, policy: Policy, renormalize: bool, 
     code, fpar, th, kv, nth, kmin = _policy_args(policy)
     launch, grid, shape_meta, warps = _shape_launch(
         T, E, K, logits.get_device(), tuple(LAUNCH.values()), logits.element_size(), logits.stride(0))
-    meta = dict(shape_meta, POLICY=code, NTH=nth, RENORM=bool(renormalize), STATS=stats is not None)
-    return _Prepared(launch, grid, (fpar, *th, kv, kmin, stats.k_hist.shape[0] if stats else 1), meta, warps, K)
+    scalars = (fpar, *th, kv, kmin, stats.k_hist.shape[0] if stats else 1)
+    meta = dict(shape_meta)
+    if launch is _launch_rows:  # the fp32 row kernel takes the policy at run time (one compile for all)
+        scalars += (code, nth)
+    else:
+        meta.update(POLICY=code, NTH=nth)
+    meta.update(RENORM=bool(renormalize), STATS=stats is not None)
+    return _Prepared(launch, grid, scalars, meta, warps, K)
 
 
 def clear_launch_caches() -> None:
