@@ -473,7 +473,8 @@ def test_gpu_fp32_rows_one_compile_for_every_policy(monkeypatch):
     for _ in range(3):
         for pol in pols:
             assert_same_plan(x, pol, False)
-    assert len(set(kr._launch_rows.cache) - before) == 1
+    # one compiled kernel (Launcher keys still part by the scalars' values, each finding Triton's kernel)
+    assert len({id(v[0]) for key, v in kr._launch_rows.cache.items() if key not in before}) == 1
 
 
 @gpu

@@ -377,20 +377,21 @@ def _slot(tile, v, j: tl.constexpr, slots):
     return tl.where(slots == j, v[:, None], tile)
 
 
-@triton.jit(do_not_specialize=["POLICY", "NTH"])
+@triton.jit(do_not_specialize=["kv_packed", "KMIN", "POLICY", "NTH"])
 def _route_rows_kernel(
     logits_ptr, ids_ptr, w_ptr, k_ptr, ent_ptr,
     hist_ptr, entsum_ptr, tok_ptr,
     T, E, stride_t,
-    fpar, th0, th1, th2, th3, th4, th5, th6, kv_packed, KMIN, NSLOT, POLICY, NTH,
+    fpar, th0, th1, th2, th3, th4, th5, th6, kv_packed: tl.int64, KMIN, NSLOT, POLICY, NTH,
     K: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, RENORM: tl.constexpr, STATS: tl.constexpr,
     BLOCK_K1: tl.constexpr, CH: tl.constexpr, EC: tl.constexpr, SC: tl.constexpr,
 ):
     # EC, SC: E and the row stride as constants (E and stride_t unused): whole chunks load unmasked
     # across columns (FULL: E a multiple of CH), and the known row alignment lets a chunk be one vector load.
-    # POLICY and NTH are run-time scalars: one compiled kernel serves every policy of a k_max (fp32 logits
-    # are the fp32 models' path in the notebooks, where each compile cost seconds on the H200 host)
+    # The policy's scalars are not specialised on (kv_packed always 64-bit): one compiled kernel serves every
+    # policy of a k_max (fp32 logits are the fp32 models' path in the notebooks, where each compile cost seconds
+    # on the H200 host)
     FULL: tl.constexpr = EC % CH == 0
     pid = tl.program_id(0)
     rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
