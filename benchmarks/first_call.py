@@ -1,9 +1,9 @@
 """Why a policy's first patched forward is slow: Triton compiles the kernels of each new k_max (and kind).
 
-The routing kernel takes k_max (and, for 16-bit logits, the policy kind) as compile-time constants, so the
-first call of each new (k_max, dtype, tile[, kind]) compiles a kernel, and a new k_max also the layout and
-expert kernels; Triton keeps them in its disk cache (TRITON_CACHE_DIR). fp32 logits, the embedded models'
-path, take the kind at run time since the session of 2026-12-02 (one kernel for every policy of a k_max).
+The routing kernel takes k_max and the policy kind as compile-time constants (the kind not in the fp32 row
+kernel, the embedded fp32 models' path on the H200 since ceda31b: one kernel for every policy of a k_max), so
+the first call of each new (k_max, dtype, tile[, kind]) compiles a kernel, and a new k_max also the layout and
+expert kernels; Triton keeps them in its disk cache (TRITON_CACHE_DIR).
 For each model and the policy kinds paper_tables evaluates, in its order (its own TopK through moelab,
 the published configurations that apply, EntropyAdaptiveK, TopP, RatioSkip, the lower fixed k), this
 times the first and the second patched forward of one batch of windows, in a fresh process with an

@@ -81,11 +81,17 @@ def sass_loop_mix(sass: str) -> dict:
     raise ValueError("no backward branch in this SASS listing: no loop to count")
 
 
+def shipped_launch(mod, x: torch.Tensor, K: int) -> tuple:
+    """(launcher, grid, scalar arguments, constexprs, warps) that `mod.route_triton` prepares for logits x, TopK(K)."""
+    prep = mod._prepare(x, x.shape[0], x.shape[1], K, TopK(K), False, None)
+    return prep.launch, prep.grid, prep.scalars, prep.meta, prep.warps
+
+
 def profile(mod, T: int, E: int, K: int) -> dict:
     """The shipped launch for bf16 [T, E] logits, top-K: registers, programs, programs per SM, waves and the chunk
     loop's instruction mix (8 logits per thread and iteration)."""
     x = torch.randn(T, E, device="cuda").bfloat16()
-    launch, grid, scalars, meta, warps, _ = mod._prepare(x, T, E, K, TopK(K), False, None)
+    launch, grid, scalars, meta, warps = shipped_launch(mod, x, K)
     ids, w, k, ent = mod._plan_buffers(T, K, x.device)
     ck = launch.fn[grid](x, ids, w, k, ent, k, ent, k, T, E, x.stride(0), *scalars, **meta, num_warps=warps)
     sms = torch.cuda.get_device_properties(0).multi_processor_count

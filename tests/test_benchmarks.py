@@ -58,6 +58,24 @@ def test_sass_loop_mix_counts_the_loop_body_only():
         ra.sass_loop_mix("LBB0:\n--:-:-:-:1\tEXIT;\n--:-:-:-:1\tBRA LBB2;\nLBB2:")
 
 
+def test_ablation_variants_patch_the_current_kernel(tmp_path):
+    """Every variant's (old, new) edits apply to the routing kernel's source exactly once and the module loads, and
+    `profile`'s launch comes from `_prepare` as route_triton prepares it (the kernel, its grid and arguments)."""
+    import torch
+
+    import moelab.kernels.routing as kr
+
+    ra = _ablation()
+    for name, patches in ra.VARIANTS.items():
+        mod = ra.ablated(name, patches, tmp_path)
+        assert mod.route_triton is not kr.route_triton
+    src = {p.name: p.read_text() for p in tmp_path.iterdir()}
+    assert "e = d" in src["routing_no_exp.py"] and "_sort8(k0" not in src["routing_neither.py"]
+    launch, grid, scalars, meta, warps = ra.shipped_launch(kr, torch.zeros(1000, 64, dtype=torch.bfloat16), 8)
+    assert launch.fn is kr._route_kernel and grid == (-(-1000 // meta["BLOCK_T"]),) and meta["POLICY"] == 0
+    assert len(scalars) == 11 and warps >= 1  # fpar, seven thresholds, packed k values, k_min, statistics slots
+
+
 def test_occupancy_takes_the_tightest_sm_limit():
     """Programs per SM on compute capability 9.0: registers given out per warp in 256-register units, 2048 threads,
     32 blocks, 228 KB of shared memory with 1 KB kept per block."""

@@ -345,7 +345,8 @@ def test_fp32_rows_on_a_column_slice(monkeypatch):
     rng = torch.Generator().manual_seed(62)
     wide = (torch.randn(19, 64, generator=rng) * 2).to(DEV)
     for x in (wide[:, :62], wide[:, 5:8]):
-        assert x.stride(0) == 64 and kr._shape_launch(19, x.shape[1], 3, -1, (None,) * 4, 4, 64)[0] is kr._launch_rows
+        launch = kr._shape_launch(19, x.shape[1], 3, -1, tuple(kr.LAUNCH.values()), 4, 64)[0]
+        assert x.stride(0) == 64 and launch is kr._launch_rows
         for pol in (TopK(3), EntropyAdaptiveK((1, 2, 3), (0.4, 0.8)), TopP(0.6, k_max=3), RatioSkip(0.3, k_max=3)):
             assert_same_plan(x, pol, True)
 

@@ -206,6 +206,21 @@ def test_triton_backend_on_cpu_needs_the_interpreter(monkeypatch):
         set_backend(before)
 
 
+@pytest.mark.parametrize("value,on", [("1", True), ("true", True), ("ON", True), ("yes", True), ("0", False),
+                                      ("false", False), ("", False), ("2", False)])
+def test_interpreter_switch_read_as_triton_reads_it(monkeypatch, value, on):
+    """TRITON_INTERPRET=true / on / yes turn Triton's interpreter on as 1 does: moelab's CPU-input check agrees."""
+    from moelab.kernels import check_kernel_input, interpreting
+
+    monkeypatch.setenv("TRITON_INTERPRET", value)
+    assert interpreting() is on
+    if on:
+        check_kernel_input(torch.zeros(1), "x")
+    else:
+        with pytest.raises(ValueError, match="x on a cpu tensor"):
+            check_kernel_input(torch.zeros(1), "x")
+
+
 def test_numpy_scalars_and_extreme_rows():
     np = pytest.importorskip("numpy")
     assert TopP(np.float32(0.5), k_max=2) == TopP(0.5, k_max=2)  # stored as a float: same policy, same key

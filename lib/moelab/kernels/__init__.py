@@ -2,7 +2,7 @@
 expert row ops (experts.py), grouped expert GEMMs (grouped.py), the issue-5 target checks (report.py).
 Dispatch lives in moelab.routing / moelab.experts, which import these lazily (on CUDA), so the CPU path
 never needs Triton. This module holds the launch helpers they share: `Launcher` (a kernel's cached direct
-launch), `launch`, `on_device_of`, `check_kernel_input`, `pow2`, `cdiv`."""
+launch), `launch`, `on_device_of`, `check_kernel_input`, `interpreting`, `pow2`, `cdiv`."""
 
 import contextlib
 import functools
@@ -29,10 +29,16 @@ def cdiv(a: int, b: int) -> int:
 _NO_SWITCH = contextlib.nullcontext()
 
 
+def interpreting() -> bool:
+    """Whether Triton runs kernels in its CPU interpreter: TRITON_INTERPRET is 1, true, on or yes in any case
+    (the values Triton 3.9 itself takes as true)."""
+    return os.environ.get("TRITON_INTERPRET", "").lower() in ("1", "true", "on", "yes")
+
+
 def check_kernel_input(t: torch.Tensor, what: str) -> None:
     """ValueError when a Triton kernel would get a CPU tensor without Triton's interpreter (whose own
     error, "0 active drivers", names neither)."""
-    if not t.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+    if not t.is_cuda and not interpreting():
         raise ValueError(f"{what} on a {t.device.type} tensor: the Triton kernels need CUDA tensors, or "
                          "TRITON_INTERPRET=1 in the environment before triton is first imported")
 
@@ -86,7 +92,7 @@ class Launcher:
         self.names = list(fn.arg_names)
         self.cache: dict = {}
         self.disabled = "" if os.environ.get("MOELAB_FAST_LAUNCH", "1") != "0" else "MOELAB_FAST_LAUNCH=0"
-        self.interpret = os.environ.get("TRITON_INTERPRET") == "1"  # read once: os.environ costs ~1 us a call
+        self.interpret = interpreting()  # read once: os.environ costs ~1 us a call
         self.direct_calls = 0
         self._pick: dict = {}  # varying indices -> itemgetter
 

@@ -23,7 +23,6 @@ with TMA loads weight tiles through tensor descriptors (Hopper's bulk copies) in
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
@@ -35,7 +34,7 @@ except ImportError:  # pragma: no cover - older Triton: pointer loads only
     TensorDescriptor = None
 
 from moelab.experts import PairLayout
-from moelab.kernels import cdiv, launch, on_device_of, pow2
+from moelab.kernels import cdiv, interpreting, launch, on_device_of, pow2
 from moelab.kernels.experts import combine_rows
 from moelab.routing import RoutingPlan
 
@@ -43,7 +42,7 @@ __all__ = ["fused_experts", "gate_up_swiglu", "down_proj", "tile_map", "launch_c
            "tma_supported", "tuned_beats_cutlass", "DEFAULT", "FEW_ROWS", "TUNED", "MAX_EXPERTS"]
 
 MAX_EXPERTS = 256  # every program loads all E group ends (padded to a power of two)
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_INTERPRET = interpreting()
 
 # per kernel: BLOCK_M rows (of one expert) x BLOCK_N output columns, BLOCK_K of the reduction per step.
 # gate_up: BLOCK_N columns of F for gate and up each (two accumulators), so BLOCK_N 64 here is vLLM's 128

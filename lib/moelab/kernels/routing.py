@@ -9,7 +9,8 @@ max and the lowest index holding it; or with rows in threads ('rowwise'), each k
 sorted registers (bf16 / fp16 logits: 32-bit (logit, reversed index) keys, one pass, a row split over
 up to 8 threads; 'rowsort': chunks of eight keys sorted and merged). Which is fastest depends on E,
 k_max and T (TUNED, per device). k_max and the launch shape are compile-time constants; so is the policy
-kind, except in the fp32 row kernel (the fp32 models' path), where one compiled kernel serves every kind.
+kind, except in the fp32 row kernel ('rowwise' / 'rowsort' with fp32 logits, k_max <= 8, BLOCK_E <= 64: on
+the H200 the embedded fp32 models' path, but for E <= 8 at T <= 16), where one compiled kernel serves every kind.
 Optional running statistics (k histogram, entropy sum, tokens) are
 added to device tensors with atomics, so the call can be captured in a CUDA graph.
 `moelab.routing.route` dispatches here on CUDA (or when the backend is forced to 'triton'; on a CPU
@@ -879,8 +880,10 @@ _launch = Launcher(_route_kernel)
 _launch_rows = Launcher(_route_rows_kernel)
 _launch_rows16 = Launcher(_route_rows16_kernel)
 # arguments whose Triton specialisation can change between calls: logits (a view: any alignment), T,
-# E, the row stride and the packed k values; the plan buffers are fresh allocations (always aligned),
-# the policy's other scalars are floats or kept in the key through the constexprs (stats: check all)
+# E, the row stride, the packed k values and k_min; the plan buffers are fresh allocations (always aligned),
+# the policy's other scalars are floats or kept in the key through the constexprs, except the fp32 row
+# kernel's POLICY and NTH (arguments 22, 23), which it does not specialise on (small ints: always int32;
+# do_not_specialize, as its kv_packed and KMIN, which it types int64 / int32 whatever the value) (stats: check all)
 _VARYING = (0, 8, 9, 10, 19, 20)
 _VARYING_STATS = _VARYING + (5, 6, 7, 21)  # and the statistics tensors (a caller's own) and their slot count
 
