@@ -33,6 +33,7 @@ bench:  # the GPU benchmarks as the README's results were run; each writes data/
 	PYTHONPATH=lib $(PY) benchmarks/moe_kernels.py --parts routing,host,layer
 	PYTHONPATH=lib $(PY) benchmarks/graph_pool.py --models synthetic,tiny-mixtral,tiny-qwen-moe,tiny-olmoe --rounds 5 --decode-steps 40 --adaptive --adaptive-models synthetic
 	PYTHONPATH=lib $(PY) benchmarks/paper_tables.py --targets 0.1,0.25,0.4 --budget-steps 5
+	PYTHONPATH=lib $(PY) benchmarks/first_call.py --models tiny-olmoe,tiny-qwen-moe,tiny-mixtral
 
 clean:
 	rm -rf runs .setup-stamp
