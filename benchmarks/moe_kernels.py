@@ -298,8 +298,8 @@ def routing_methods(k, renorm, ada, stats, trt_stats):
     }
 
 
-# not captured: .item() syncs the host. (route_torch is captured since the run at b7574dd: its adaptive k
-# comes from Python scalars since 49d5e2c; that run still skipped it, with a stale note.)
+# not captured: .item() syncs the host. route_torch's adaptive path captures since 49d5e2c (its k from Python
+# scalars; tests/test_graphs.py), but runs up to b7574dd still skipped it here with a stale reason.
 NOT_CAPTURABLE = {
     "trtllm_adaptive_stats": "host sync: .item() per statistic",
 }

@@ -882,8 +882,8 @@ _launch_rows16 = Launcher(_route_rows16_kernel)
 # arguments whose Triton specialisation can change between calls: logits (a view: any alignment), T,
 # E, the row stride, the packed k values and k_min; the plan buffers are fresh allocations (always aligned),
 # the policy's other scalars are floats or kept in the key through the constexprs, except the fp32 row
-# kernel's POLICY and NTH (arguments 22, 23), which it does not specialise on (small ints: always int32;
-# do_not_specialize, as its kv_packed and KMIN, which it types int64 / int32 whatever the value) (stats: check all)
+# kernel's POLICY and NTH (arguments 22, 23): do_not_specialize there, as for its kv_packed (annotated int64)
+# and KMIN, and small ints, so always int32 (stats: check all)
 _VARYING = (0, 8, 9, 10, 19, 20)
 _VARYING_STATS = _VARYING + (5, 6, 7, 21)  # and the statistics tensors (a caller's own) and their slot count
 
