@@ -338,17 +338,26 @@ def test_rows16_split_rows(split, sel, monkeypatch):
                 assert_same_plan(logits.to(dtype).to(DEV), pol, E % 2 == 0)
 
 
-def test_fp32_rows_on_a_column_slice(monkeypatch):
+@pytest.mark.parametrize("unroll_t", [0, 10**9])
+def test_fp32_rows_on_a_column_slice(unroll_t, monkeypatch):
     """The fp32 row kernel on logits that are a column slice of a wider tensor (row stride 64, E = 62: the last
-    16-byte chunk half masked) and on E = 3 (one-logit chunks): the reference plan for every policy kind."""
+    16-byte chunk half masked) and on E = 3 (one-logit chunks): the reference plan for every policy kind, with
+    the chunk loops unrolled and as loops (E = 62; BLOCK_E <= 16 always unrolls)."""
     monkeypatch.setitem(kr.LAUNCH, "select", "rowwise")
+    monkeypatch.setattr(kr, "ROWS_UNROLL_T", unroll_t)
+    kr.clear_launch_caches()
     rng = torch.Generator().manual_seed(62)
     wide = (torch.randn(19, 64, generator=rng) * 2).to(DEV)
-    for x in (wide[:, :62], wide[:, 5:8]):
-        launch = kr._shape_launch(19, x.shape[1], 3, -1, tuple(kr.LAUNCH.values()), 4, 64)[0]
-        assert x.stride(0) == 64 and launch is kr._launch_rows
-        for pol in (TopK(3), EntropyAdaptiveK((1, 2, 3), (0.4, 0.8)), TopP(0.6, k_max=3), RatioSkip(0.3, k_max=3)):
-            assert_same_plan(x, pol, True)
+    try:
+        for x in (wide[:, :62], wide[:, 5:8]):
+            launch, _, meta, _ = kr._shape_launch(19, x.shape[1], 3, -1, tuple(kr.LAUNCH.values()), 4, 64)
+            assert x.stride(0) == 64 and launch is kr._launch_rows
+            assert meta["UNROLL"] == (unroll_t > 0 or x.shape[1] <= 16)
+            for pol in (TopK(3), EntropyAdaptiveK((1, 2, 3), (0.4, 0.8)), TopP(0.6, k_max=3), RatioSkip(0.3, k_max=3)):
+                assert_same_plan(x, pol, True)
+    finally:
+        monkeypatch.undo()
+        kr.clear_launch_caches()
 
 
 @gpu

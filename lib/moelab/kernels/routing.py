@@ -321,6 +321,11 @@ def _route_kernel(
 # used for K <= 8 and BLOCK_E <= 64. bf16 / fp16 logits take the 32-bit-key kernel further below.
 MAX_ROWWISE_K = 8
 MAX_ROWWISE_E = 64
+# fp32 row kernel: chunk loops unrolled up to this T (and always for BLOCK_E <= 16). H200, graph time per
+# call, E = 60 / 64 at T = 16-512: unrolled 5.1-5.9 / 7.3-9.5 us, a loop 11.0-11.8 / 12.5-13.0 us; at
+# T = 4096 and 65536 the loop is as fast or faster (E = 64: 9.2 / 45.5 us against 10.7 / 76.8), and its
+# compile takes a fraction of the unrolled one's (trials/fp32_rows.py)
+ROWS_UNROLL_T = 512
 
 
 @triton.jit
@@ -378,6 +383,35 @@ def _slot(tile, v, j: tl.constexpr, slots):
     return tl.where(slots == j, v[:, None], tile)
 
 
+@triton.jit
+def _sum_chunk(base, c0, cc, row_ok, m, s, EC: tl.constexpr, FULL: tl.constexpr):
+    """Pass 1 over one chunk: running max and sum of exp (online softmax)."""
+    ok = (c0 + cc) < EC
+    x = _load_chunk(base + c0 + cc, row_ok, ok, FULL)
+    if not FULL:
+        x = tl.where(ok, x, float("-inf"))
+    m_new = tl.maximum(m, tl.max(x, axis=1))
+    s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new[:, None]), axis=1)
+    return m_new, s
+
+
+@triton.jit
+def _key_chunk(base, c0, cc, row_ok, m, lse, ent, v0, v1, v2, v3, v4, v5, v6, v7, EC: tl.constexpr,
+               FULL: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, CH: tl.constexpr):
+    """Pass 2 over one chunk: probabilities (log-softmax then exp), entropy, and the chunk's keys inserted.
+    A key holds the probability's bits above the reversed column (distinct keys: the larger probability,
+    then the lower index, wins). Keys compared as the float64 of the same bits were slower on the H200."""
+    ok = (c0 + cc) < EC
+    x = _load_chunk(base + c0 + cc, row_ok, ok, FULL)
+    logp = (x - m[:, None]) - lse[:, None]
+    p = tl.exp(logp)
+    ent -= tl.sum(tl.where(ok, p * logp, 0.0), axis=1)
+    key = (p.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (BLOCK_E - 1 - (c0 + cc)).to(tl.int64)
+    key = tl.where(ok, key, -1)
+    v0, v1, v2, v3, v4, v5, v6, v7 = _ins_chunk(key, v0, v1, v2, v3, v4, v5, v6, v7, K, BLOCK_T, CH)
+    return ent, v0, v1, v2, v3, v4, v5, v6, v7
+
+
 @triton.jit(do_not_specialize=["kv_packed", "KMIN", "POLICY", "NTH"])
 def _route_rows_kernel(
     logits_ptr, ids_ptr, w_ptr, k_ptr, ent_ptr,
@@ -386,13 +420,15 @@ def _route_rows_kernel(
     fpar, th0, th1, th2, th3, th4, th5, th6, kv_packed: tl.int64, KMIN, NSLOT, POLICY, NTH,
     K: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, RENORM: tl.constexpr, STATS: tl.constexpr,
-    BLOCK_K1: tl.constexpr, CH: tl.constexpr, EC: tl.constexpr, SC: tl.constexpr,
+    BLOCK_K1: tl.constexpr, CH: tl.constexpr, EC: tl.constexpr, SC: tl.constexpr, UNROLL: tl.constexpr,
 ):
     # EC, SC: E and the row stride as constants (E and stride_t unused): whole chunks load unmasked
     # across columns (FULL: E a multiple of CH), and the known row alignment lets a chunk be one vector load.
     # The policy's scalars are not specialised on (kv_packed always 64-bit): one compiled kernel serves every
     # policy of a k_max (fp32 logits are the fp32 models' path in the notebooks, where each compile cost seconds
-    # on the H200 host)
+    # on the H200 host). UNROLL: the chunk loops unrolled, every load of a row issued up front (few rows: the
+    # time is the row's latency), or a loop (many rows: no faster unrolled, and compile time does not grow
+    # with E); `_shape_launch` picks it from T (data/results/trials/README.md, fp32_rows.py)
     FULL: tl.constexpr = EC % CH == 0
     pid = tl.program_id(0)
     rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -402,18 +438,14 @@ def _route_rows_kernel(
     # pass 1: max and sum of exp, online over the chunks (rows past T load zeros: finite)
     m = tl.full((BLOCK_T,), float("-inf"), tl.float32)
     s = tl.zeros((BLOCK_T,), tl.float32)
-    for c0 in tl.range(0, EC, CH):  # a loop, not unrolled: compile time does not grow with E
-        ok = (c0 + cc) < EC
-        x = _load_chunk(base + c0 + cc, row_ok, ok, FULL)
-        if not FULL:
-            x = tl.where(ok, x, float("-inf"))
-        m_new = tl.maximum(m, tl.max(x, axis=1))
-        s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new[:, None]), axis=1)
-        m = m_new
+    if UNROLL:
+        for c0 in tl.static_range(0, EC, CH):
+            m, s = _sum_chunk(base, c0, cc, row_ok, m, s, EC, c0 + CH <= EC)
+    else:
+        for c0 in tl.range(0, EC, CH):
+            m, s = _sum_chunk(base, c0, cc, row_ok, m, s, EC, FULL)
     lse = tl.log(s)
-    # pass 2: probabilities (log-softmax then exp), entropy, and the k_max best keys; a key holds the
-    # probability's bits above the reversed column (distinct keys: the larger probability, then the
-    # lower index, wins). Keys compared as the float64 of the same bits were slower on the H200.
+    # pass 2: entropy and the k_max best keys, kept sorted in v0 >= v1 >= ...
     ent = tl.zeros((BLOCK_T,), tl.float32)
     v0 = tl.full((BLOCK_T,), -1, tl.int64)
     v1 = v0
@@ -423,15 +455,15 @@ def _route_rows_kernel(
     v5 = v0
     v6 = v0
     v7 = v0
-    for c0 in tl.range(0, EC, CH):
-        ok = (c0 + cc) < EC
-        x = _load_chunk(base + c0 + cc, row_ok, ok, FULL)
-        logp = (x - m[:, None]) - lse[:, None]
-        p = tl.exp(logp)
-        ent -= tl.sum(tl.where(ok, p * logp, 0.0), axis=1)
-        key = (p.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (BLOCK_E - 1 - (c0 + cc)).to(tl.int64)
-        key = tl.where(ok, key, -1)
-        v0, v1, v2, v3, v4, v5, v6, v7 = _ins_chunk(key, v0, v1, v2, v3, v4, v5, v6, v7, K, BLOCK_T, CH)
+    if UNROLL:
+        for c0 in tl.static_range(0, EC, CH):
+            ent, v0, v1, v2, v3, v4, v5, v6, v7 = _key_chunk(
+                base, c0, cc, row_ok, m, lse, ent, v0, v1, v2, v3, v4, v5, v6, v7, EC, c0 + CH <= EC,
+                K, BLOCK_T, BLOCK_E, CH)
+    else:
+        for c0 in tl.range(0, EC, CH):
+            ent, v0, v1, v2, v3, v4, v5, v6, v7 = _key_chunk(
+                base, c0, cc, row_ok, m, lse, ent, v0, v1, v2, v3, v4, v5, v6, v7, EC, FULL, K, BLOCK_T, BLOCK_E, CH)
 
     slots = tl.arange(0, BLOCK_K)[None, :]
     keys = _keys_tile(v0, v1, v2, v3, v4, v5, v6, v7, slots, K, BLOCK_T, BLOCK_K)
@@ -867,6 +899,8 @@ def _shape_launch(T: int, E: int, K: int, cuda: int, overrides: tuple, elsize: i
         ch = min(block_e, 16 // elsize, (stride & -stride) or 16)
         meta.update(CH=ch, EC=E, SC=stride)
         launch = _launch_rows
+        if elsize == 4:
+            meta["UNROLL"] = T <= ROWS_UNROLL_T or block_e <= 16
         if elsize == 2:
             launch = _launch_rows16
             meta["SPLIT"] = max(1, min(cfg["split"], block_e // ch))
