@@ -8,7 +8,7 @@ through main's module and through each OTHER file (named by its stem), in a CUDA
 (`moe_kernels.graph_us`, inputs rotated past the L2) and eager (`moe_kernels.interleaved_eager_us`: host
 loop, Python launch included, the modules in turn), checks that each gives main's expert ids and k
 (and records the largest weight difference), and names the kernel that served each call.
-Run: PYTHONPATH=lib python data/results/trials/fp32_rows.py OTHER [OTHER ...] [--policies ...] (prints JSON).
+Run: PYTHONPATH=lib python data/results/trials/fp32_rows.py OTHER [OTHER ...] [--policies ...] [--out F] (prints JSON).
 """
 
 import argparse
@@ -46,6 +46,7 @@ def main() -> None:
     ap.add_argument("other", nargs="+", help="paths of other versions of moelab/kernels/routing.py")
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     ap.add_argument("--policies", default="TopK,EntropyAdaptiveK,TopP,RatioSkip")
+    ap.add_argument("--out", help="also write the JSON here after every point (a stopped run keeps its rows)")
     args = ap.parse_args()
     from moe_kernels import adaptive_policy, copy_bandwidth_gbs, graph_us, interleaved_eager_us
 
@@ -56,6 +57,15 @@ def main() -> None:
     bw = copy_bandwidth_gbs()
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     rows = []
+
+    def dump(rows) -> str:
+        text = json.dumps({"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+                           "triton": triton.__version__, "other": args.other, "copy_bandwidth_gbs": bw, "rows": rows},
+                          indent=1)
+        if args.out:
+            Path(args.out).write_text(text)
+        return text
+
     for name, E, k, renorm in SHAPES:
         g = torch.Generator(device="cuda").manual_seed(E)
         ada = adaptive_policy(route_torch(torch.randn(4096, E, device="cuda", generator=g), TopK(k), renorm).entropy, k)
@@ -85,9 +95,8 @@ def main() -> None:
                 print(f"{name:14s} T={T:6d} {pname:17s} graph " + " ".join(f"{m} {v:6.2f}" for m, v in graph.items())
                       + " us  eager " + " ".join(f"{m} {v:5.1f}" for m, v in eager.items())
                       + f" us  {kernel['main']} same={all(same.values())}", file=sys.stderr, flush=True)
-    print(json.dumps({"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
-                      "triton": triton.__version__, "other": args.other, "copy_bandwidth_gbs": bw, "rows": rows},
-                     indent=1))
+                dump(rows)
+    print(dump(rows))
 
 
 if __name__ == "__main__":

@@ -322,9 +322,9 @@ def _route_kernel(
 MAX_ROWWISE_K = 8
 MAX_ROWWISE_E = 64
 # fp32 row kernel: chunk loops unrolled up to this T (and always for BLOCK_E <= 16). H200, graph time per
-# call, E = 60 / 64 at T = 16-512: unrolled 5.1-5.9 / 7.3-9.5 us, a loop 11.0-11.8 / 12.5-13.0 us; at
-# T = 4096 and 65536 the loop is as fast or faster (E = 64: 9.2 / 45.5 us against 10.7 / 76.8), and its
-# compile takes a fraction of the unrolled one's (trials/fp32_rows.py)
+# call, E = 60 / 64 at T = 1-512: unrolled 4.2-6.0 / 6.4-9.7 us, loops 7.5-11.9 / 10.0-13.1 us; at T = 4096
+# and 65536 loops are as fast or faster (E = 64: 9.2 / 45.5 us against 10.7 / 76.9), and compile in a
+# fraction of the time (data/results/trials/fp32_rows.py, logs/fp32-rows-5e46683.txt)
 ROWS_UNROLL_T = 512
 
 
