@@ -360,6 +360,21 @@ def test_fp32_rows_on_a_column_slice(unroll_t, monkeypatch):
         kr.clear_launch_caches()
 
 
+def test_rows_kernel_takes_float64_logits(monkeypatch):
+    """route() casts logits to a supported dtype, but route_triton called directly with fp64 logits runs the
+    int64-key row kernel (8-byte chunks of 2) with its chunk loops unrolled or not: the reference plan."""
+    monkeypatch.setitem(kr.LAUNCH, "select", "rowwise")
+    x = (torch.randn(7, 24, generator=torch.Generator().manual_seed(64), dtype=torch.float64) * 2).to(DEV)
+    for unroll_t in (0, 10**9):
+        monkeypatch.setattr(kr, "ROWS_UNROLL_T", unroll_t)
+        kr.clear_launch_caches()
+        launch, _, meta, _ = kr._shape_launch(7, 24, 4, -1, tuple(kr.LAUNCH.values()), 8, 24)
+        assert launch is kr._launch_rows and meta["UNROLL"] == (unroll_t > 0) and meta["CH"] == 2
+        for pol in (TopK(4), EntropyAdaptiveK((1, 2, 4), (1.5, 2.5))):
+            assert_same_plan(x, pol, True)
+    kr.clear_launch_caches()
+
+
 @gpu
 @pytest.mark.gpu
 def test_gpu_direct_launch_is_used_and_specialises(monkeypatch):

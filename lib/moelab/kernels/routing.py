@@ -323,8 +323,9 @@ MAX_ROWWISE_K = 8
 MAX_ROWWISE_E = 64
 # fp32 row kernel: chunk loops unrolled up to this T (and always for BLOCK_E <= 16). H200, graph time per
 # call, E = 60 / 64 at T = 1-512: unrolled 4.2-6.0 / 6.4-9.7 us, loops 7.5-11.9 / 10.0-13.1 us; at T = 4096
-# and 65536 loops are as fast or faster (E = 64: 9.2 / 45.5 us against 10.7 / 76.9), and compile in a
-# fraction of the time (data/results/trials/fp32_rows.py, logs/fp32-rows-5e46683.txt)
+# and 65536 loops are faster at E = 64 (9.2 / 45.5 us against 10.7 / 76.9) and 4-6% slower at E = 60 (6.1 /
+# 41.3 against 5.8 / 39.7), and compile in a fraction of the time (data/results/trials/fp32_rows.py,
+# logs/fp32-rows-5e46683.txt)
 ROWS_UNROLL_T = 512
 
 
@@ -423,12 +424,13 @@ def _route_rows_kernel(
     BLOCK_K1: tl.constexpr, CH: tl.constexpr, EC: tl.constexpr, SC: tl.constexpr, UNROLL: tl.constexpr,
 ):
     # EC, SC: E and the row stride as constants (E and stride_t unused): whole chunks load unmasked
-    # across columns (FULL: E a multiple of CH), and the known row alignment lets a chunk be one vector load.
+    # across columns (unrolled: every chunk but a partial last one; a loop: all, when FULL, E a multiple of
+    # CH), and the known row alignment lets a chunk be one vector load.
     # The policy's scalars are not specialised on (kv_packed always 64-bit): one compiled kernel serves every
     # policy of a k_max (fp32 logits are the fp32 models' path in the notebooks, where each compile cost seconds
     # on the H200 host). UNROLL: the chunk loops unrolled, every load of a row issued up front (few rows: the
-    # time is the row's latency), or a loop (many rows: no faster unrolled, and compile time does not grow
-    # with E); `_shape_launch` picks it from T (data/results/trials/README.md, fp32_rows.py)
+    # time is the row's latency), or a loop (many rows: about as fast, and compile time does not grow
+    # with E); `_shape_launch` picks it from T (ROWS_UNROLL_T)
     FULL: tl.constexpr = EC % CH == 0
     pid = tl.program_id(0)
     rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -881,7 +883,8 @@ def _prepare(logits, T: int, E: int, K: int, policy: Policy, renormalize: bool, 
 
 
 def clear_launch_caches() -> None:
-    """Forget every derived launch (after TUNED or DEFAULT change at run time; LAUNCH is in the keys)."""
+    """Forget every derived launch (after TUNED, DEFAULT or ROWS_UNROLL_T change at run time; LAUNCH is in the
+    keys)."""
     _launch_config.cache_clear()
     _shape_launch.cache_clear()
     _PREPARED.clear()
@@ -899,12 +902,12 @@ def _shape_launch(T: int, E: int, K: int, cuda: int, overrides: tuple, elsize: i
         ch = min(block_e, 16 // elsize, (stride & -stride) or 16)
         meta.update(CH=ch, EC=E, SC=stride)
         launch = _launch_rows
-        if elsize == 4:
-            meta["UNROLL"] = T <= ROWS_UNROLL_T or block_e <= 16
         if elsize == 2:
             launch = _launch_rows16
             meta["SPLIT"] = max(1, min(cfg["split"], block_e // ch))
             meta["SORT"] = cfg["select"] == "rowsort" and ch == 8 and pow2(K) == 8
+        else:  # the int64-key row kernel (fp32, and fp64 logits where a caller passes them)
+            meta["UNROLL"] = T <= ROWS_UNROLL_T or block_e <= 16
     else:
         meta["SELECT"] = select
     return launch, (cdiv(T, block_t),), meta, cfg["warps"]
