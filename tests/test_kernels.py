@@ -338,41 +338,47 @@ def test_rows16_split_rows(split, sel, monkeypatch):
                 assert_same_plan(logits.to(dtype).to(DEV), pol, E % 2 == 0)
 
 
+@pytest.fixture
+def unroll_at(monkeypatch):
+    """Sets the fp32 row kernel's unrolling threshold (ROWS_UNROLL_T) for a test; the launches derived from
+    it are forgotten at each change and after the test, whatever its outcome."""
+    def set_threshold(t):
+        monkeypatch.setattr(kr, "ROWS_UNROLL_T", t)
+        kr.clear_launch_caches()
+
+    yield set_threshold
+    monkeypatch.undo()
+    kr.clear_launch_caches()
+
+
 @pytest.mark.parametrize("unroll_t", [0, 10**9])
-def test_fp32_rows_on_a_column_slice(unroll_t, monkeypatch):
+def test_fp32_rows_on_a_column_slice(unroll_t, unroll_at, monkeypatch):
     """The fp32 row kernel on logits that are a column slice of a wider tensor (row stride 64, E = 62: the last
     16-byte chunk half masked) and on E = 3 (one-logit chunks): the reference plan for every policy kind, with
     the chunk loops unrolled and as loops (E = 62; BLOCK_E <= 16 always unrolls)."""
     monkeypatch.setitem(kr.LAUNCH, "select", "rowwise")
-    monkeypatch.setattr(kr, "ROWS_UNROLL_T", unroll_t)
-    kr.clear_launch_caches()
+    unroll_at(unroll_t)
     rng = torch.Generator().manual_seed(62)
     wide = (torch.randn(19, 64, generator=rng) * 2).to(DEV)
-    try:
-        for x in (wide[:, :62], wide[:, 5:8]):
-            launch, _, meta, _ = kr._shape_launch(19, x.shape[1], 3, -1, tuple(kr.LAUNCH.values()), 4, 64)
-            assert x.stride(0) == 64 and launch is kr._launch_rows
-            assert meta["UNROLL"] == (unroll_t > 0 or x.shape[1] <= 16)
-            for pol in (TopK(3), EntropyAdaptiveK((1, 2, 3), (0.4, 0.8)), TopP(0.6, k_max=3), RatioSkip(0.3, k_max=3)):
-                assert_same_plan(x, pol, True)
-    finally:
-        monkeypatch.undo()
-        kr.clear_launch_caches()
+    for x in (wide[:, :62], wide[:, 5:8]):
+        launch, _, meta, _ = kr._shape_launch(19, x.shape[1], 3, -1, tuple(kr.LAUNCH.values()), 4, 64)
+        assert x.stride(0) == 64 and launch is kr._launch_rows
+        assert meta["UNROLL"] == (unroll_t > 0 or x.shape[1] <= 16)
+        for pol in (TopK(3), EntropyAdaptiveK((1, 2, 3), (0.4, 0.8)), TopP(0.6, k_max=3), RatioSkip(0.3, k_max=3)):
+            assert_same_plan(x, pol, True)
 
 
-def test_rows_kernel_takes_float64_logits(monkeypatch):
+def test_rows_kernel_takes_float64_logits(unroll_at, monkeypatch):
     """route() casts logits to a supported dtype, but route_triton called directly with fp64 logits runs the
     int64-key row kernel (8-byte chunks of 2) with its chunk loops unrolled or not: the reference plan."""
     monkeypatch.setitem(kr.LAUNCH, "select", "rowwise")
     x = (torch.randn(7, 24, generator=torch.Generator().manual_seed(64), dtype=torch.float64) * 2).to(DEV)
     for unroll_t in (0, 10**9):
-        monkeypatch.setattr(kr, "ROWS_UNROLL_T", unroll_t)
-        kr.clear_launch_caches()
+        unroll_at(unroll_t)
         launch, _, meta, _ = kr._shape_launch(7, 24, 4, -1, tuple(kr.LAUNCH.values()), 8, 24)
         assert launch is kr._launch_rows and meta["UNROLL"] == (unroll_t > 0) and meta["CH"] == 2
         for pol in (TopK(4), EntropyAdaptiveK((1, 2, 4), (1.5, 2.5))):
             assert_same_plan(x, pol, True)
-    kr.clear_launch_caches()
 
 
 @gpu
