@@ -1,0 +1,94 @@
+"""What a new shape's first fp32 routing call costs on a GPU, with the row kernel's chunk loops unrolled up to
+T = ROWS_UNROLL_T (main, since 5e46683) and with them never unrolled (ROWS_UNROLL_T = 0, as 58c5b58 had it).
+
+For each setting, a fresh process with an empty Triton cache calls `route_triton` on fp32 logits [T, E] at the
+embedded models' router shapes (E = 8 / 60 / 64, k = 2 / 4 / 8) and each T in turn, and records the first call's
+and the second call's wall time (synchronised) and how many kernels the first call added to the cache. A T
+whose launch (tile, warps, UNROLL) an earlier T already compiled adds none. The policy is TopK: the fp32 row
+kernel takes the policy kind at run time, so one compile serves every kind of a k_max.
+Run: PYTHONPATH=lib python data/results/trials/first_route.py [--tokens 1,16,64,512,4096] [--out F] (prints JSON)
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+SHAPES = [("tiny-mixtral", 8, 2), ("tiny-qwen-moe", 60, 4), ("tiny-olmoe", 64, 8)]
+
+
+def child(threshold: int, tokens: list[int]) -> None:
+    """In this process's own empty cache (TRITON_CACHE_DIR set by the parent): one JSON line per (shape, T)."""
+    import torch
+
+    import moelab.kernels.routing as kr
+    from moelab.routing import TopK
+
+    kr.ROWS_UNROLL_T = threshold
+    kr.clear_launch_caches()
+    cache = os.environ["TRITON_CACHE_DIR"]
+    count = lambda: len(os.listdir(cache)) if os.path.isdir(cache) else 0  # noqa: E731
+    dev = os.environ.get("FIRST_ROUTE_DEVICE", "cuda")  # 'cpu' with TRITON_INTERPRET=1: a plumbing check
+    sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+    torch.ones(1, device=dev).sum().item()  # CUDA context before the clock
+    for name, E, k in SHAPES:
+        for T in tokens:
+            logits = torch.randn(T, E, device=dev, generator=torch.Generator(dev).manual_seed(T))
+            times = []
+            before = count()
+            for _ in range(2):
+                sync()
+                t0 = time.perf_counter()
+                plan = kr.route_triton(logits, TopK(k), renormalize=False)
+                sync()
+                times.append(time.perf_counter() - t0)
+            prep = list(kr._PREPARED.values())[-1]
+            print(json.dumps(dict(rows_unroll_t=threshold, model=name, E=E, k=k, T=T,
+                                  first_s=round(times[0], 4), second_ms=round(times[1] * 1e3, 4),
+                                  new_cache_entries=count() - before, kernel=prep.launch.fn.__name__,
+                                  unroll=bool(prep.meta.get("UNROLL", False)),
+                                  block_t=prep.meta["BLOCK_T"], warps=prep.warps,
+                                  kept_pairs=int(plan.k.sum()))), flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", default="1,16,64,512,4096")
+    ap.add_argument("--out", help="also write the JSON here after every setting")
+    ap.add_argument("--child", type=int, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    tokens = [int(t) for t in args.tokens.split(",")]
+    if args.child is not None:
+        return child(args.child, tokens)
+    import torch
+    import triton
+
+    import moelab.kernels.routing as kr
+
+    out = dict(device=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+               torch=torch.__version__, triton=triton.__version__,
+               python=sys.version.split()[0], command=" ".join(sys.argv), rows=[])
+    for threshold in (kr.ROWS_UNROLL_T, 0):
+        with tempfile.TemporaryDirectory() as cache:
+            env = dict(os.environ, TRITON_CACHE_DIR=cache)
+            t0 = time.perf_counter()
+            res = subprocess.run([sys.executable, __file__, "--tokens", args.tokens, "--child", str(threshold)],
+                                 env=env, capture_output=True, text=True)
+            if res.returncode:
+                sys.exit(f"child ROWS_UNROLL_T={threshold} failed:\n{res.stderr[-4000:]}")
+            rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+            out["rows"] += rows
+            out[f"process_s_rows_unroll_t_{threshold}"] = round(time.perf_counter() - t0, 1)
+            for r in rows:
+                print(json.dumps(r), flush=True)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(out, f, indent=1)
+    print(json.dumps({k: v for k, v in out.items() if k != "rows"}))
+
+
+if __name__ == "__main__":
+    main()
