@@ -368,6 +368,20 @@ def test_fp32_rows_on_a_column_slice(unroll_t, unroll_at, monkeypatch):
             assert_same_plan(x, pol, True)
 
 
+def test_fp32_rows_unroll_only_decode_sized_batches(monkeypatch):
+    """The default switch: decode-sized batches (T <= 64) get the unrolled chunk loops, the notebooks' eager
+    evaluation batches (512 tokens and more) the loops, which compile in a fraction of the time; E <= 16 always
+    unrolls."""
+    monkeypatch.setitem(kr.LAUNCH, "select", "rowwise")
+    kr.clear_launch_caches()
+    try:
+        for T, E, unrolled in ((1, 64, True), (64, 64, True), (65, 60, False), (512, 64, False), (512, 8, True)):
+            launch, _, meta, _ = kr._shape_launch(T, E, 8 if E > 8 else 2, -1, tuple(kr.LAUNCH.values()), 4, E)
+            assert launch is kr._launch_rows and meta["UNROLL"] is unrolled, (T, E)
+    finally:
+        kr.clear_launch_caches()
+
+
 def test_rows_kernel_takes_float64_logits(unroll_at, monkeypatch):
     """route() casts logits to a supported dtype, but route_triton called directly with fp64 logits runs the
     int64-key row kernel (8-byte chunks of 2) with its chunk loops unrolled or not: the reference plan."""

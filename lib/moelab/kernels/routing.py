@@ -321,12 +321,16 @@ def _route_kernel(
 # used for K <= 8 and BLOCK_E <= 64. bf16 / fp16 logits take the 32-bit-key kernel further below.
 MAX_ROWWISE_K = 8
 MAX_ROWWISE_E = 64
-# fp32 row kernel: chunk loops unrolled up to this T (and always for BLOCK_E <= 16). H200, graph time per
-# call, E = 60 / 64 at T = 1-512: unrolled 4.2-6.0 / 6.4-9.7 us, loops 7.5-11.9 / 10.0-13.1 us; at T = 4096
-# and 65536 loops are faster at E = 64 (9.2 / 45.5 us against 10.7 / 76.9) and 4-6% slower at E = 60 (6.1 /
-# 41.3 against 5.8 / 39.7), and compile in a fraction of the time (data/results/trials/fp32_rows.py,
-# logs/fp32-rows-5e46683.txt)
-ROWS_UNROLL_T = 512
+# fp32 row kernel: chunk loops unrolled up to this T (and always for BLOCK_E <= 16): decode-sized batches,
+# which graphs replay and where a call lasts one row's chain of loads. H200, graph time per call, E = 60 / 64
+# at T = 1-64: unrolled 3.9-5.6 / 6.5-9.2 us, loops 7.5-11.3 / 10.0-12.7 us (data/results/trials/fp32_rows.py,
+# logs/fp32-rows-5e46683.txt). Above it loops: at T = 512 they are slower in a graph (11.8 / 13.0 us against
+# 6.0 / 9.7), but the notebooks' evaluation batches (512 tokens and more, eager) are host-bound (an eager
+# call takes 23-46 us either way), and an unrolled E = 60 / 64 kernel takes 4-8 s to compile on the H200 host
+# against 0.4-1.0 s (trials/first_route.py), once per k_max: with the switch at 512 the main job on the H200
+# took 291 s (logs/main-job-gpu-0459b4e.txt).
+# At T = 4096 / 65536 loops are also as fast or faster (E = 64: 9.2 / 45.5 us against 10.7 / 76.9)
+ROWS_UNROLL_T = 64
 
 
 @triton.jit
