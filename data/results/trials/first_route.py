@@ -18,9 +18,13 @@ import tempfile
 import time
 
 SHAPES = [("tiny-mixtral", 8, 2), ("tiny-qwen-moe", 60, 4), ("tiny-olmoe", 64, 8)]
+# --main-job: the (T, E, k_max) that notebooks 01-05 route at the main job's defaults (logged through
+# moelab.routing.route in a CPU run of `python -m moelab.sweep --main`; 06's decode steps not included)
+MAIN_JOB = ([(512, 64, k) for k in range(2, 9)] + [(1024, 64, 8), (512, 60, 4), (512, 60, 8)]
+            + [(512, 8, k) for k in (2, 4, 8)] + [(1024, 8, 1), (1024, 8, 2), (8192, 8, 1), (8192, 8, 2)])
 
 
-def child(threshold: int, tokens: list[int]) -> None:
+def child(threshold: int, tokens: list[int], main_job: bool) -> None:
     """In this process's own empty cache (TRITON_CACHE_DIR set by the parent): one JSON line per (shape, T)."""
     import torch
 
@@ -34,35 +38,38 @@ def child(threshold: int, tokens: list[int]) -> None:
     dev = os.environ.get("FIRST_ROUTE_DEVICE", "cuda")  # 'cpu' with TRITON_INTERPRET=1: a plumbing check
     sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
     torch.ones(1, device=dev).sum().item()  # CUDA context before the clock
-    for name, E, k in SHAPES:
-        for T in tokens:
-            logits = torch.randn(T, E, device=dev, generator=torch.Generator(dev).manual_seed(T))
-            times = []
-            before = count()
-            for _ in range(2):
-                sync()
-                t0 = time.perf_counter()
-                plan = kr.route_triton(logits, TopK(k), renormalize=False)
-                sync()
-                times.append(time.perf_counter() - t0)
-            prep = list(kr._PREPARED.values())[-1]
-            print(json.dumps(dict(rows_unroll_t=threshold, model=name, E=E, k=k, T=T,
-                                  first_s=round(times[0], 4), second_ms=round(times[1] * 1e3, 4),
-                                  new_cache_entries=count() - before, kernel=prep.launch.fn.__name__,
-                                  unroll=bool(prep.meta.get("UNROLL", False)),
-                                  block_t=prep.meta["BLOCK_T"], warps=prep.warps,
-                                  kept_pairs=int(plan.k.sum()))), flush=True)
+    points = [(f"main-job E={E}", E, k, T) for T, E, k in MAIN_JOB] if main_job else \
+        [(name, E, k, T) for name, E, k in SHAPES for T in tokens]
+    for name, E, k, T in points:
+        logits = torch.randn(T, E, device=dev, generator=torch.Generator(dev).manual_seed(T))
+        times = []
+        before = count()
+        for _ in range(2):
+            sync()
+            t0 = time.perf_counter()
+            plan = kr.route_triton(logits, TopK(k), renormalize=False)
+            sync()
+            times.append(time.perf_counter() - t0)
+        prep = list(kr._PREPARED.values())[-1]
+        print(json.dumps(dict(rows_unroll_t=threshold, model=name, E=E, k=k, T=T,
+                              first_s=round(times[0], 4), second_ms=round(times[1] * 1e3, 4),
+                              new_cache_entries=count() - before, kernel=prep.launch.fn.__name__,
+                              unroll=bool(prep.meta.get("UNROLL", False)),
+                              block_t=prep.meta["BLOCK_T"], warps=prep.warps,
+                              kept_pairs=int(plan.k.sum()))), flush=True)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", default="1,16,64,512,4096")
     ap.add_argument("--out", help="also write the JSON here after every setting")
+    ap.add_argument("--main-job", action="store_true", help="the main job's routing shapes instead of --tokens")
+    ap.add_argument("--thresholds", help="ROWS_UNROLL_T values to compare (default: main's and 0)")
     ap.add_argument("--child", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     tokens = [int(t) for t in args.tokens.split(",")]
     if args.child is not None:
-        return child(args.child, tokens)
+        return child(args.child, tokens, args.main_job)
     import torch
     import triton
 
@@ -71,17 +78,19 @@ def main() -> None:
     out = dict(device=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
                torch=torch.__version__, triton=triton.__version__,
                python=sys.version.split()[0], command=" ".join(sys.argv), rows=[])
-    for threshold in (kr.ROWS_UNROLL_T, 0):
+    thresholds = [int(t) for t in args.thresholds.split(",")] if args.thresholds else [kr.ROWS_UNROLL_T, 0]
+    for threshold in thresholds:
         with tempfile.TemporaryDirectory() as cache:
             env = dict(os.environ, TRITON_CACHE_DIR=cache)
             t0 = time.perf_counter()
-            res = subprocess.run([sys.executable, __file__, "--tokens", args.tokens, "--child", str(threshold)],
-                                 env=env, capture_output=True, text=True)
+            res = subprocess.run([sys.executable, __file__, "--tokens", args.tokens, "--child", str(threshold)]
+                                 + ["--main-job"] * args.main_job, env=env, capture_output=True, text=True)
             if res.returncode:
                 sys.exit(f"child ROWS_UNROLL_T={threshold} failed:\n{res.stderr[-4000:]}")
             rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
             out["rows"] += rows
             out[f"process_s_rows_unroll_t_{threshold}"] = round(time.perf_counter() - t0, 1)
+            out[f"first_calls_s_rows_unroll_t_{threshold}"] = round(sum(r["first_s"] for r in rows), 1)
             for r in rows:
                 print(json.dumps(r), flush=True)
         if args.out:
