@@ -326,10 +326,11 @@ MAX_ROWWISE_E = 64
 # at T = 1-64: unrolled 3.9-5.6 / 6.5-9.2 us, loops 7.5-11.3 / 10.0-12.7 us (data/results/trials/fp32_rows.py,
 # logs/fp32-rows-5e46683.txt). Above it loops: at T = 512 they are slower in a graph (11.8 / 13.0 us against
 # 6.0 / 9.7), but the notebooks' evaluation batches (512 tokens and more, eager) are host-bound (an eager
-# call takes 23-46 us either way), and an unrolled E = 60 / 64 kernel takes 4-8 s to compile on the H200 host
-# against 0.4-1.0 s (trials/first_route.py), once per k_max: with the switch at 512 the main job on the H200
-# took 291 s (logs/main-job-gpu-0459b4e.txt).
-# At T = 4096 / 65536 loops are also as fast or faster (E = 64: 9.2 / 45.5 us against 10.7 / 76.9)
+# call takes 23-46 us either way), and an unrolled E = 60 / 64 kernel takes 3.7-8.2 s to compile on the H200
+# host against 0.4-1.0 s as loops, once per k_max: the main job's routing shapes cost 53.4 s of first calls
+# with the switch at 512 against 12.4 s at 64 and 9.4 s at 0 (trials/first_route.py,
+# logs/first-route-main-job-1ba0eae.txt).
+# At T = 4096 / 65536 loops are as fast or faster too (E = 64: 9.2 / 45.5 us against 10.7 / 76.9)
 ROWS_UNROLL_T = 64
 
 
