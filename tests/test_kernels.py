@@ -375,7 +375,8 @@ def test_fp32_rows_unroll_only_decode_sized_batches(monkeypatch):
     monkeypatch.setitem(kr.LAUNCH, "select", "rowwise")
     kr.clear_launch_caches()
     try:
-        for T, E, unrolled in ((1, 64, True), (64, 64, True), (65, 60, False), (512, 64, False), (512, 8, True)):
+        for T, E, unrolled in ((1, 64, True), (64, 64, True), (65, 64, False), (65, 60, False), (512, 64, False),
+                               (512, 8, True)):
             launch, _, meta, _ = kr._shape_launch(T, E, 8 if E > 8 else 2, -1, tuple(kr.LAUNCH.values()), 4, E)
             assert launch is kr._launch_rows and meta["UNROLL"] is unrolled, (T, E)
     finally:

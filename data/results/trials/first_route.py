@@ -1,10 +1,12 @@
 """What a new shape's first fp32 routing call costs on a GPU, with the row kernel's chunk loops unrolled up to
-T = ROWS_UNROLL_T (main, since 5e46683) and with them never unrolled (ROWS_UNROLL_T = 0, as 58c5b58 had it).
+T = ROWS_UNROLL_T (main's value, 64 since 103c38f; 512 from 5e46683 to 0459b4e) and with them unrolled only
+where BLOCK_E <= 16 (ROWS_UNROLL_T = 0: loops for E > 16, as 58c5b58 had for every E).
 
 For each setting, a fresh process with an empty Triton cache calls `route_triton` on fp32 logits [T, E] at the
 embedded models' router shapes (E = 8 / 60 / 64, k = 2 / 4 / 8) and each T in turn, and records the first call's
-and the second call's wall time (synchronised) and how many kernels the first call added to the cache. A T
-whose launch (tile, warps, UNROLL) an earlier T already compiled adds none. The policy is TopK: the fp32 row
+and the second call's wall time (synchronised) and how many entries the first call added to the cache. A T
+whose launch (tile, warps, UNROLL) an earlier T already compiled adds none; a process's first point also
+builds Triton's launcher utilities (3 entries, 1-2 s of its first call). The policy is TopK: the fp32 row
 kernel takes the policy kind at run time, so one compile serves every kind of a k_max.
 Run: PYTHONPATH=lib python data/results/trials/first_route.py [--tokens 1,16,64,512,4096] [--out F] (prints JSON)
 """

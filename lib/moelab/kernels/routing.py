@@ -325,12 +325,11 @@ MAX_ROWWISE_E = 64
 # which graphs replay and where a call lasts one row's chain of loads. H200, graph time per call, E = 60 / 64
 # at T = 1-64: unrolled 3.9-5.6 / 6.5-9.2 us, loops 7.5-11.3 / 10.0-12.7 us (data/results/trials/fp32_rows.py,
 # logs/fp32-rows-5e46683.txt). Above it loops: at T = 512 they are slower in a graph (11.8 / 13.0 us against
-# 6.0 / 9.7), but the notebooks' evaluation batches (512 tokens and more, eager) are host-bound (an eager
-# call takes 23-46 us either way), and an unrolled E = 60 / 64 kernel takes 3.7-8.2 s to compile on the H200
-# host against 0.4-1.0 s as loops, once per k_max: the main job's routing shapes cost 53.4 s of first calls
-# with the switch at 512 against 12.4 s at 64 and 9.4 s at 0 (trials/first_route.py,
-# logs/first-route-main-job-1ba0eae.txt).
-# At T = 4096 / 65536 loops are as fast or faster too (E = 64: 9.2 / 45.5 us against 10.7 / 76.9)
+# 6.0 / 9.7), but the notebooks route their 512-token batches eagerly (28-38 us per call in every form), and
+# an unrolled E = 60 / 64 kernel takes 3.7-8.2 s to compile on the H200 host against 0.4-1.0 s as loops, once
+# per k_max and BLOCK_T (trials/first_route.py, logs/first-route-0459b4e.txt): at 512 the main job's routing
+# shapes cost 53.4 s of first calls against 9.4 s at 0 (logs/first-route-main-job-1ba0eae.txt). At T = 4096 /
+# 65536 loops are faster at E = 64 (9.2 / 45.5 us against 10.7 / 76.9) and 4-6% slower at E = 60
 ROWS_UNROLL_T = 64
 
 
