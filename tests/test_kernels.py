@@ -383,6 +383,26 @@ def test_fp32_rows_unroll_only_decode_sized_batches(monkeypatch):
         kr.clear_launch_caches()
 
 
+def test_fp32_rows_one_launch_for_every_decode_batch(monkeypatch):
+    """A decode loop's batch sizes (T = 1-64) share the fp32 row kernel's launch: its whole tile at every T and
+    T not specialised on, so one compile per k_max (an unrolled E = 64 kernel takes seconds to compile)."""
+    monkeypatch.setitem(kr.LAUNCH, "select", "rowwise")
+    kr.clear_launch_caches()
+    try:
+        for E, K in ((64, 8), (60, 4), (24, 4)):
+            metas = {}
+            for T in (1, 2, 3, 16, 17, 64):
+                launch, grid, meta, warps = kr._shape_launch(T, E, K, -1, tuple(kr.LAUNCH.values()), 4, E)
+                assert launch is kr._launch_rows and grid == (-(-T // meta["BLOCK_T"]),)
+                metas[T] = (tuple(meta.items()), warps)
+            assert len(set(metas.values())) == 1, (E, metas)
+        fn = kr._route_rows_kernel  # a JITFunction, or under TRITON_INTERPRET an InterpretedFunction
+        dns = getattr(fn, "do_not_specialize", None) or fn.kwargs["do_not_specialize"]
+        assert "T" in dns or fn.arg_names.index("T") in dns
+    finally:
+        kr.clear_launch_caches()
+
+
 def test_rows_kernel_takes_float64_logits(unroll_at, monkeypatch):
     """route() casts logits to a supported dtype, but route_triton called directly with fp64 logits runs the
     int64-key row kernel (8-byte chunks of 2) with its chunk loops unrolled or not: the reference plan."""

@@ -417,7 +417,7 @@ def _key_chunk(base, c0, cc, row_ok, m, lse, ent, v0, v1, v2, v3, v4, v5, v6, v7
     return ent, v0, v1, v2, v3, v4, v5, v6, v7
 
 
-@triton.jit(do_not_specialize=["kv_packed", "KMIN", "POLICY", "NTH"])
+@triton.jit(do_not_specialize=["T", "kv_packed", "KMIN", "POLICY", "NTH"])
 def _route_rows_kernel(
     logits_ptr, ids_ptr, w_ptr, k_ptr, ent_ptr,
     hist_ptr, entsum_ptr, tok_ptr,
@@ -430,11 +430,12 @@ def _route_rows_kernel(
     # EC, SC: E and the row stride as constants (E and stride_t unused): whole chunks load unmasked
     # across columns (unrolled: every chunk but a partial last one; a loop: all, when FULL, E a multiple of
     # CH), and the known row alignment lets a chunk be one vector load.
-    # The policy's scalars are not specialised on (kv_packed always 64-bit): one compiled kernel serves every
-    # policy of a k_max (fp32 logits are the fp32 models' path in the notebooks, where each compile cost seconds
-    # on the H200 host). UNROLL: the chunk loops unrolled, every load of a row issued up front (few rows: the
-    # time is the row's latency), or a loop (many rows: about as fast, and compile time does not grow
-    # with E); `_shape_launch` picks it from T (ROWS_UNROLL_T)
+    # The policy's scalars and T are not specialised on (kv_packed always 64-bit), and BLOCK_T is the whole
+    # tile at every T: one compiled kernel serves every policy and batch size of a k_max and loop form (fp32
+    # logits are the fp32 models' path in the notebooks, where each compile cost seconds on the H200 host).
+    # UNROLL: the chunk loops unrolled, every load of a row issued up front (few rows: the time is the row's
+    # latency), or a loop (many rows: about as fast, and compile time does not grow with E); `_shape_launch`
+    # picks it from T (ROWS_UNROLL_T)
     FULL: tl.constexpr = EC % CH == 0
     pid = tl.program_id(0)
     rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -786,11 +787,11 @@ def _select(K: int, sel: str, block_e: int = 0, elsize: int = 4) -> int:
     return 2 if sel == "split" else 0
 
 
-def block_tokens(T: int, E: int, tile: int = 1024) -> tuple[int, int]:
-    """(BLOCK_T, BLOCK_E): about `tile` logits per program, fewer tokens when T is small."""
+def block_tokens(T: int | None, E: int, tile: int = 1024) -> tuple[int, int]:
+    """(BLOCK_T, BLOCK_E): about `tile` logits per program, fewer tokens when T is small (T None: the whole tile)."""
     block_e = pow2(max(E, 2))
     block_t = max(1, min(256, tile // block_e))
-    return min(block_t, pow2(max(T, 1))), block_e
+    return (block_t if T is None else min(block_t, pow2(max(T, 1)))), block_e
 
 
 def route_triton(
@@ -912,6 +913,11 @@ def _shape_launch(T: int, E: int, K: int, cuda: int, overrides: tuple, elsize: i
             meta["SORT"] = cfg["select"] == "rowsort" and ch == 8 and pow2(K) == 8
         else:  # the int64-key row kernel (fp32, and fp64 logits where a caller passes them)
             meta["UNROLL"] = T <= ROWS_UNROLL_T or block_e <= 16
+            # its whole tile at every T (rows past T are masked; T not specialised on either): a decode
+            # loop's batch sizes share one compile per k_max, not one per power of two below the tile and per
+            # Triton's T == 1 / T % 16 cases (an unrolled E = 60 / 64 kernel takes 3.7-8.2 s to compile on
+            # the H200 host)
+            block_t = meta["BLOCK_T"] = block_tokens(None, E, cfg["tile"])[0]
     else:
         meta["SELECT"] = select
     return launch, (cdiv(T, block_t),), meta, cfg["warps"]
