@@ -324,14 +324,14 @@ MAX_ROWWISE_E = 64
 # fp32 row kernel: chunk loops unrolled up to this T (and always for BLOCK_E <= 16): decode-sized batches,
 # which graphs replay and where a call lasts one row's chain of loads. H200, graph time per call, E = 60 / 64
 # at T = 1-64: unrolled 3.9-5.6 / 6.5-9.2 us, loops 7.5-11.3 / 10.0-12.7 us (data/results/trials/fp32_rows.py,
-# logs/fp32-rows-5e46683.txt, with BLOCK_T shrunk to T; in the whole tile since adb43f6, T = 1-2 take 0.6-1.3 us
-# more: logs/fp32-rows-decode-adb43f6.txt). Above it loops: at T = 512 they are slower in a graph (11.8 / 13.0
+# logs/fp32-rows-5e46683.txt, with BLOCK_T shrunk to pow2(T); in the whole tile since adb43f6, T = 1-2 take 0.8-0.9
+# us more: logs/fp32-rows-decode-adb43f6.txt). Above it loops: at T = 512 they are slower in a graph (11.8 / 13.0
 # us against 6.0 / 9.7), but the notebooks route their 512-token batches eagerly (28-38 us per call in every
 # form), and an unrolled E = 60 / 64 kernel takes 3.7-12.1 s to compile on the H200 host against 0.4-1.0 s as
-# loops, once per k_max (trials/first_route.py, logs/first-route-0459b4e.txt, first-route-decode-adb43f6.txt):
-# at 512 the main job's routing shapes cost 53.4 s of first calls against 9.4 s at 0
-# (logs/first-route-main-job-1ba0eae.txt). At T = 4096 / 65536 loops are faster at E = 64 (9.2 / 45.5 us
-# against 10.7 / 76.9) and 4-6% slower at E = 60
+# loops, once per k_max and launch (trials/first_route.py, logs/first-route-0459b4e.txt,
+# first-route-main-job-1ba0eae.txt, first-route-decode-adb43f6.txt): at 512 the main job's routing shapes cost
+# 53.4 s of first calls against 9.4 s at 0 (logs/first-route-main-job-1ba0eae.txt). At T = 4096 / 65536 loops
+# are faster at E = 64 (9.2 / 45.5 us against 10.7 / 76.9) and 4-6% slower at E = 60
 ROWS_UNROLL_T = 64
 
 
@@ -433,7 +433,7 @@ def _route_rows_kernel(
     # across columns (unrolled: every chunk but a partial last one; a loop: all, when FULL, E a multiple of
     # CH), and the known row alignment lets a chunk be one vector load.
     # The policy's scalars and T are not specialised on (kv_packed always 64-bit), and BLOCK_T is the whole
-    # tile at every T: one compiled kernel serves every policy and batch size of a k_max and loop form (fp32
+    # tile at every T: one compiled kernel serves every policy and batch size of a k_max and launch (fp32
     # logits are the fp32 models' path in the notebooks, where each compile cost seconds on the H200 host).
     # UNROLL: the chunk loops unrolled, every load of a row issued up front (few rows: the time is the row's
     # latency), or a loop (many rows: about as fast, and compile time does not grow with E); `_shape_launch`
@@ -916,9 +916,10 @@ def _shape_launch(T: int, E: int, K: int, cuda: int, overrides: tuple, elsize: i
         else:  # the int64-key row kernel (fp32, and fp64 logits where a caller passes them)
             meta["UNROLL"] = T <= ROWS_UNROLL_T or block_e <= 16
             # its whole tile at every T (rows past T are masked; T not specialised on either): a decode
-            # loop's batch sizes share one compile per k_max, not one per power of two below the tile and per
-            # Triton's T == 1 / T % 16 cases (an unrolled E = 60 / 64 kernel takes 3.7-12.1 s to compile on
-            # the H200 host); T = 1-2 take 0.6-1.3 us more in a graph (logs/fp32-rows-decode-adb43f6.txt)
+            # loop's batch sizes share one compile per k_max and launch, not one per power of two below the
+            # tile and per Triton's T == 1 / T % 16 cases (an unrolled E = 60 / 64 kernel takes 3.7-12.1 s to
+            # compile on the H200 host); T = 1-2 take 0.8-0.9 us more in a graph
+            # (logs/fp32-rows-decode-adb43f6.txt)
             block_t = meta["BLOCK_T"] = block_tokens(None, E, cfg["tile"])[0]
     else:
         meta["SELECT"] = select
