@@ -403,6 +403,28 @@ def test_fp32_rows_one_launch_for_every_decode_batch(monkeypatch):
         kr.clear_launch_caches()
 
 
+def test_rows16_one_launch_per_token_tile(monkeypatch):
+    """The bf16 / fp16 row kernel shrinks its tile to pow2(T) at decode sizes (a 1-token call stays as fast as
+    it was), but T and the policy's packed k values and k_min are not specialised on: batch sizes that
+    share a tile share one compile (Triton would split T == 1 and T % 16 == 0 off)."""
+    monkeypatch.setitem(kr.LAUNCH, "select", "rowwise")
+    kr.clear_launch_caches()
+    try:
+        for E, K in ((64, 8), (60, 4), (8, 2)):
+            metas = {}
+            for T in (17, 24, 32, 33, 48, 64):
+                launch, grid, meta, warps = kr._shape_launch(T, E, K, -1, tuple(kr.LAUNCH.values()), 2, E)
+                assert launch is kr._launch_rows16 and grid == (-(-T // meta["BLOCK_T"]),)
+                metas.setdefault(meta["BLOCK_T"], set()).add((tuple(meta.items()), warps))
+            assert all(len(v) == 1 for v in metas.values()), (E, metas)
+        fn = kr._route_rows16_kernel
+        dns = getattr(fn, "do_not_specialize", None) or fn.kwargs["do_not_specialize"]
+        for name in ("T", "kv_packed", "KMIN"):
+            assert name in dns or fn.arg_names.index(name) in dns, name
+    finally:
+        kr.clear_launch_caches()
+
+
 def test_rows_kernel_takes_float64_logits(unroll_at, monkeypatch):
     """route() casts logits to a supported dtype, but route_triton called directly with fp64 logits runs the
     int64-key row kernel (8-byte chunks of 2) with its chunk loops unrolled or not: the reference plan."""

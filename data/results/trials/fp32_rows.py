@@ -8,7 +8,9 @@ through main's module and through each OTHER file (named by its stem), in a CUDA
 (`moe_kernels.graph_us`, inputs rotated past the L2) and eager (`moe_kernels.interleaved_eager_us`: host
 loop, Python launch included, the modules in turn), checks that each gives main's expert ids and k
 (and records the largest weight difference), and names the kernel that served each call.
-Run: PYTHONPATH=lib python data/results/trials/fp32_rows.py OTHER [OTHER ...] [--policies ...] [--out F] (prints JSON).
+--dtype bf16 / fp16 times 16-bit logits instead (the 32-bit-key row kernel; the same shapes).
+Run: PYTHONPATH=lib python data/results/trials/fp32_rows.py OTHER [OTHER ...] [--policies ...] [--dtype fp32]
+     [--out F] (prints JSON).
 """
 
 import argparse
@@ -46,6 +48,7 @@ def main() -> None:
     ap.add_argument("other", nargs="+", help="paths of other versions of moelab/kernels/routing.py")
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     ap.add_argument("--policies", default="TopK,EntropyAdaptiveK,TopP,RatioSkip")
+    ap.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32", help="the logits' dtype")
     ap.add_argument("--out", help="also write the JSON here after every point (a stopped run keeps its rows)")
     args = ap.parse_args()
     from moe_kernels import adaptive_policy, copy_bandwidth_gbs, graph_us, interleaved_eager_us
@@ -53,6 +56,8 @@ def main() -> None:
     import moelab.kernels.routing as new
     from moelab.routing import RatioSkip, TopK, TopP, route_torch
 
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    size = dtype.itemsize
     mods = {"main": new} | {Path(p).stem: load(p) for p in args.other}
     bw = copy_bandwidth_gbs()
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
@@ -60,7 +65,8 @@ def main() -> None:
 
     def dump(rows) -> str:
         text = json.dumps({"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
-                           "triton": triton.__version__, "other": args.other, "copy_bandwidth_gbs": bw, "rows": rows},
+                           "triton": triton.__version__, "dtype": args.dtype, "other": args.other,
+                           "copy_bandwidth_gbs": bw, "rows": rows},
                           indent=1)
         if args.out:
             Path(args.out).write_text(text)
@@ -72,8 +78,8 @@ def main() -> None:
         policies = {"TopK": TopK(k), "EntropyAdaptiveK": ada, "TopP": TopP(0.6, k), "RatioSkip": RatioSkip(0.3, k)}
         policies = {n: policies[n] for n in args.policies.split(",")}
         for T in map(int, args.tokens.split(",")):
-            n_in = max(1, min(16, math.ceil(3 * l2 / (T * E * 4))))
-            inputs = [torch.randn(T, E, device="cuda", generator=g) for _ in range(n_in)]
+            n_in = max(1, min(16, math.ceil(3 * l2 / (T * E * size))))
+            inputs = [torch.randn(T, E, device="cuda", generator=g).to(dtype) for _ in range(n_in)]
             calls = max(20, n_in)
             for pname, pol in policies.items():
                 fns, kernel, plans = {}, {}, {}
@@ -91,7 +97,7 @@ def main() -> None:
                 rows.append({"model": name, "E": E, "native_k": k, "T": T, "policy": repr(pol), "kernel": kernel,
                              "same_ids_as_main": same, "max_weight_diff_to_main": wdiff, "graph_us": graph,
                              "eager_us": eager,
-                             "hbm_bound_us": (T * E * 4 + T * k * 8 + T * 8) / (bw * 1e9) * 1e6})
+                             "hbm_bound_us": (T * E * size + T * k * 8 + T * 8) / (bw * 1e9) * 1e6})
                 print(f"{name:14s} T={T:6d} {pname:17s} graph " + " ".join(f"{m} {v:6.2f}" for m, v in graph.items())
                       + " us  eager " + " ".join(f"{m} {v:5.1f}" for m, v in eager.items())
                       + f" us  {kernel['main']} same={all(same.values())}", file=sys.stderr, flush=True)

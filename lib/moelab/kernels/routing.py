@@ -654,12 +654,12 @@ def _load16(ptrs, rmask, ok, MASKED: tl.constexpr):
     return tl.load(ptrs, mask=rmask, other=0.0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "kv_packed", "KMIN"])
 def _route_rows16_kernel(
     logits_ptr, ids_ptr, w_ptr, k_ptr, ent_ptr,
     hist_ptr, entsum_ptr, tok_ptr,
     T, E, stride_t,
-    fpar, th0, th1, th2, th3, th4, th5, th6, kv_packed, KMIN, NSLOT,
+    fpar, th0, th1, th2, th3, th4, th5, th6, kv_packed: tl.int64, KMIN, NSLOT,
     POLICY: tl.constexpr, NTH: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, RENORM: tl.constexpr, STATS: tl.constexpr,
     BLOCK_K1: tl.constexpr, CH: tl.constexpr, EC: tl.constexpr, SC: tl.constexpr, SPLIT: tl.constexpr,
