@@ -383,6 +383,25 @@ def test_fp32_rows_unroll_only_decode_sized_batches(monkeypatch):
         kr.clear_launch_caches()
 
 
+def _decode_launches(E: int, K: int, tokens, elsize: int, launcher) -> dict:
+    """T -> (constexprs, warps) of the row kernel's launch for T tokens of E logits (elsize bytes), with the
+    grid checked against the tile."""
+    out = {}
+    for T in tokens:
+        launch, grid, meta, warps = kr._shape_launch(T, E, K, -1, tuple(kr.LAUNCH.values()), elsize, E)
+        assert launch is launcher and grid == (-(-T // meta["BLOCK_T"]),), (T, E)
+        out[T] = (tuple(meta.items()), warps)
+    return out
+
+
+def _not_specialised(fn, names) -> None:
+    """Triton does not specialise `fn` (a JITFunction, or under TRITON_INTERPRET an InterpretedFunction) on these
+    arguments."""
+    dns = getattr(fn, "do_not_specialize", None) or fn.kwargs["do_not_specialize"]
+    for name in names:
+        assert name in dns or fn.arg_names.index(name) in dns, name
+
+
 def test_fp32_rows_one_launch_for_every_decode_batch(monkeypatch):
     """A decode loop's batch sizes (T = 1-64) share the fp32 row kernel's launch: its whole tile at every T and
     T not specialised on, so one compile per k_max (an unrolled E = 64 kernel takes seconds to compile)."""
@@ -390,15 +409,9 @@ def test_fp32_rows_one_launch_for_every_decode_batch(monkeypatch):
     kr.clear_launch_caches()
     try:
         for E, K in ((64, 8), (60, 4), (24, 4)):
-            metas = {}
-            for T in (1, 2, 3, 16, 17, 64):
-                launch, grid, meta, warps = kr._shape_launch(T, E, K, -1, tuple(kr.LAUNCH.values()), 4, E)
-                assert launch is kr._launch_rows and grid == (-(-T // meta["BLOCK_T"]),)
-                metas[T] = (tuple(meta.items()), warps)
+            metas = _decode_launches(E, K, (1, 2, 3, 16, 17, 64), 4, kr._launch_rows)
             assert len(set(metas.values())) == 1, (E, metas)
-        fn = kr._route_rows_kernel  # a JITFunction, or under TRITON_INTERPRET an InterpretedFunction
-        dns = getattr(fn, "do_not_specialize", None) or fn.kwargs["do_not_specialize"]
-        assert "T" in dns or fn.arg_names.index("T") in dns
+        _not_specialised(kr._route_rows_kernel, ("T",))
     finally:
         kr.clear_launch_caches()
 
@@ -411,16 +424,11 @@ def test_rows16_one_launch_per_token_tile(monkeypatch):
     kr.clear_launch_caches()
     try:
         for E, K in ((64, 8), (60, 4), (8, 2)):
-            metas = {}
-            for T in (17, 24, 32, 33, 48, 64):
-                launch, grid, meta, warps = kr._shape_launch(T, E, K, -1, tuple(kr.LAUNCH.values()), 2, E)
-                assert launch is kr._launch_rows16 and grid == (-(-T // meta["BLOCK_T"]),)
-                metas.setdefault(meta["BLOCK_T"], set()).add((tuple(meta.items()), warps))
-            assert all(len(v) == 1 for v in metas.values()), (E, metas)
-        fn = kr._route_rows16_kernel
-        dns = getattr(fn, "do_not_specialize", None) or fn.kwargs["do_not_specialize"]
-        for name in ("T", "kv_packed", "KMIN"):
-            assert name in dns or fn.arg_names.index(name) in dns, name
+            per_tile = {}
+            for launch in _decode_launches(E, K, (17, 24, 32, 33, 48, 64), 2, kr._launch_rows16).values():
+                per_tile.setdefault(dict(launch[0])["BLOCK_T"], set()).add(launch)
+            assert all(len(v) == 1 for v in per_tile.values()), (E, per_tile)
+        _not_specialised(kr._route_rows16_kernel, ("T", "kv_packed", "KMIN"))
     finally:
         kr.clear_launch_caches()
 
