@@ -666,9 +666,9 @@ def _route_rows16_kernel(
     SORT: tl.constexpr,
 ):
     # as _route_rows_kernel (EC, SC: E and the row stride as constants), for bf16 / fp16 logits. T, kv_packed
-    # and KMIN are not specialised on (batch sizes that share a token tile share one compile: 0.3-0.8 s each on
+    # and KMIN are not specialised on (batch sizes that share a token tile share one compile: 0.5-0.8 s each on
     # the H200 host; graph time within 0.11 us of the specialised kernel, logs/first-route-bf16-e98dbe3.txt and
-    # rows16-decode-e98dbe3.txt); its tile still shrinks to pow2(T) at decode sizes, where a call is 1.5-3 us. The
+    # rows16-decode-e98dbe3.txt); its tile still shrinks to pow2(T) at decode sizes, where a call is 1.9-2.9 us. The
     # program's R = BLOCK_T * SPLIT row pieces are rows-major (a row's pieces in neighbouring threads: the
     # merge is a warp shuffle); piece s of a row scans columns [s * CPS, (s + 1) * CPS), CPC chunks of CH
     R: tl.constexpr = BLOCK_T * SPLIT
