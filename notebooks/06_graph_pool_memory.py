@@ -114,10 +114,13 @@ summary.set_index("model").T  # one column per model: every row visible (pandas 
 # `capture('auto')`: with the primed layout they include the priming prefill's segments; with the
 # unprimed layout the rest of the bytes lie in segments a prefill added to the pool (for `shared+reuse`
 # the trial prefill inside `capture()`, for `shared+reuse-unprimed` the serving loop's first prefill).
+# `scratch_fraction_on_graph_blocks` (results since this column exists): on the very addresses the
+# graphs' own allocations used during capture (the allocator's records of the captures), which a
+# primed pool's segments alone do not show.
 
 # %%
 proof_cols = ["model", "arm", "scratch_mib_traced", "scratch_fraction_in_pool", "scratch_fraction_in_captured_segments",
-              "eager_fallbacks"]
+              "scratch_fraction_on_graph_blocks", "eager_fallbacks"]
 proof = arm_rows[arm_rows["arm"].str.startswith("shared")]
 proof = proof[[c for c in proof_cols if c in proof]]
 results.save("06_graph_pool_proof", proof.reset_index(drop=True))

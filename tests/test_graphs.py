@@ -14,8 +14,10 @@ from moelab.graphs import (
     capture_order,
     check_buckets,
     fraction_in_segments,
+    fraction_on_ranges,
     hf_decode_step,
     make_buckets,
+    merge_ranges,
     pool_bytes,
 )
 from moelab.routing import EntropyAdaptiveK
@@ -258,6 +260,21 @@ def test_fraction_in_segments():
     assert fraction_in_segments([(1090, 20)], segs) == 0.0  # crosses the segment's end
 
 
+def test_merge_ranges_and_fraction_on_ranges():
+    r = merge_ranges([(120, 50), (100, 50), (300, 10), (400, 0), (170, 5)])
+    assert r == [(100, 175), (300, 310)]  # overlapping and touching blocks merge; empty ones vanish
+    assert fraction_on_ranges([(100, 75)], r) == 1.0
+    assert fraction_on_ranges([(150, 100)], r) == 0.25  # 150-175 on, 175-250 off
+    assert fraction_on_ranges([(160, 200), (500, 40)], r) == (15 + 10) / 240
+    rng = random.Random(0)
+    for _ in range(200):  # byte by byte against a set of addresses
+        blocks = [(rng.randrange(0, 400), rng.randrange(0, 60)) for _ in range(rng.randrange(0, 6))]
+        allocs = [(rng.randrange(0, 400), rng.randrange(1, 60)) for _ in range(rng.randrange(1, 5))]
+        covered = {a for b, n in blocks for a in range(b, b + n)}
+        want = sum(a in covered for b, n in allocs for a in range(b, b + n)) / sum(n for _, n in allocs)
+        assert fraction_on_ranges(allocs, merge_ranges(blocks)) == pytest.approx(want)
+
+
 def test_hf_decode_step_returns_greedy_ids_of_the_last_position():
     from moelab.models import tiny_random
 
@@ -343,7 +360,7 @@ def test_stress_interleaved_eager_and_replays_match_no_graph_run(kind):
             pad[:n] = x
             cases.append((x, step(pad)[:n].clone(), step(x).clone()))  # no graph, no pool
     torch.cuda.synchronize()
-    mismatches, replays, eagers = 0, 0, 0
+    mismatches, replays, eagers, results = 0, 0, 0, []
     for _ in range(1200):
         x, ref_graph, ref_eager = cases[rng.randrange(len(cases))]
         if rng.random() < 0.5:
@@ -353,8 +370,11 @@ def test_stress_interleaved_eager_and_replays_match_no_graph_run(kind):
             out, ref = runner.eager(x), ref_eager
             eagers += 1
         mismatches += not torch.equal(out, ref)
+        results.append((out, ref))
     assert replays > 400 and eagers > 400
     assert mismatches == 0
+    # and still right after every later call: no result lives where a later replay or eager forward writes
+    assert sum(not torch.equal(out, ref) for out, ref in results) == 0
     assert runner.eager_fallbacks == 0
 
 
@@ -382,7 +402,8 @@ def test_proof_scratch_lands_in_graph_pool_only_when_on():
     assert on["scratch_bytes"] > 0 and off["scratch_bytes"] > 0, (on, off)
     assert on["fraction_in_pool"] == 1.0, on
     assert on["fraction_in_captured_segments"] > 0.5, on  # blocks the graphs own, not new segments
-    assert off["fraction_in_pool"] == 0.0, off
+    assert on["fraction_on_graph_blocks"] > 0.5, on  # the very bytes the graphs' allocations used
+    assert off["fraction_in_pool"] == 0.0 and off["fraction_on_graph_blocks"] == 0.0, off
     # another stream cannot take the capture stream's free blocks: the pool grows instead
     other_stream = torch.cuda.Stream()
     with torch.cuda.stream(other_stream), torch.no_grad():
@@ -390,7 +411,7 @@ def test_proof_scratch_lands_in_graph_pool_only_when_on():
     other_stream.synchronize()
     other = runner.scratch_fraction_in_pool(x, reuse=True, stream=other_stream)
     assert other["fraction_in_pool"] == 1.0, other
-    assert other["fraction_in_captured_segments"] == 0.0, other
+    assert other["fraction_in_captured_segments"] == 0.0 and other["fraction_on_graph_blocks"] == 0.0, other
 
 
 @gpu
@@ -438,6 +459,80 @@ def test_a_leak_refuses_replays_until_freed_whatever_the_pool_held_at_capture():
         runner(x)
     leak.clear()
     torch.testing.assert_close(runner(x), step(x))  # freed: replays go ahead
+
+
+@gpu
+@pytest.mark.gpu
+def test_a_forward_that_raises_leaves_nothing_a_replay_could_overwrite():
+    step, make = _mlp_step()
+    runner = GraphRunner(step, make, [4, 8]).capture()
+    stash, mode = [], {"stash": False}
+
+    def failing(x):
+        y = step(x)  # noqa: F841 (a local in the pool, held by the traceback's frame)
+        big = torch.ones(1 << 20, device="cuda")  # noqa: F841
+        if mode["stash"]:
+            stash.append(torch.empty(1 << 16, device="cuda"))
+        raise RuntimeError("boom")
+
+    (x,) = make(4)
+    runner.step_fn = failing
+    with pytest.raises(RuntimeError, match="boom") as info:
+        runner.eager(x)
+    assert info.value.__traceback__ is not None  # the traceback is still held, its frames' pool tensors not
+    t = torch.empty(1 << 20, device="cuda")  # routing into the pool ended with the failed forward
+    assert fraction_in_segments([(t.data_ptr(), t.nbytes)], _pool_segs(runner)) == 0.0
+    torch.testing.assert_close(runner(x), step(x))  # nothing of the failed forward is left in the pool
+    mode["stash"] = True
+    with pytest.raises(RuntimeError, match="boom"):
+        runner.eager(x)
+    with pytest.raises(ScratchLiveError, match="replay refused: an eager forward that raised"):
+        runner(x)
+    stash.clear()
+    torch.testing.assert_close(runner(x), step(x))
+    runner.step_fn = step
+    torch.testing.assert_close(runner.eager(x), step(x))
+
+
+@gpu
+@pytest.mark.gpu
+def test_replays_from_two_threads_on_their_own_streams():
+    step, make = _mlp_step()
+    runner = GraphRunner(step, make, [4, 8]).capture()
+    xs = [make(8)[0] for _ in range(8)]
+    refs = [step(x) for x in xs]
+    bad = []
+
+    def work(seed):
+        rng = random.Random(seed)
+        with torch.cuda.stream(torch.cuda.Stream()):
+            for _ in range(200):
+                i = rng.randrange(len(xs))
+                out = runner(xs[i])
+                bad.append(not torch.equal(out, refs[i]))
+
+    threads = [threading.Thread(target=work, args=(s,)) for s in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(bad) == 400 and not any(bad)
+
+
+@gpu
+@pytest.mark.gpu
+def test_scratch_scope_on_another_stream_is_ordered_with_the_callers():
+    pool, s = torch.cuda.MemPool(), torch.cuda.Stream()
+    x = torch.zeros(1 << 20, device="cuda")
+    torch.cuda._sleep(50_000_000)  # the caller's stream is busy for a while ...
+    x.fill_(1.0)  # ... before it writes x
+    sb = ScratchBuffers()
+    with sb.forward(pool, stream=s):
+        y = x * 2  # on s: must see the caller's write
+        torch.cuda._sleep(50_000_000)
+        y.add_(1.0)  # the caller's stream must see this after the scope
+    got = y.sum().item()  # on the caller's stream
+    assert got == 3.0 * x.numel()
 
 
 @gpu
@@ -594,6 +689,7 @@ def test_primed_capture_puts_graphs_into_eager_sized_segments(how):
     proof = runner.scratch_fraction_in_pool(prompt)
     assert proof["fraction_in_pool"] == 1.0, proof
     assert proof["fraction_in_captured_segments"] == 1.0, proof
+    assert proof["fraction_on_graph_blocks"] > 0.0, proof  # the priming forward's segments hold the graphs too
     assert runner.pool_bytes()[runner.pool.id]["reserved"] == before  # the eager forward did not grow the pool
     assert runner.eager_growth_bytes == 0
     (x,) = make(20)

@@ -50,8 +50,7 @@ def near_boundary(logits: torch.Tensor, policy, tol: float = 1e-5) -> torch.Tens
         t = torch.tensor(policy.thresholds or [float("inf")], device=logits.device)
         return ((ref.entropy[:, None] - t).abs() < tol).any(-1)
     if isinstance(policy, TopP):
-        before = torch.cumsum(p, -1) - p
-        return ((before - policy.p).abs() < tol).any(-1)
+        return ((torch.cumsum(p, -1) - policy.p).abs() < tol).any(-1)
     if isinstance(policy, RatioSkip):
         return ((p - policy.beta * p[:, :1]).abs() < tol).any(-1)
     return torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)

@@ -107,6 +107,18 @@ def test_lower_thresholds_never_raise_k(seed):
     assert (lo >= hi).all()
 
 
+def test_topp_stops_at_the_prefix_whose_mass_is_p():
+    # p equal to a prefix's mass keeps that prefix: the rule sums the masses (cumsum - probs rounded
+    # below p for 13% of such p and kept one expert more)
+    g = torch.Generator().manual_seed(0)
+    probs = torch.softmax(torch.randn(400, 8, generator=g) * 2, -1).sort(-1, descending=True).values
+    csum = torch.cumsum(probs, -1)
+    for j in range(7):
+        for row in range(0, 400, 7):
+            pol = TopP(float(csum[row, j]), k_max=8)
+            assert pol.choose_k(probs[row : row + 1], torch.zeros(1)).item() == j + 1, (row, j)
+
+
 def test_topp_and_ratio_rules():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.97, 0.01, 0.01, 0.01]]))
     assert route(logits, TopP(0.79, k_max=4), renormalize=False).k.tolist() == [2, 1]

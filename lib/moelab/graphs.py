@@ -15,15 +15,19 @@ grows). `hf_decode_step` ends the step with greedy next-token ids, so those buff
 
 Proof helpers: `pool_segments` / `pool_bytes` read the allocator snapshot (segments carry their pool
 id); `trace_allocations` records the allocator's own alloc events of a call, and
-`fraction_in_segments` says which share of those bytes fell inside given segments.
+`fraction_in_segments` says which share of those bytes fell inside given segments, and
+`fraction_on_ranges` which share lay on addresses the graphs' own allocations used during capture
+(the direct proof that eager scratch and graph memory are the same bytes).
 """
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import inspect
 import logging
 import threading
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -48,6 +52,8 @@ __all__ = [
     "pool_bytes",
     "trace_allocations",
     "fraction_in_segments",
+    "merge_ranges",
+    "fraction_on_ranges",
     "hf_decode_step",
     "prefer_graph_pool",
     "ScratchLiveError",
@@ -170,6 +176,32 @@ def fraction_in_segments(allocs: Sequence[tuple[int, int]], segments: Sequence[t
     return inside / total
 
 
+def merge_ranges(allocs: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """(address, size) blocks -> sorted, disjoint [start, end) address ranges covering them."""
+    out: list[tuple[int, int]] = []
+    for a, n in sorted((a, a + n) for a, n in allocs if n > 0):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], n))
+        else:
+            out.append((a, n))
+    return out
+
+
+def fraction_on_ranges(allocs: Sequence[tuple[int, int]], ranges: Sequence[tuple[int, int]]) -> float:
+    """Share of the allocated bytes lying on the [start, end) ranges (`merge_ranges`' output), byte by byte."""
+    total = sum(n for _, n in allocs)
+    if total == 0:
+        return float("nan")
+    starts = [r[0] for r in ranges]
+    on = 0
+    for addr, n in allocs:
+        i = max(bisect.bisect_right(starts, addr) - 1, 0)
+        while i < len(ranges) and ranges[i][0] < addr + n:
+            on += max(0, min(ranges[i][1], addr + n) - max(ranges[i][0], addr))
+            i += 1
+    return on / total
+
+
 # ----- the runner
 @dataclass
 class _Graph:
@@ -259,6 +291,7 @@ class GraphRunner:
         self.prime_choice: dict | None = None  # capture('auto'): pool bytes of both layouts, which one was kept
         self.eager_fallbacks = 0  # eager forwards that hit OOM in the pool and re-ran on the ordinary allocator
         self._captured_segments: list = []  # the shared pool's segments right after capture
+        self._graph_ranges: list = []  # address ranges the graphs' own allocations used during capture
         self._leak: tuple[int, str] | None = None  # (pool bytes allocated before the leaking forward, message)
         self._lock = threading.RLock()  # one eager forward or replay at a time: a replay must not land between
         # another thread's safety check and its eager kernels (they share the capture stream's blocks)
@@ -340,6 +373,7 @@ class GraphRunner:
         self.out_buffers = ()
         self.pool = None  # the MemPool's segments go back once no graph holds it
         self._captured_segments = []
+        self._graph_ranges = []
         self._leak = None
         torch.cuda.empty_cache()
 
@@ -358,7 +392,8 @@ class GraphRunner:
                 _as_tuple(self.step_fn(*prime))  # lazy state (cuBLAS workspace) outside the pool first
             self._eager_in(self.pool, self.stream, tuple(prime), pool_bytes(self.pool.id))
             self._raise_leak()
-        with torch.no_grad():
+        # the allocator's own records of the captures: which addresses the graphs really use
+        with torch.no_grad(), (trace_allocations() if self.pool is not None else contextlib.nullcontext([])) as allocs:
             for b in capture_order(self.buckets):
                 made = _input_tuple(self.make_inputs(b), f"make_inputs({b})")
                 self._check_inputs(made, b)
@@ -388,6 +423,9 @@ class GraphRunner:
             torch.cuda.empty_cache()
         if self.pool is not None:
             self._captured_segments = pool_segments(self.pool.id)
+            # warm-ups and static inputs use the ordinary allocator: the pool's blocks are the graphs'
+            ranges = merge_ranges((base, size) for base, size, _ in self._captured_segments)
+            self._graph_ranges = merge_ranges([(a, n) for a, n in allocs if fraction_on_ranges([(a, n)], ranges) == 1])
         return self
 
     def _check_outputs(self, outs: tuple, b: int) -> None:
@@ -429,11 +467,7 @@ class GraphRunner:
         earlier eager forward left allocated in the pool, until the pool is back to its size before it)."""
         if self.pool is None:
             return
-        if self._leak is not None:
-            before, msg = self._leak
-            if pool_bytes(self.pool.id)["allocated"] > before:
-                raise ScratchLiveError(f"replay refused: {msg}")
-            self._leak = None  # the leaked tensors are gone
+        self._raise_leak("replay refused: ")
         if active_scopes(self.pool):
             raise ScratchLiveError(
                 f"replay refused: an eager forward holding scratch in graph pool {self.pool.id} is still running; "
@@ -462,12 +496,16 @@ class GraphRunner:
         g = self.graphs[b]
         if len(inputs) != len(g.inputs):
             raise ValueError(f"got {len(inputs)} inputs, the graphs were captured with {len(g.inputs)}")
-        cur = torch.cuda.current_stream(self.device)
         for static, x in zip(g.inputs, inputs):
             if x.shape[0] != n or x.shape[1:] != static.shape[1:] or x.dtype != static.dtype:
                 raise ValueError(
                     f"input {tuple(x.shape)} {x.dtype}: need ({n}, *{tuple(static.shape[1:])}) {static.dtype}"
                 )
+        cur = torch.cuda.current_stream(self.device)
+        # the static inputs are written on the caller's stream: first let it wait for the capture stream,
+        # where the last replay (maybe queued from another thread's stream) may still be reading them
+        cur.wait_stream(self.stream)
+        for static, x in zip(g.inputs, inputs):
             static[:n].copy_(x)
             if n < b:
                 static[n:].zero_()
@@ -509,21 +547,32 @@ class GraphRunner:
         cur = torch.cuda.current_stream(self.device)
         stream.wait_stream(cur)
         before = pool_bytes(pool.id) if pool is not None else None  # the pool's own segments and blocks
+        oom = None
         try:
-            outs, after = self._eager_in(pool, stream, inputs, before)
-        except torch.cuda.OutOfMemoryError as e:
-            if pool is None:
-                raise
-            self.eager_fallbacks += 1
-            log.warning(
-                "eager forward: graph pool %s out of memory (%s); re-running on the ordinary allocator "
-                "(fallback %d)", pool.id, str(e).splitlines()[0], self.eager_fallbacks,
-            )
-            outs, _ = self._eager_in(None, stream, inputs, None)
-            after = pool_bytes(pool.id)  # what the failed attempt left the pool
+            try:
+                outs, after = self._eager_in(pool, stream, inputs, before)
+            except BaseException as e:
+                if pool is None:
+                    raise
+                # the failed forward's frames hold tensors inside the pool, which a replay would overwrite:
+                # drop their locals (the traceback keeps its lines), and let replays check that nothing else
+                # it made there is still allocated (e.g. a patched model's records)
+                traceback.clear_frames(e.__traceback__)
+                if self._leak is None:
+                    self._leak = (before["allocated"], "an eager forward that raised left tensors in the pool")
+                if not isinstance(e, torch.cuda.OutOfMemoryError):
+                    raise
+                oom = str(e).splitlines()[0]
+            if oom is not None:  # out of the except clause: the failed attempt's frames are gone
+                self.eager_fallbacks += 1
+                log.warning("eager forward: graph pool %s out of memory (%s); re-running on the ordinary allocator "
+                            "(fallback %d)", pool.id, oom, self.eager_fallbacks)
+                outs, _ = self._eager_in(None, stream, inputs, None)
+                after = pool_bytes(pool.id)  # what the failed attempt left the pool
+        finally:
+            cur.wait_stream(stream)  # also after a failure: the caller's stream follows what was queued
         if pool is not None:
             self._note_growth(after["reserved"] - before["reserved"])
-        cur.wait_stream(stream)
         self._raise_leak()
         return outs[0] if len(outs) == 1 else outs
 
@@ -553,22 +602,31 @@ class GraphRunner:
         if pool is None:
             return kept, None
         after = pool_bytes(pool.id)
-        grew = after["allocated"] - before["allocated"]
-        if grew > 0 and self._leak is None:
-            self._leak = (before["allocated"], f"an eager forward left {grew} bytes allocated in graph pool "
-                                               f"{pool.id} (a tensor made inside it outlived the forward); "
-                                               "replays would overwrite it. Drop that tensor first")
+        if after["allocated"] > before["allocated"] and self._leak is None:
+            self._leak = (before["allocated"], "an eager forward left tensors in the pool")
         return kept, after
 
-    def _raise_leak(self) -> None:
-        if self._leak is not None:
-            raise ScratchLiveError(self._leak[1])
+    def _raise_leak(self, prefix: str = "") -> None:
+        """Raise while tensors an eager forward left in the pool are still allocated; forget the leak once
+        the pool's allocated bytes are back to what they were before that forward."""
+        if self._leak is None:
+            return
+        before, what = self._leak
+        now = pool_bytes(self.pool.id)["allocated"] if self.pool is not None else before
+        if now <= before:
+            self._leak = None
+            return
+        raise ScratchLiveError(f"{prefix}{what}: {now - before} bytes of graph pool {self.pool.id} are still "
+                               "allocated (a tensor made inside it outlived the forward); replays would overwrite "
+                               "them. Drop those tensors first")
 
     def scratch_fraction_in_pool(self, *inputs, reuse: bool = True, stream=None) -> dict:
         """Proof that reuse is on: share of one eager forward's allocated bytes inside the graph pool.
 
         in_pool: inside any segment of the shared pool (after the forward);
-        in_captured: inside the segments the pool had right after capture (memory really shared).
+        in_captured_segments: inside the segments the pool had right after capture;
+        on_graph_blocks: on addresses the graphs' own allocations used during capture (the same bytes as the
+            graphs' activations: memory really shared; a primed pool's segments alone do not show that).
         """
         if self.pool is None:
             raise ValueError("pool='private' has no shared pool to borrow from")
@@ -584,4 +642,5 @@ class GraphRunner:
             "allocations": len(scratch),
             "fraction_in_pool": fraction_in_segments(scratch, segs_after),
             "fraction_in_captured_segments": fraction_in_segments(scratch, captured),
+            "fraction_on_graph_blocks": fraction_on_ranges(scratch, self._graph_ranges),
         }

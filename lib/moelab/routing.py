@@ -189,8 +189,9 @@ class TopP:
         _check_bounds(self)
 
     def choose_k(self, probs_TK: torch.Tensor, entropy_T: torch.Tensor) -> torch.Tensor:
-        before = torch.cumsum(probs_TK, dim=-1) - probs_TK  # mass of the better-ranked experts
-        k = (before < self.p).sum(-1)
+        # ranked experts while the mass before them is < p: 1 + the prefixes still short of p (the sums
+        # themselves, not cumsum - probs, whose rounding could keep one more expert when p is a prefix's mass)
+        k = (torch.cumsum(probs_TK, dim=-1) < self.p).sum(-1) + 1
         return k.clamp(self.k_min, self.k_max).to(torch.int32)
 
 

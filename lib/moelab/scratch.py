@@ -219,7 +219,10 @@ class ScratchBuffers:
                 _open_scopes[pid] = _open_scopes.get(pid, 0) + 1
         try:
             with contextlib.ExitStack() as es:
-                if stream is not None:
+                if stream is not None:  # the body runs on `stream`, ordered after and before the caller's
+                    cur = torch.cuda.current_stream(stream.device)
+                    stream.wait_stream(cur)
+                    es.callback(cur.wait_stream, stream)  # runs after the stream context below is left
                     es.enter_context(torch.cuda.stream(stream))
                 if pool is not None and route_all:
                     scope.begin_routing()

@@ -166,8 +166,8 @@ def _count(w_tile, top, slots, fpar, POLICY, K: tl.constexpr, BLOCK_T: tl.conste
         csum = tl.zeros((BLOCK_T,), tl.float32)
         for j in range(K):
             v = tl.sum(tl.where(slots == j, w_tile, 0.0), axis=1)
+            cnt += (csum < fpar).to(tl.int32)  # mass of the better-ranked experts < p (summed, not csum - v)
             csum = csum + v
-            cnt += ((csum - v) < fpar).to(tl.int32)  # mass of the better-ranked experts < p
     elif POLICY == 3:
         cnt = tl.sum(((w_tile >= fpar * top[:, None]) & (slots < K)).to(tl.int32), axis=1)
     return cnt
@@ -299,8 +299,8 @@ def _route_kernel(
             ids_tile = tl.where(slots == j, i[:, None].to(tl.int32), ids_tile)
             w_tile = tl.where(slots == j, v[:, None], w_tile)
             if POLICY == 2:
+                cnt += (csum < fpar).to(tl.int32)  # mass of the better-ranked experts < p (summed, not csum - v)
                 csum = csum + v
-                cnt += ((csum - v) < fpar).to(tl.int32)  # mass of the better-ranked experts < p
             if POLICY == 3:
                 cnt += (v >= fpar * top).to(tl.int32)
 
