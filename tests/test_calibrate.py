@@ -175,6 +175,9 @@ def test_paper_rows_sections(model):
 
 @pytest.mark.parametrize("kw, match", [
     (dict(budget=0), r"budget=0: must be > 0"),
+    (dict(budget=True), r"budget=True: must be > 0"),
+    (dict(fixed_ks=[1, None]), r"fixed_ks=\[1, None\]: \[None\] not ints"),
+    (dict(k_values=(1, "a")), r"k_values=\[1, 'a'\]: must be a sequence of ints"),
     (dict(budget_steps=-3), r"steps=-3: .* int >= 0"),
     (dict(targets=(0.2, 5)), r"targets=\[0.2, 5\]: \[5\] not in \(0, 1\)"),
     (dict(fixed_ks=[1, 9]), r"fixed_ks=\[1, 9\]: \[9\] not ints in \[1, 8\]"),

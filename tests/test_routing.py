@@ -150,6 +150,15 @@ def test_empty_batch():
     assert plan.expert_ids.shape == (0, 2) and plan.k.shape == (0,)
 
 
+def test_numpy_integers_are_ints():
+    """k values from a sweep's table (numpy integers) are accepted and kept as Python ints."""
+    import numpy as np
+
+    pols = [TopK(np.int64(2)), EntropyAdaptiveK((np.int32(1), np.int64(3)), (1.0,)), TopP(0.5, np.int64(4), np.int8(2))]
+    assert pols[0].k == 2 and pols[1].k_values == (1, 3) and (pols[2].k_max, pols[2].k_min) == (4, 2)
+    assert all(type(v) is int for v in (pols[0].k, *pols[1].k_values, pols[2].k_max, pols[2].k_min))
+
+
 @pytest.mark.parametrize(
     "make, match",
     [

@@ -63,6 +63,11 @@ def test_bad_config_raises(tmp_path):
         train(_cfg(tmp_path / "x", seq_len=4))
     with pytest.raises(ValueError, match="amp='fp16'"):
         train(_cfg(tmp_path / "x", amp="fp16"))
+    for name in ("eval_every", "log_every"):
+        with pytest.raises(ValueError, match=f"{name}=0: must be an int >= 1"):
+            train(_cfg(tmp_path / "x", **{name: 0}))
+    with pytest.raises(ValueError, match="eval_tokens=8 gives .* held-out tokens, fewer than one window"):
+        train(_cfg(tmp_path / "x", eval_tokens=8))
 
 
 def test_a_family_name_trains_with_the_tokenizers_vocabulary(tmp_path):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 
 import numpy as np
 import pandas as pd
@@ -80,8 +81,13 @@ def _strict(ths: list[float]) -> tuple[float, ...]:
     return tuple(out)
 
 
+def _is_int(k) -> bool:
+    """An integral number (numpy's too), not a bool: what a k may be."""
+    return isinstance(k, numbers.Integral) and not isinstance(k, bool)
+
+
 def _check_budget(budget: float, steps: int) -> None:
-    if not budget > 0:
+    if isinstance(budget, bool) or not isinstance(budget, numbers.Real) or not budget > 0:
         raise ValueError(f"budget={budget}: must be > 0 (relative perplexity increase, e.g. 0.005)")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
         raise ValueError(f"steps={steps!r}: the budget search's bisection steps must be an int >= 0")
@@ -89,7 +95,7 @@ def _check_budget(budget: float, steps: int) -> None:
 
 def _check_fixed_ks(fixed_ks, k_cap: int, what: str = "the router sample's k_cap") -> list[int]:
     fixed_ks = list(fixed_ks)
-    bad = [k for k in fixed_ks if isinstance(k, bool) or int(k) != k or not 1 <= k <= k_cap]
+    bad = [k for k in fixed_ks if not _is_int(k) or not 1 <= k <= k_cap]
     if bad:
         raise ValueError(f"fixed_ks={fixed_ks}: {bad} not ints in [1, {k_cap}] ({what})")
     return [int(k) for k in fixed_ks]
@@ -98,7 +104,7 @@ def _check_fixed_ks(fixed_ks, k_cap: int, what: str = "the router sample's k_cap
 def _check_k_values(k_values, k_cap: int, what: str = "the sample's k_cap") -> tuple[int, ...]:
     """At least two strictly ascending ints in [1, k_cap]."""
     k_values = k_values if isinstance(k_values, (str, bytes)) else list(k_values)
-    if isinstance(k_values, (str, bytes)) or any(isinstance(k, bool) or int(k) != k for k in k_values):
+    if isinstance(k_values, (str, bytes)) or not all(_is_int(k) for k in k_values):
         raise ValueError(f"k_values={k_values!r}: must be a sequence of ints")
     kv = tuple(int(k) for k in k_values)
     if len(kv) < 2:

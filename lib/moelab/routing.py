@@ -69,11 +69,13 @@ class RoutingPlan:
         )
 
 
-def _check_int(name: str, value, lo: int = 1) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
+def _check_int(name: str, value, lo: int = 1) -> int:
+    """An int field (Python or numpy integers, e.g. from a sweep's table; bools refused) as a Python int."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise ValueError(f"{name}={value!r}: must be an int")
     if value < lo:
         raise ValueError(f"{name}={value}: must be >= {lo}")
+    return int(value)
 
 
 def _real(name: str, value) -> float:
@@ -85,8 +87,8 @@ def _real(name: str, value) -> float:
 
 def _check_bounds(policy) -> None:
     """k_min and k_max of a clamped policy (TopP, RatioSkip)."""
-    _check_int("k_max", policy.k_max)
-    _check_int("k_min", policy.k_min)
+    object.__setattr__(policy, "k_max", _check_int("k_max", policy.k_max))
+    object.__setattr__(policy, "k_min", _check_int("k_min", policy.k_min))
     if policy.k_min > policy.k_max:
         raise ValueError(f"k_min={policy.k_min} > k_max={policy.k_max}: need k_min <= k_max")
     _check_renorm(policy.renormalize)
@@ -105,7 +107,7 @@ class TopK:
     renormalize: bool | None = None  # None: the model's convention, filled in by route()/patching
 
     def __post_init__(self):
-        _check_int("k", self.k)
+        object.__setattr__(self, "k", _check_int("k", self.k))
         _check_renorm(self.renormalize)
 
     @property
@@ -143,8 +145,8 @@ class EntropyAdaptiveK:
         _check_renorm(self.renormalize)
         if len(kv) == 0:
             raise ValueError("k_values=(): need at least one k value")
-        for i, k in enumerate(kv):
-            _check_int(f"k_values[{i}]", k)
+        kv = tuple(_check_int(f"k_values[{i}]", k) for i, k in enumerate(kv))
+        object.__setattr__(self, "k_values", kv)
         if any(b <= a for a, b in zip(kv, kv[1:])):
             raise ValueError(f"k_values={list(kv)}: must be strictly ascending")
         if len(th) != len(kv) - 1:

@@ -155,6 +155,10 @@ def train(cfg: TrainConfig) -> dict:
                          "need seq_len >= 8, batch_size >= 1, max_steps >= 1")
     if cfg.amp not in ("bf16", "none"):
         raise ValueError(f"amp={cfg.amp!r}: must be 'bf16' or 'none'")
+    for name in ("eval_every", "log_every", "eval_tokens"):
+        v = getattr(cfg, name)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{name}={v!r}: must be an int >= 1")
     out = Path(cfg.out or models.models_dir() / cfg.model)
     out.mkdir(parents=True, exist_ok=True)
     device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -176,6 +180,9 @@ def train(cfg: TrainConfig) -> dict:
         raise ValueError(f"{train_ids.numel()} training tokens: fewer than one batch of {cfg.batch_size}x{L}")
     train_NL = train_ids[: n_chunks * L].view(n_chunks, L)
     val_LS = val_ids[: (val_ids.numel() // L) * L].view(-1, L)
+    if val_LS.numel() == 0:  # checked before any step: validation would divide by zero rows
+        raise ValueError(f"eval_tokens={cfg.eval_tokens} gives {val_ids.numel()} held-out tokens, fewer than one "
+                         f"window of seq_len={L}: raise eval_tokens to at least {L * len(held)}")
     log.info("data: %d training tokens (%d chunks), %d validation tokens, encoded in %.1fs",
              train_ids.numel(), n_chunks, val_LS.numel(), time.perf_counter() - t0)
 
