@@ -230,6 +230,8 @@ def run_arm(arm, step, vocab, buckets, chunk, args, stream, own_pools, src=None,
             "scratch_fraction_in_pool": proof["fraction_in_pool"],
             "scratch_fraction_in_captured_segments": proof["fraction_in_captured_segments"],
             "scratch_fraction_on_graph_blocks": proof["fraction_on_graph_blocks"],
+            "graph_block_mib": proof["graph_block_bytes"] / MiB,
+            "graph_blocks_reused": proof["graph_blocks_reused"],
             "scratch_mib_traced": proof["scratch_bytes"] / MiB,
             "pool_allocated_mib_end": pool_bytes(runner.pool.id)["allocated"] / MiB,
         })

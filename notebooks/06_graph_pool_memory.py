@@ -116,11 +116,13 @@ summary.set_index("model").T  # one column per model: every row visible (pandas 
 # the trial prefill inside `capture()`, for `shared+reuse-unprimed` the serving loop's first prefill).
 # `scratch_fraction_on_graph_blocks` (results since this column exists): on the very addresses the
 # graphs' own allocations used during capture (the allocator's records of the captures), which a
-# primed pool's segments alone do not show.
+# primed pool's segments alone do not show; a prefill far larger than the decode graphs has most of
+# its bytes elsewhere. `graph_blocks_reused`: the other way round, the share of those graph addresses
+# (`graph_block_mib`) that the prefill's allocations covered.
 
 # %%
 proof_cols = ["model", "arm", "scratch_mib_traced", "scratch_fraction_in_pool", "scratch_fraction_in_captured_segments",
-              "scratch_fraction_on_graph_blocks", "eager_fallbacks"]
+              "scratch_fraction_on_graph_blocks", "graph_block_mib", "graph_blocks_reused", "eager_fallbacks"]
 proof = arm_rows[arm_rows["arm"].str.startswith("shared")]
 proof = proof[[c for c in proof_cols if c in proof]]
 results.save("06_graph_pool_proof", proof.reset_index(drop=True))

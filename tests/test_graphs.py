@@ -403,7 +403,9 @@ def test_proof_scratch_lands_in_graph_pool_only_when_on():
     assert on["fraction_in_pool"] == 1.0, on
     assert on["fraction_in_captured_segments"] > 0.5, on  # blocks the graphs own, not new segments
     assert on["fraction_on_graph_blocks"] > 0.5, on  # the very bytes the graphs' allocations used
+    assert on["graph_block_bytes"] > 0 and on["graph_blocks_reused"] > 0.5, on  # most of them, as large as it is
     assert off["fraction_in_pool"] == 0.0 and off["fraction_on_graph_blocks"] == 0.0, off
+    assert off["graph_blocks_reused"] == 0.0, off
     # another stream cannot take the capture stream's free blocks: the pool grows instead
     other_stream = torch.cuda.Stream()
     with torch.cuda.stream(other_stream), torch.no_grad():

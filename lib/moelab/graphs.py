@@ -626,7 +626,9 @@ class GraphRunner:
         in_pool: inside any segment of the shared pool (after the forward);
         in_captured_segments: inside the segments the pool had right after capture;
         on_graph_blocks: on addresses the graphs' own allocations used during capture (the same bytes as the
-            graphs' activations: memory really shared; a primed pool's segments alone do not show that).
+            graphs' activations: memory really shared; a primed pool's segments alone do not show that);
+        graph_blocks_reused: the other way round, the share of those graph addresses (graph_block_bytes in
+            all) that the eager forward's allocations covered: at most the graph pool is there to share.
         """
         if self.pool is None:
             raise ValueError("pool='private' has no shared pool to borrow from")
@@ -643,4 +645,7 @@ class GraphRunner:
             "fraction_in_pool": fraction_in_segments(scratch, segs_after),
             "fraction_in_captured_segments": fraction_in_segments(scratch, captured),
             "fraction_on_graph_blocks": fraction_on_ranges(scratch, self._graph_ranges),
+            "graph_block_bytes": sum(b - a for a, b in self._graph_ranges),
+            "graph_blocks_reused": fraction_on_ranges([(a, b - a) for a, b in self._graph_ranges],
+                                                      merge_ranges(scratch)),
         }
