@@ -52,7 +52,7 @@ def entries(cache: str) -> int:
 
 def child(args) -> list[dict]:
     """One process: every job's first and second forward, with the kernels each first forward compiled."""
-    from moelab.data import EVAL_TEXT, load_text
+    from moelab.data import eval_text
     from moelab.evaluate import evaluate
     from moelab.models import load, moe_info
 
@@ -65,7 +65,7 @@ def child(args) -> list[dict]:
         info = moe_info(model)
         ctx = min(args.context, model.config.max_position_embeddings)
         n = args.windows * ctx
-        ids = torch.tensor(tok(load_text(EVAL_TEXT), add_special_tokens=False)["input_ids"][:n], dtype=torch.long)
+        ids = torch.tensor(tok(eval_text(), add_special_tokens=False)["input_ids"][:n], dtype=torch.long)
         kw = dict(context=ctx, stride=ctx, batch_size=args.windows, progress=False)
         t0 = time.perf_counter()
         evaluate(model, None, ids, **kw)  # the unchanged model first: CUDA, cuBLAS and allocator warm-up

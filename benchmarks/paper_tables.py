@@ -25,7 +25,7 @@ import pandas as pd
 import torch
 
 from moelab.calibrate import calibration_ids, paper_rows, paper_table
-from moelab.data import EVAL_TEXT, load_text
+from moelab.data import eval_text
 from moelab.models import NAMES
 from moelab.results import commit, read_file, write_results
 
@@ -104,7 +104,7 @@ def main(argv=None) -> None:
     targets = tuple(float(t) for t in args.targets.split(",") if t.strip())
     topic = args.topic or ("paper-tables" + ("-random" if args.random_init else "")
                            + ("-smoke" if args.max_tokens else ""))
-    text = load_text(EVAL_TEXT)
+    text = eval_text()
     rows, traces, verdicts, t_all = [], [], {}, time.perf_counter()
     names = [m.strip() for m in args.models.split(",") if m.strip()]
     notes = (

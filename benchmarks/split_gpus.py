@@ -12,7 +12,7 @@ import argparse
 
 import torch
 
-from moelab.data import EVAL_TEXT, load_text
+from moelab.data import eval_text
 from moelab.hf import patched
 from moelab.models import NAMES, load
 from moelab.perplexity import perplexity
@@ -38,7 +38,7 @@ def main(argv=None) -> None:
     n = torch.cuda.device_count()
     if n < 2:
         raise SystemExit(f"visible GPUs = {n}: this check needs at least 2")
-    text = load_text(EVAL_TEXT)
+    text = eval_text()
     rows = []
     for name in args.models.split(","):
         ref, tok = load(name, device="cuda:0", dtype=torch.float32)

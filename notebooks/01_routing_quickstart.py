@@ -167,7 +167,7 @@ recorded = None
 if model:
     from moelab import hf, models
     from moelab.compute import ModelShapes, pool_layers
-    from moelab.data import heldout_texts, load_text
+    from moelab.data import eval_text, heldout_texts
     from moelab.perplexity import token_ids
 
     lm, tokenizer = models.load(model, device=device, dtype=dtype)
@@ -181,7 +181,7 @@ if model:
             raise ValueError(f"text has {len(ids)} tokens, fewer than the {n_tokens} asked for")
         return ids
 
-    eval_logits = hf.router_logits(lm, first_ids(load_text("wikitext2_test.raw"), eval_tokens), ctx)
+    eval_logits = hf.router_logits(lm, first_ids(eval_text(), eval_tokens), ctx)
     calib_logits = hf.router_logits(lm, first_ids("\n".join(heldout_texts().values()), calib_tokens), ctx)
     m_k_values = sorted({max(1, m_native_k // 2), m_native_k})
     m_quantiles = [j / len(m_k_values) for j in range(1, len(m_k_values))]  # evenly spaced

@@ -58,7 +58,7 @@ from moelab.calibrate import (
     thresholds_at,
     verdict,
 )
-from moelab.data import EVAL_TEXT, load_text
+from moelab.data import eval_text
 from moelab.evaluate import confirm_estimates, estimate, estimate_grid, evaluate, router_sample
 from moelab.models import load, moe_info
 from moelab.plots import POLICY_COLORS, figure, save_table, savefig
@@ -68,7 +68,7 @@ net, tok = load(model, device=device, dtype=dtype)
 info = moe_info(net)
 tag = model.rstrip("/").split("/")[-1]
 kv = tuple(k_values) or calibration_k_values(info["family"], info["native_k"])
-ids = torch.tensor(tok(load_text(EVAL_TEXT), add_special_tokens=False)["input_ids"], dtype=torch.long)
+ids = torch.tensor(tok(eval_text(), add_special_tokens=False)["input_ids"], dtype=torch.long)
 eval_ids = ids[:eval_tokens] if eval_tokens else ids
 cal_ids = calibration_ids(tok, cal_tokens)
 kw = dict(context=context, stride=stride, batch_size=batch_size)

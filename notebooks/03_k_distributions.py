@@ -45,7 +45,7 @@ import torch
 
 from moelab import results
 from moelab.calibrate import PUBLISHED, calibrate_thresholds, calibration_ids, calibration_k_values
-from moelab.data import COUNT_LAYERS, DOMAINS, EVAL_TEXT, heldout_texts, load_routing_counts, load_text
+from moelab.data import COUNT_LAYERS, DOMAINS, eval_text, heldout_texts, load_routing_counts
 from moelab.data import normalised_entropy as load_entropy
 from moelab.evaluate import entropy_quantiles, estimate, evaluate, router_sample
 from moelab.models import load, moe_info
@@ -64,7 +64,7 @@ if counts_model == "auto":
     counts_model = "mistral" if family == "mixtral" else "olmoe"
 domain_slices = heldout_texts(unseen_only=False)  # the five domain files repeat text: seen in training
 texts = {d: domain_slices[name] for d, name in DOMAINS.items()}
-texts["wikitext2-test"] = load_text(EVAL_TEXT)
+texts["wikitext2-test"] = eval_text()
 
 
 def ids_of(text: str, n: int) -> torch.Tensor:

@@ -52,13 +52,13 @@ import torch
 
 from moelab import results
 from moelab.calibrate import CLAIMS, PR_PPL_CLAIM, PUBLISHED, calibration_ids, paper_rows, paper_table
-from moelab.data import EVAL_TEXT, load_text
+from moelab.data import eval_text
 from moelab.models import load
 from moelab.plots import POLICY_COLORS, figure, save_table, savefig
 
 pd.set_option("display.width", 200)
 pd.set_option("display.max_columns", 20)
-text = load_text(EVAL_TEXT)
+text = eval_text()
 print("published configurations (k values / thresholds in nats):")
 for name, (kv, th) in PUBLISHED.items():
     print(f"  {name}: k {list(kv)}, thresholds {list(th)}")

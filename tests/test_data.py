@@ -17,6 +17,12 @@ def test_texts_load_and_eval_set_is_never_trained_on():
     assert all(probe not in t for t in train.values())
 
 
+def test_eval_text_is_the_test_file_with_lf_line_ends():
+    raw, text = data.load_text(data.EVAL_TEXT), data.eval_text()
+    assert raw.count("\r\n") == 2891 and "\r" not in text  # every line of the shipped copy ends in CRLF
+    assert text == raw.replace("\r\n", "\n") and text.count("\n") == 2891
+
+
 def test_heldout_split_is_disjoint_and_complete():
     text = data.load_text("tinyshakespeare")
     tr, ho = data.split_heldout(text)

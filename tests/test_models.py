@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from moelab import models
-from moelab.data import heldout_texts, load_text, training_texts
+from moelab.data import eval_text, heldout_texts, training_texts
 from moelab.perplexity import perplexity
 from moelab.tokenizer import encode, unigram_perplexity
 from moelab.train import _stream
@@ -29,7 +29,7 @@ def tok():
 
 @pytest.fixture(scope="module")
 def test_ids(tok):
-    return encode(tok, load_text("wikitext2_test.raw")[:40_000])[:4096]
+    return encode(tok, eval_text()[:40_000])[:4096]
 
 
 @pytest.fixture(scope="module")

@@ -308,7 +308,7 @@ def train(cfg: TrainConfig) -> dict:
 def evaluate(name_or_path, eval_tokens: int | None = None, stats_tokens: int = 32768, context: int = 2048,
              stride: int = 512) -> dict:
     """WikiText-2 test perplexity vs a unigram model (same tokenizer), and router statistics on held-out text."""
-    from moelab.data import heldout_texts, load_text, training_texts
+    from moelab.data import eval_text, heldout_texts, training_texts
     from moelab.perplexity import perplexity
     from moelab.tokenizer import unigram_perplexity
 
@@ -323,7 +323,7 @@ def evaluate(name_or_path, eval_tokens: int | None = None, stats_tokens: int = 3
     short = {name: ids.numel() for name, ids in slices.items() if ids.numel() < L}
     if short:
         raise ValueError(f"held-out slices {short} (tokens) are shorter than one window of {L}")
-    test_ids = encode(tok, load_text("wikitext2_test.raw"))
+    test_ids = encode(tok, eval_text())
     test_total = len(test_ids)
     if eval_tokens:
         test_ids = test_ids[:eval_tokens]
