@@ -451,8 +451,8 @@ real learned routers, real perplexity changes. **Not** a useful language model: 
 
 | | perplexity | scored tokens |
 |---|---|---|
-| this model, WikiText-2 test (raw){part}, context {wt['context']}, stride {wt['stride']} | **{wt['ppl']:.1f}** | \
-{wt['scored_tokens']:,} |
+| this model, WikiText-2 test (raw, LF line ends: `eval_text()`){part}, context {wt['context']}, \
+stride {wt['stride']} | **{wt['ppl']:.1f}** | {wt['scored_tokens']:,} |
 | unigram model (add-one, fitted on the training tokens), same tokenizer | {uni['ppl']:.1f} | {uni['scored_tokens']:,} |
 {_full_test_line(name, path, wt['test_tokens_total'])}{held_block}
 Router statistics on {ev['router']['tokens']:,} held-out tokens ({ev['router']['text']}; `moelab.models.router_stats`):
