@@ -498,6 +498,24 @@ def test_a_forward_that_raises_leaves_nothing_a_replay_could_overwrite():
 
 @gpu
 @pytest.mark.gpu
+def test_capture_and_proof_leave_someone_elses_memory_history_alone():
+    torch.cuda.memory._record_memory_history(enabled="all", max_entries=100_000)
+    try:
+        mine = torch.empty(1 << 20, device="cuda")  # an event of the user's own recording
+        step, make = _mlp_step()
+        runner = GraphRunner(step, make, [4, 8]).capture()
+        (x,) = make(8)
+        proof = runner.scratch_fraction_in_pool(x)
+        assert torch._C._cuda_isHistoryEnabled()  # still recording, history kept
+        traces = torch.cuda.memory._snapshot()["device_traces"]
+        assert any(e["action"] == "alloc" and e["addr"] == mine.data_ptr() for dev in traces for e in dev)
+        assert proof["fraction_in_pool"] == 1.0 and proof["fraction_on_graph_blocks"] > 0.5, proof
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+
+
+@gpu
+@pytest.mark.gpu
 def test_replays_from_two_threads_on_their_own_streams():
     step, make = _mlp_step()
     runner = GraphRunner(step, make, [4, 8]).capture()

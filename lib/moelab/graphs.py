@@ -148,9 +148,18 @@ def pool_bytes(pid: tuple[int, int], snapshot: list | None = None) -> dict:
 
 @contextlib.contextmanager
 def trace_allocations():
-    """Record the allocator's alloc events in the body; yields a list filled with (address, size) on exit."""
+    """Record the allocator's alloc events in the body; yields a list filled with (address, size) on exit.
+    Where memory history is already being recorded (someone's own snapshot), its settings and history are
+    left as they are and the body's events are read from it."""
     events: list[tuple[int, int]] = []
     torch.cuda.synchronize()
+    if getattr(torch._C, "_cuda_isHistoryEnabled", lambda: False)():
+        start = [len(dev) for dev in torch.cuda.memory._snapshot()["device_traces"]]
+        yield events
+        torch.cuda.synchronize()
+        for dev, n in zip(torch.cuda.memory._snapshot()["device_traces"], start):
+            events.extend((e["addr"], e["size"]) for e in dev[n:] if e["action"] == "alloc")
+        return
     record = torch.cuda.memory._record_memory_history
     kw = {"clear_history": True} if "clear_history" in inspect.signature(record).parameters else {}
     record(enabled="all", context=None, stacks="python", max_entries=1_000_000, **kw)
