@@ -108,7 +108,8 @@ def main(argv=None) -> None:
     rows, traces, verdicts, t_all = [], [], {}, time.perf_counter()
     names = [m.strip() for m in args.models.split(",") if m.strip()]
     notes = (
-        f"WikiText-2 test ({'first ' + str(args.max_tokens) + ' tokens' if args.max_tokens else 'all tokens'}), "
+        f"WikiText-2 test with LF line ends (moelab.data.eval_text; "
+        f"{'first ' + str(args.max_tokens) + ' tokens' if args.max_tokens else 'all tokens'}), "
         f"sliding window context {args.context} (clipped to each model's max_position_embeddings) stride "
         f"{args.stride}, {args.dtype}. Every perplexity comes from forwards whose MoE blocks were patched by "
         "moelab.hf (routing changed, skipped pairs not computed), except section=baseline (the unchanged model). "
@@ -123,7 +124,8 @@ def main(argv=None) -> None:
 
     # the settings as used (not as typed), so the same run spelled differently still resumes
     protocol = {k: v for k, v in vars(args).items() if k not in ("models", "device", "device_map", "resume")}
-    protocol.update(batch_size=batch, topic=topic, targets=list(targets), max_tokens=args.max_tokens or None)
+    protocol.update(batch_size=batch, topic=topic, targets=list(targets), max_tokens=args.max_tokens or None,
+                    line_ends="LF")  # runs before eval_text() (no line_ends) read the shipped copy's CRLF
     weights = {}  # model -> moelab.models.fingerprint of the weights its rows came from
     resumed = []
     if args.resume is not None:

@@ -366,10 +366,15 @@ def _full_test_line(name: str, path: Path, test_total: int) -> str:
         if name in part.get("models_done", []):
             m = part["machine"]
             break
-    dtype = (doc.get("protocol") or {}).get("dtype")
-    dtype = {"float32": "fp32", "bfloat16": "bf16"}.get(dtype, dtype)
+    protocol = doc.get("protocol") or {}
+    dtype = {"float32": "fp32", "bfloat16": "bf16"}.get(protocol.get("dtype"), protocol.get("dtype"))
     tokens = r.get("routed_tokens")
-    which = "whole WikiText-2 test set" if tokens == test_total else f"first {tokens:,} tokens of WikiText-2 test"
+    if protocol.get("line_ends") != "LF":  # a run from before eval_text(): the shipped copy, CRLF line ends
+        which = "WikiText-2 test copy as shipped with its CRLF line ends, before `eval_text()`"
+    elif tokens == test_total:
+        which = "whole WikiText-2 test set"
+    else:
+        which = f"first {tokens:,} tokens of WikiText-2 test"
     return (f"\nOn the {which} ({r['scored_tokens']:,} scored tokens, context {r['context']}, "
             f"stride {r['stride']}{', ' + dtype if dtype else ''}) the unchanged model scores **{r['ppl']:.1f}** on "
             f"{m['device']} (torch {m['torch']}, transformers {m['transformers']}, commit {doc['commit'][:7]}): "
