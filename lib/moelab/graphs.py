@@ -188,11 +188,11 @@ def fraction_in_segments(allocs: Sequence[tuple[int, int]], segments: Sequence[t
 def merge_ranges(allocs: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
     """(address, size) blocks -> sorted, disjoint [start, end) address ranges covering them."""
     out: list[tuple[int, int]] = []
-    for a, n in sorted((a, a + n) for a, n in allocs if n > 0):
-        if out and a <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], n))
+    for start, end in sorted((a, a + n) for a, n in allocs if n > 0):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
         else:
-            out.append((a, n))
+            out.append((start, end))
     return out
 
 
@@ -541,6 +541,8 @@ class GraphRunner:
         pool re-runs the forward on the ordinary allocator (warning + `eager_fallbacks`; side effects of the
         failed attempt, such as a patched model's routing counts, stay applied). A tensor the
         forward leaves allocated in the pool raises ScratchLiveError, and replays refuse until it is gone.
+        A forward that raises in the pool has its frames' locals cleared before the error goes on (they
+        hold pool memory a replay would overwrite); replays refuse while anything else it made there lives.
         """
         if reuse not in (None, True, False):
             raise ValueError(f"reuse={reuse!r}: must be None, True or False")
