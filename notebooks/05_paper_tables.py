@@ -166,13 +166,18 @@ if gpu is not None:
     for prior in gpu.get("resumed_from", []):  # a run finished with --resume: the earlier part's own command
         print(f"  resumed from a run of {', '.join(prior['models_done'])} created {prior['created']}: {prior['command']}")
     print(f"notes: {gpu['notes']}")
+    proto = gpu.get("protocol", {})
+    crlf = proto.get("line_ends") != "LF"  # a run from before eval_text(): the shipped copy's CRLF line ends
+    if crlf:
+        print("this run read WikiText-2 test as shipped, with CRLF line ends (before moelab.data.eval_text()): "
+              "its absolute perplexities are about a tenth above LF text's (README, 'The embedded models')")
+    test_name = "full WikiText-2 test" + (" (CRLF copy)" if crlf else "")
     gpu_table = paper_table(gpu["rows"])
-    save_table(gpu_table, "05_paper_table_gpu", caption=f"Paper table, full WikiText-2 test, {m['device']}")
+    save_table(gpu_table, "05_paper_table_gpu", caption=f"Paper table, {test_name}, {m['device']}")
     for name, v in gpu.get("verdicts", {}).items():
         print(f"\n{name}: {v}")
     display_table = gpu_table
     # matched compute on the full test set: one panel per model, one line per policy
-    proto = gpu.get("protocol", {})
     gpu_budget = proto.get("budget", budget)
     g = pd.DataFrame(gpu["rows"])
     # the range the policies share: up to the run's largest matched target (lower fixed k goes far beyond)
@@ -197,7 +202,7 @@ if gpu is not None:
     handles = {lab: h for ax in np.atleast_1d(axes) for h, lab in zip(*ax.get_legend_handles_labels())}
     fig.legend(handles.values(), handles.keys(), loc="upper center", bbox_to_anchor=(0.5, -0.02), ncol=len(handles),
                frameon=False)
-    fig.suptitle(f"matched compute, full WikiText-2 test, {m['device']} (commit {gpu['commit'][:7]})", fontsize=8, y=1.04)
+    fig.suptitle(f"matched compute, {test_name}, {m['device']} (commit {gpu['commit'][:7]})", fontsize=8, y=1.04)
     savefig(fig, "05_matched_compute_gpu")
 else:
     display_table = table
