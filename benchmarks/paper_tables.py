@@ -5,10 +5,10 @@ configurations, thresholds calibrated (on held-out text) to the PR's claimed red
 calibrated to a +0.5% perplexity budget (shared and per-layer), and EntropyAdaptiveK / TopP / RatioSkip /
 lower fixed k at matched compute. Writes data/results/paper-tables-<yyyymmdd>.json (moelab.results).
 
-GPU (the full protocol; on one H200 about 1, 2.5 and 4 minutes for tiny-mixtral, tiny-qwen-moe and tiny-olmoe at
-2be368d, where the first forward of some new policies took 10-40 s, the rest about 1 s (logs/paper-tables-2be368d.txt):
-Triton compiling the routing kernel for a new policy kind or k, benchmarks/first_call.py;
-a run cut short is finished with --resume):
+GPU (the full protocol; on one H200 50, 56 and 58 s for tiny-mixtral, tiny-qwen-moe and tiny-olmoe at edb55f0,
+164 s in all (logs/paper-tables-edb55f0.txt); at 2be368d, before the routing kernel served every policy kind
+of a k_max without a compile (benchmarks/first_call.py), 1, 2.5 and 4 minutes; a run cut short is finished
+with --resume):
     PYTHONPATH=lib PYTHONUNBUFFERED=1 python benchmarks/paper_tables.py
 CPU smoke run (end to end on slices; writes topic paper-tables-smoke):
     python benchmarks/paper_tables.py --max-tokens 512 --cal-tokens 512 --budget-steps 2 --targets 0.25

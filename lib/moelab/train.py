@@ -372,9 +372,9 @@ def _full_test_line(name: str, path: Path, test_total: int) -> str:
     if protocol.get("line_ends") != "LF":  # a run from before eval_text(): the shipped copy, CRLF line ends
         which = "WikiText-2 test copy as shipped with its CRLF line ends, before `eval_text()`"
     elif tokens == test_total:
-        which = "whole WikiText-2 test set"
+        which = "whole WikiText-2 test set with LF line ends, as `eval_text()` gives it"
     else:
-        which = f"first {tokens:,} tokens of WikiText-2 test"
+        which = f"first {tokens:,} tokens of WikiText-2 test with LF line ends, as `eval_text()` gives it"
     return (f"\nOn the {which} ({r['scored_tokens']:,} scored tokens, context {r['context']}, "
             f"stride {r['stride']}{', ' + dtype if dtype else ''}) the unchanged model scores **{r['ppl']:.1f}** on "
             f"{m['device']} (torch {m['torch']}, transformers {m['transformers']}, commit {doc['commit'][:7]}): "
