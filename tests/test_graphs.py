@@ -25,6 +25,7 @@ from moelab.scratch import (
     BestFitFreeList,
     ScratchBuffers,
     ScratchLiveError,
+    active_scopes,
     pool_id,
     prefer_graph_pool,
     preferred_pool,
@@ -227,6 +228,36 @@ def test_scratch_scope_belongs_to_the_thread_that_opened_it():
     t.start()
     t.join()
     assert errors == {}
+
+
+def test_scratch_scopes_on_one_pool_wait_for_its_lock():
+    """A scope on a pool holds pool_lock(pool) for its whole forward (a GraphRunner shares its own lock there,
+    so replays wait too): a scope of another thread opens only after the holder lets go."""
+    import threading
+    import time
+
+    from moelab.scratch import pool_lock, share_pool_lock
+
+    pool, events = PoolToken(901), []
+    assert pool_lock(pool) is pool_lock(PoolToken(901)) and pool_lock(pool) is not pool_lock(PoolToken(902))
+
+    def other():
+        with ScratchBuffers("cpu").forward(pool):
+            events.append("other's scope")
+
+    mine = threading.RLock()
+    share_pool_lock(pool, mine)
+    with mine:  # e.g. the runner in a replay
+        t = threading.Thread(target=other)
+        t.start()
+        time.sleep(0.2)
+        events.append("holder done")
+        with ScratchBuffers("cpu").forward(pool):  # re-entrant: the holder's own scope opens at once
+            events.append("holder's scope")
+    t.join()
+    assert events == ["holder done", "holder's scope", "other's scope"]
+    assert active_scopes(pool) == 0 and pool_lock(pool).acquire(blocking=False)
+    pool_lock(pool).release()
 
 
 def test_runner_validates_arguments():
@@ -461,6 +492,80 @@ def test_a_leak_refuses_replays_until_freed_whatever_the_pool_held_at_capture():
         runner(x)
     leak.clear()
     torch.testing.assert_close(runner(x), step(x))  # freed: replays go ahead
+
+
+@gpu
+@pytest.mark.gpu
+def test_a_leak_is_told_by_blocks_not_bytes():
+    """A forward that frees a tensor the pool held from capture and keeps a new one of the same size on another
+    block leaves the pool's allocated bytes as they were; the new block is still caught."""
+    step, make = _mlp_step()
+    held, mode = [], {"hold": True}
+
+    def fn(x):
+        y = step(x)
+        if mode["hold"]:
+            held.append(torch.ones(1 << 16, device="cuda"))  # the capture's land in the pool
+        return y
+
+    runner = GraphRunner(fn, make, [4, 8]).capture()
+    mode["hold"] = False
+    segs = _pool_segs(runner)
+    pooled = [i for i, t in enumerate(held) if fraction_in_segments([(t.data_ptr(), t.nbytes)], segs) == 1.0]
+    assert pooled, "no tensor of the capture was kept in the pool"
+    kept = []
+
+    def swap(x):
+        y = step(x)
+        new = torch.ones(1 << 16, device="cuda")  # taken while the old one holds its block: another block
+        del held[pooled.pop()]
+        kept.append(new)
+        return y
+
+    runner.step_fn = swap
+    (x,) = make(4)
+    before = pool_bytes(runner.pool.id)["allocated"]
+    with pytest.raises(ScratchLiveError, match="1 blocks, 262144 bytes .* outlived the forward"):
+        runner.eager(x)
+    assert pool_bytes(runner.pool.id)["allocated"] == before  # a count of bytes would have let it pass
+    with pytest.raises(ScratchLiveError, match="replay refused"):
+        runner(x)
+    kept.clear()
+    torch.testing.assert_close(runner(x), step(x))
+
+
+@gpu
+@pytest.mark.gpu
+def test_another_threads_scratch_scope_on_the_pool_makes_replays_wait():
+    """A replay from one thread while another thread's scratch scope on the graphs' pool is open would write
+    into that scope's blocks: it waits for the scope to end (the runner shares its lock with the pool's scopes)."""
+    import time
+
+    step, make = _mlp_step()
+    runner = GraphRunner(step, make, [4, 8]).capture()
+    (x,) = make(8)
+    ref = step(x)
+    entered, events = threading.Event(), []
+
+    def other():
+        sb = ScratchBuffers()
+        with sb.forward(runner.pool):
+            buf = sb.empty((1 << 20,), torch.float32)
+            buf.fill_(7.0)
+            entered.set()
+            time.sleep(0.5)  # a replay now would run on the blocks this scope holds
+            events.append(("intact", bool((buf == 7.0).all())))
+            del buf
+            events.append("left")
+
+    t = threading.Thread(target=other)
+    t.start()
+    assert entered.wait(30)
+    out = runner(x)
+    events.append("replayed")
+    t.join()
+    assert events == [("intact", True), "left", "replayed"]
+    torch.testing.assert_close(out, ref)
 
 
 @gpu

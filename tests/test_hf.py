@@ -235,3 +235,34 @@ def test_router_logits_reads_every_layer_in_causal_chunks(model):
         router_logits(model, x, context=0)
     with pytest.raises(ValueError, match=r"ids of shape \(2, 40\)"):
         router_logits(model, ids(40), context=8)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on the GPU machine)")
+@torch.no_grad()
+def test_captured_patched_forwards_are_not_counted_and_record_refuses_capture():
+    """Replays route as patched but write nothing into the Patch (its counters are freed while graphs live on):
+    warm-ups count, captures and replays do not; a recording patch cannot be captured."""
+    from moelab.graphs import GraphRunner, hf_decode_step
+
+    m = tiny("mixtral").to("cuda", torch.float32)
+    step = hf_decode_step(m, "logits")
+    x = ids(n=1, seed=3).repeat(4, 1).cuda()
+    make = lambda b: (torch.randint(0, 101, (b, 1), device="cuda"),)  # noqa: E731
+    pol = EntropyAdaptiveK((1, 2), (1.0,))
+    with patched(m, pol, check=False) as p:
+        runner = GraphRunner(step, make, [4], warmup=2).capture()
+        layers = len(moe_layers(m))
+        assert p.uncounted == layers  # one captured forward of each layer
+        assert p.tokens == {i: 2 * 4 for i in range(layers)}  # the two warm-ups
+        counted = {i: int(v) for i, v in p.kept_pairs.items()}
+        ref = step(x)
+        p.reset_counts()
+        for _ in range(3):
+            torch.testing.assert_close(runner(x), ref)
+        assert p.tokens == {i: 0 for i in range(layers)} and p.kept_pairs == {i: 0 for i in range(layers)}
+    assert all(1 * 8 <= v <= 2 * 8 for v in counted.values())
+    torch.testing.assert_close(runner(x), ref)  # the graphs outlive the patch: they keep its routing
+    with patched(m, pol, record=True, check=False):
+        with pytest.raises(RuntimeError, match="cannot be captured in a CUDA graph"):
+            GraphRunner(step, make, [4]).capture()

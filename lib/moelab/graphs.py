@@ -40,6 +40,7 @@ from moelab.scratch import (
     live_scratch_bytes,
     prefer_graph_pool,
     register_capture_stream,
+    share_pool_lock,
 )
 
 __all__ = [
@@ -50,6 +51,7 @@ __all__ = [
     "GraphRunner",
     "pool_segments",
     "pool_bytes",
+    "pool_blocks",
     "trace_allocations",
     "fraction_in_segments",
     "merge_ranges",
@@ -144,6 +146,26 @@ def pool_bytes(pid: tuple[int, int], snapshot: list | None = None) -> dict:
     """Reserved and allocated bytes of one pool (from the allocator snapshot)."""
     segs = pool_segments(pid, snapshot)
     return {"reserved": sum(s[1] for s in segs), "allocated": sum(s[2] for s in segs), "segments": len(segs)}
+
+
+def pool_blocks(pid: tuple[int, int], snapshot: list | None = None) -> frozenset[tuple[int, int]]:
+    """(address, size) of every block of pool `pid` that a tensor holds (allocator state 'active_allocated')."""
+    held = []
+    for seg in _pool_snapshot(pid) if snapshot is None else snapshot:
+        if tuple(seg.get("segment_pool_id", (0, 0))) != tuple(pid):
+            continue
+        addr = seg["address"]  # blocks come in address order; older snapshots give no block address
+        for b in seg["blocks"]:
+            if b["state"] == "active_allocated":
+                held.append((b.get("address", addr), b["size"]))
+            addr += b["size"]
+    return frozenset(held)
+
+
+def _pool_state(pid: tuple[int, int]) -> dict:
+    """pool_bytes and pool_blocks of one pool from one snapshot."""
+    snap = _pool_snapshot(pid)
+    return {**pool_bytes(pid, snap), "blocks": pool_blocks(pid, snap)}
 
 
 @contextlib.contextmanager
@@ -301,9 +323,10 @@ class GraphRunner:
         self.eager_fallbacks = 0  # eager forwards that hit OOM in the pool and re-ran on the ordinary allocator
         self._captured_segments: list = []  # the shared pool's segments right after capture
         self._graph_ranges: list = []  # address ranges the graphs' own allocations used during capture
-        self._leak: tuple[int, str] | None = None  # (pool bytes allocated before the leaking forward, message)
+        self._leak: tuple[frozenset, str] | None = None  # (the pool's held blocks before the leaking forward, message)
         self._lock = threading.RLock()  # one eager forward or replay at a time: a replay must not land between
-        # another thread's safety check and its eager kernels (they share the capture stream's blocks)
+        # another thread's safety check and its eager kernels (they share the capture stream's blocks); after
+        # capture it is also the shared pool's `pool_lock`, held by any thread's scratch scope on that pool
 
     # capture
     def capture(self, release_cache: bool = True, prime: tuple | bool | str = "auto") -> "GraphRunner":
@@ -392,6 +415,7 @@ class GraphRunner:
         if self.pool_mode == "shared":
             self.pool = torch.cuda.MemPool()
             register_capture_stream(self.pool, self.stream)
+            share_pool_lock(self.pool, self._lock)  # scratch scopes of other threads on the pool wait for replays
         cur = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(cur)
         if prime is not None:
@@ -399,7 +423,7 @@ class GraphRunner:
                 raise ValueError("prime needs pool='shared': a private pool per bucket has nothing to share")
             with torch.no_grad(), torch.cuda.stream(self.stream):
                 _as_tuple(self.step_fn(*prime))  # lazy state (cuBLAS workspace) outside the pool first
-            self._eager_in(self.pool, self.stream, tuple(prime), pool_bytes(self.pool.id))
+            self._eager_in(self.pool, self.stream, tuple(prime), _pool_state(self.pool.id))
             self._raise_leak()
         # the allocator's own records of the captures: which addresses the graphs really use
         with torch.no_grad(), (trace_allocations() if self.pool is not None else contextlib.nullcontext([])) as allocs:
@@ -557,7 +581,7 @@ class GraphRunner:
         stream = stream or self.stream or torch.cuda.current_stream(self.device)
         cur = torch.cuda.current_stream(self.device)
         stream.wait_stream(cur)
-        before = pool_bytes(pool.id) if pool is not None else None  # the pool's own segments and blocks
+        before = _pool_state(pool.id) if pool is not None else None  # the pool's own segments and blocks
         oom = None
         try:
             try:
@@ -570,7 +594,7 @@ class GraphRunner:
                 # it made there is still allocated (e.g. a patched model's records)
                 traceback.clear_frames(e.__traceback__)
                 if self._leak is None:
-                    self._leak = (before["allocated"], "an eager forward that raised left tensors in the pool")
+                    self._leak = (before["blocks"], "an eager forward that raised left tensors in the pool")
                 if not isinstance(e, torch.cuda.OutOfMemoryError):
                     raise
                 oom = str(e).splitlines()[0]
@@ -612,24 +636,26 @@ class GraphRunner:
             del outs
         if pool is None:
             return kept, None
-        after = pool_bytes(pool.id)
-        if after["allocated"] > before["allocated"] and self._leak is None:
-            self._leak = (before["allocated"], "an eager forward left tensors in the pool")
+        after = _pool_state(pool.id)
+        if after["blocks"] - before["blocks"] and self._leak is None:
+            self._leak = (before["blocks"], "an eager forward left tensors in the pool")
         return kept, after
 
     def _raise_leak(self, prefix: str = "") -> None:
-        """Raise while tensors an eager forward left in the pool are still allocated; forget the leak once
-        the pool's allocated bytes are back to what they were before that forward."""
+        """Raise while a block of the pool that a tensor holds was not held before the leaking forward; forget
+        the leak once every such block is free. Blocks are compared by (address, size), not bytes in all: a
+        forward that frees an older tensor and keeps a new one elsewhere is caught; one whose kept tensor took
+        the very block it freed is not."""
         if self._leak is None:
             return
         before, what = self._leak
-        now = pool_bytes(self.pool.id)["allocated"] if self.pool is not None else before
-        if now <= before:
+        left = pool_blocks(self.pool.id) - before if self.pool is not None else frozenset()
+        if not left:
             self._leak = None
             return
-        raise ScratchLiveError(f"{prefix}{what}: {now - before} bytes of graph pool {self.pool.id} are still "
-                               "allocated (a tensor made inside it outlived the forward); replays would overwrite "
-                               "them. Drop those tensors first")
+        raise ScratchLiveError(f"{prefix}{what}: {len(left)} blocks, {sum(n for _, n in left)} bytes of graph pool "
+                               f"{self.pool.id} are still allocated (a tensor made inside it outlived the forward); "
+                               "replays would overwrite them. Drop those tensors first")
 
     def scratch_fraction_in_pool(self, *inputs, reuse: bool = True, stream=None) -> dict:
         """Proof that reuse is on: share of one eager forward's allocated bytes inside the graph pool.

@@ -141,6 +141,7 @@ class Patch:
         self.record = record
         self.kept_pairs = {i: 0 for i in policies}  # (token, expert) pairs the experts computed
         self.tokens = {i: 0 for i in policies}
+        self.uncounted = 0  # layer forwards captured in a CUDA graph: they and their replays are not counted
         self._pending: dict[int, object] = {}
 
     def mean_k(self) -> dict[int, float]:
@@ -150,6 +151,7 @@ class Patch:
     def reset_counts(self) -> None:
         self.kept_pairs = {i: 0 for i in self.policies}
         self.tokens = {i: 0 for i in self.policies}
+        self.uncounted = 0
 
 
 def _resolve_policies(layers: list[MoELayer], policy_or_policies) -> dict[int, Policy]:
@@ -186,10 +188,20 @@ def _gate_forward(patch: Patch, layer: MoELayer, policy: Policy, check: bool):
         if layer.index in patch._pending:
             raise RuntimeError(f"{layer.name}: a routing plan was made but its experts never ran")
         patch._pending[layer.index] = plan
-        patch.kept_pairs[layer.index] += plan.k.sum()  # stays a tensor until read: no extra sync
-        patch.tokens[layer.index] += plan.num_tokens
-        if patch.record is not None:
-            patch.record.add(layer.index, plan.k, plan.entropy, logits_TE)
+        if logits_TE.is_cuda and torch.cuda.is_current_stream_capturing():
+            # every replay of a captured count would add into this Patch's counter tensor, which is freed
+            # (reset_counts, the end of the context) while the graphs live on: a replay would then write into
+            # memory someone else holds. Count eager forwards of the same inputs instead.
+            if patch.record is not None:
+                raise RuntimeError(f"{layer.name}: a patched(record={'logits' if patch.record.logits else True!r}) "
+                                   "forward cannot be captured in a CUDA graph (the record copies each forward to "
+                                   "the host); record in eager forwards, or capture with record=False")
+            patch.uncounted += 1
+        else:
+            patch.kept_pairs[layer.index] += plan.k.sum()  # stays a tensor until read: no extra sync
+            patch.tokens[layer.index] += plan.num_tokens
+            if patch.record is not None:
+                patch.record.add(layer.index, plan.k, plan.entropy, logits_TE)
         return logits_TE, plan.weights.to(logits_TE.dtype), plan.expert_ids
 
     return forward
@@ -218,6 +230,9 @@ def patched(model, policy_or_policies, record: bool | str = False, check: bool =
       {moe_layer_ordinal: policy} (layers left out keep the model's own routing).
     record: False; True (per-layer k and entropy of every routed token); 'logits' (also router logits).
     check: validate that router logits are finite (one host sync per layer); False inside CUDA-graph capture.
+    Counts (`kept_pairs`, `tokens`, `mean_k`) and the record cover eager forwards only: a forward captured in
+    a CUDA graph routes as patched in every replay but is not counted (`uncounted`), so that no replay
+    writes into the Patch's counters after they are freed; record=True cannot be captured (RuntimeError).
     The model is restored exactly on exit, also when the body raises.
     Ties at the k-th place go to the lower expert index (`moelab.routing`); transformers' routers call
     `torch.topk`, whose order among ties is unspecified, so with the model's own rule a patched block runs

@@ -36,6 +36,8 @@ __all__ = [
     "ScratchLiveError",
     "live_scratch_bytes",
     "active_scopes",
+    "pool_lock",
+    "share_pool_lock",
     "round_block",
 ]
 
@@ -47,6 +49,8 @@ _capture_streams: dict[tuple[int, int], "torch.cuda.Stream"] = {}
 _live_blocks: dict[tuple[int, int], list] = {}
 # pool id -> number of eager scopes currently open on it (any thread)
 _open_scopes: dict[tuple[int, int], int] = {}
+# pool id -> the lock its eager scopes hold for their whole forward (a GraphRunner shares its own: see pool_lock)
+_pool_locks: dict[tuple[int, int], "threading.RLock"] = {}
 _registry_lock = threading.Lock()
 
 
@@ -102,6 +106,22 @@ def register_capture_stream(pool, stream) -> None:
 def capture_stream(pool):
     """The registered capture stream of `pool`, or None."""
     return _capture_streams.get(pool_id(pool))
+
+
+def pool_lock(pool):
+    """The re-entrant lock that every scratch scope on `pool` holds for its whole forward. A GraphRunner
+    registers its own lock here (`share_pool_lock`), so a scope of another thread and a replay of its graphs,
+    which would overwrite that scope's blocks, never overlap: the replay waits for the scope to end."""
+    pid = pool_id(pool)
+    with _registry_lock:
+        return _pool_locks.setdefault(pid, threading.RLock())
+
+
+def share_pool_lock(pool, lock) -> None:
+    """Make `lock` (a re-entrant lock: its holder may open scopes) the one scopes on `pool` hold."""
+    pid = pool_id(pool)
+    with _registry_lock:
+        _pool_locks[pid] = lock
 
 
 def round_block(nbytes: int) -> int:
@@ -183,7 +203,8 @@ class ScratchBuffers:
     At the end of the scope every block goes back to the caching allocator (inside the pool).
     route_all=True also routes every other allocation of the body into the pool (the whole eager forward).
     One scope at a time, used by the thread that opened it: another thread gets an error, not a shared
-    free list (give each thread its own ScratchBuffers).
+    free list (give each thread its own ScratchBuffers). A scope on a pool holds `pool_lock(pool)` throughout:
+    scopes of other threads on the same pool, and replays of a GraphRunner's graphs in it, wait for it.
     """
 
     def __init__(self, device=None):
@@ -214,7 +235,14 @@ class ScratchBuffers:
                 where = "" if self._owner == threading.get_ident() else f" (open in thread {self._owner})"
                 raise RuntimeError(f"ScratchBuffers.forward() scopes do not nest: one eager forward at a time{where}")
             self._scope, self._owner = scope, threading.get_ident()
-        if pid is not None:
+        lock = pool_lock(pool) if pid is not None else None
+        if lock is not None:
+            try:
+                lock.acquire()  # waits for a replay of the pool's graphs (or another thread's scope) to finish
+            except BaseException:
+                with self._lock:
+                    self._scope, self._owner = None, None
+                raise
             with _registry_lock:
                 _open_scopes[pid] = _open_scopes.get(pid, 0) + 1
         try:
@@ -238,9 +266,10 @@ class ScratchBuffers:
             del blocks
             with self._lock:
                 self._scope, self._owner = None, None
-            if pid is not None:
+            if lock is not None:
                 with _registry_lock:
                     _open_scopes[pid] -= 1
+                lock.release()
 
     def _need_scope(self):
         scope, owner = self._scope, self._owner
