@@ -247,7 +247,7 @@ def test_captured_patched_forwards_are_not_counted_and_record_refuses_capture():
 
     m = tiny("mixtral").to("cuda", torch.bfloat16)  # bf16: the fused Triton experts, no host sync (capturable)
     step = hf_decode_step(m, "logits")
-    x = ids(n=1, seed=3).repeat(4, 1).cuda()
+    x = ids(n=1, seed=3).repeat(2, 1).cuda()  # [4, 1]: four sequences, one token each
     make = lambda b: (torch.randint(0, 101, (b, 1), device="cuda"),)  # noqa: E731
     pol = EntropyAdaptiveK((1, 2), (1.0,))
     with patched(m, pol, check=False) as p:
