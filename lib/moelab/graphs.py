@@ -497,7 +497,8 @@ class GraphRunner:
     # replay
     def check_replay_safe(self) -> None:
         """Raise ScratchLiveError if eager scratch memory of the shared pool is live (also a tensor an
-        earlier eager forward left allocated in the pool, until the pool is back to its size before it)."""
+        earlier eager forward left allocated in the pool: until every block it took there is free again).
+        A replay from another thread while a scope is open there never gets here: it waits for the pool lock."""
         if self.pool is None:
             return
         self._raise_leak("replay refused: ")
@@ -626,9 +627,10 @@ class GraphRunner:
             )
 
     def _eager_in(self, pool, stream, inputs, before: dict | None) -> tuple[tuple, dict | None]:
-        """One forward -> (outputs copied out, the pool's bytes after it). With a pool, every allocation of the
-        body lands in it, and its allocated bytes are compared with `before`: a tensor made inside the pool
-        that outlives the forward is recorded (`_leak`; `_raise_leak` and every replay refuse until freed)."""
+        """One forward -> (outputs copied out, the pool's state after it: `_pool_state`). With a pool, every
+        allocation of the body lands in it, and the blocks held after it are compared with those of `before`: a
+        tensor made inside the pool that outlives the forward is recorded (`_leak`; `_raise_leak` and every
+        replay refuse until its block is free)."""
         with torch.no_grad(), prefer_graph_pool(pool), self.scratch.forward(pool, stream, route_all=pool is not None):
             outs = _as_tuple(self.step_fn(*inputs))
             with self.scratch.unrouted():

@@ -141,7 +141,7 @@ class Patch:
         self.record = record
         self.kept_pairs = {i: 0 for i in policies}  # (token, expert) pairs the experts computed
         self.tokens = {i: 0 for i in policies}
-        self.uncounted = 0  # layer forwards captured in a CUDA graph: they and their replays are not counted
+        self.uncounted = 0  # layer forwards captured in CUDA graphs (trial captures included): never counted
         self._pending: dict[int, object] = {}
 
     def mean_k(self) -> dict[int, float]:
@@ -182,20 +182,21 @@ def _gate_forward(patch: Patch, layer: MoELayer, policy: Policy, check: bool):
     gate = layer.block.gate
 
     def forward(hidden_states):
+        # in a CUDA-graph capture, every replay of a captured count would add into this Patch's counter tensor,
+        # which is freed (reset_counts, the end of the context) while the graphs live on: a replay would then
+        # write into memory someone else holds. Count eager forwards of the same inputs instead.
+        capturing = hidden_states.is_cuda and torch.cuda.is_current_stream_capturing()
+        if capturing and patch.record is not None:
+            raise RuntimeError(f"{layer.name}: a patched(record={'logits' if patch.record.logits else True!r}) "
+                               "forward cannot be captured in a CUDA graph (the record copies each forward to "
+                               "the host); record in eager forwards, or capture with record=False")
         h_TD = hidden_states.reshape(-1, gate.weight.shape[1])
         logits_TE = F.linear(h_TD, gate.weight)
         plan = route(logits_TE, policy, renormalize=layer.renormalize, num_experts=layer.num_experts, check=check)
         if layer.index in patch._pending:
             raise RuntimeError(f"{layer.name}: a routing plan was made but its experts never ran")
         patch._pending[layer.index] = plan
-        if logits_TE.is_cuda and torch.cuda.is_current_stream_capturing():
-            # every replay of a captured count would add into this Patch's counter tensor, which is freed
-            # (reset_counts, the end of the context) while the graphs live on: a replay would then write into
-            # memory someone else holds. Count eager forwards of the same inputs instead.
-            if patch.record is not None:
-                raise RuntimeError(f"{layer.name}: a patched(record={'logits' if patch.record.logits else True!r}) "
-                                   "forward cannot be captured in a CUDA graph (the record copies each forward to "
-                                   "the host); record in eager forwards, or capture with record=False")
+        if capturing:
             patch.uncounted += 1
         else:
             patch.kept_pairs[layer.index] += plan.k.sum()  # stays a tensor until read: no extra sync

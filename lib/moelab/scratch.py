@@ -146,6 +146,11 @@ def live_scratch_bytes(pool) -> int:
     return sum(n for _, n in refs)
 
 
+def _count_scope(pid, n: int) -> None:
+    with _registry_lock:
+        _open_scopes[pid] = _open_scopes.get(pid, 0) + n
+
+
 def active_scopes(pool) -> int:
     """Eager scratch scopes currently open on `pool`."""
     return _open_scopes.get(pool_id(pool), 0)
@@ -236,17 +241,14 @@ class ScratchBuffers:
                 raise RuntimeError(f"ScratchBuffers.forward() scopes do not nest: one eager forward at a time{where}")
             self._scope, self._owner = scope, threading.get_ident()
         lock = pool_lock(pool) if pid is not None else None
-        if lock is not None:
-            try:
-                lock.acquire()  # waits for a replay of the pool's graphs (or another thread's scope) to finish
-            except BaseException:
-                with self._lock:
-                    self._scope, self._owner = None, None
-                raise
-            with _registry_lock:
-                _open_scopes[pid] = _open_scopes.get(pid, 0) + 1
         try:
-            with contextlib.ExitStack() as es:
+            with contextlib.ExitStack() as es:  # callbacks run last registered first: the lock goes last
+                if lock is not None:
+                    lock.acquire()  # waits for a replay of the pool's graphs (or another thread's scope) to end
+                    es.callback(lock.release)
+                    _count_scope(pid, 1)
+                    es.callback(_count_scope, pid, -1)
+                es.callback(self._end_scope, scope)  # blocks tracked before the lock lets a replay check them
                 if stream is not None:  # the body runs on `stream`, ordered after and before the caller's
                     cur = torch.cuda.current_stream(stream.device)
                     stream.wait_stream(cur)
@@ -257,19 +259,17 @@ class ScratchBuffers:
                     es.callback(scope.end_routing)
                 yield self
         finally:
-            blocks = scope.handed + scope.free.blocks()
-            scope.free.clear()
-            scope.handed.clear()
-            if pid is not None:
-                for b in blocks:
-                    _track(pid, b)
-            del blocks
             with self._lock:
                 self._scope, self._owner = None, None
-            if lock is not None:
-                with _registry_lock:
-                    _open_scopes[pid] -= 1
-                lock.release()
+
+    def _end_scope(self, scope) -> None:
+        """Every block of the scope goes back to the allocator; those of a pool are tracked (live_scratch_bytes)."""
+        blocks = scope.handed + scope.free.blocks()
+        scope.free.clear()
+        scope.handed.clear()
+        if scope.pid is not None:
+            for b in blocks:
+                _track(scope.pid, b)
 
     def _need_scope(self):
         scope, owner = self._scope, self._owner
