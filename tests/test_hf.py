@@ -255,17 +255,16 @@ def test_captured_patched_forwards_are_not_counted_and_record_refuses_capture():
         layers = len(moe_layers(m))
         assert p.uncounted == layers  # one captured forward of each layer
         assert p.tokens == {i: 2 * 4 for i in range(layers)}  # the two warm-ups
+        ref = step(x)  # eager: counted, into the same tensors (in place)
         counters = dict(p.kept_pairs)  # the warm-ups' device tensors: a captured count would add into them
         assert all(isinstance(v, torch.Tensor) and v.is_cuda for v in counters.values())
         counted = {i: int(v) for i, v in counters.items()}
-        ref = step(x)
         p.reset_counts()
         for _ in range(3):
             torch.testing.assert_close(runner(x), ref)
         torch.cuda.synchronize()
         assert {i: int(v) for i, v in counters.items()} == counted  # no replay wrote into them
-        assert p.tokens == {i: 0 for i in range(layers)} and p.kept_pairs == {i: 0 for i in range(layers)}
-    assert all(1 * 8 <= v <= 2 * 8 for v in counted.values())
+    assert all(1 * 12 <= v <= 2 * 12 for v in counted.values())  # two warm-ups and one eager forward
     torch.testing.assert_close(runner(x), ref)  # the graphs outlive the patch: they keep its routing
     with patched(m, pol, record=True, check=False) as p:
         with pytest.raises(RuntimeError, match="cannot be captured in a CUDA graph"):
