@@ -253,8 +253,7 @@ def test_captured_patched_forwards_are_not_counted_and_record_refuses_capture():
     with patched(m, pol, check=False) as p:
         runner = GraphRunner(step, make, [4], warmup=2).capture()
         layers = len(moe_layers(m))
-        assert p.uncounted == layers  # one captured forward of each layer
-        assert p.tokens == {i: 2 * 4 for i in range(layers)}  # the two warm-ups
+        uncounted, tokens = p.uncounted, dict(p.tokens)
         ref = step(x)  # eager: counted, into the same tensors (in place)
         counters = dict(p.kept_pairs)  # the warm-ups' device tensors: a captured count would add into them
         assert all(isinstance(v, torch.Tensor) and v.is_cuda for v in counters.values())
@@ -264,6 +263,8 @@ def test_captured_patched_forwards_are_not_counted_and_record_refuses_capture():
             torch.testing.assert_close(runner(x), ref)
         torch.cuda.synchronize()
         assert {i: int(v) for i, v in counters.items()} == counted  # no replay wrote into them
+        assert uncounted == layers  # one captured forward of each layer
+        assert tokens == {i: 2 * 4 for i in range(layers)}  # the two warm-ups
     assert all(1 * 12 <= v <= 2 * 12 for v in counted.values())  # two warm-ups and one eager forward
     torch.testing.assert_close(runner(x), ref)  # the graphs outlive the patch: they keep its routing
     with patched(m, pol, record=True, check=False) as p:
