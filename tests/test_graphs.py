@@ -233,10 +233,9 @@ def test_scratch_scope_belongs_to_the_thread_that_opened_it():
 def test_scratch_scopes_on_one_pool_wait_for_its_lock():
     """A scope on a pool holds pool_lock(pool) for its whole forward (a GraphRunner shares its own lock there,
     so replays wait too): a scope of another thread opens only after the holder lets go."""
-    import threading
     import time
 
-    from moelab.scratch import pool_lock, share_pool_lock
+    from moelab.scratch import PoolLock, pool_lock, share_pool_lock
 
     pool, events = PoolToken(901), []
     assert pool_lock(pool) is pool_lock(PoolToken(901)) and pool_lock(pool) is not pool_lock(PoolToken(902))
@@ -245,19 +244,67 @@ def test_scratch_scopes_on_one_pool_wait_for_its_lock():
         with ScratchBuffers("cpu").forward(pool):
             events.append("other's scope")
 
-    mine = threading.RLock()
+    mine = PoolLock()
     share_pool_lock(pool, mine)
-    with mine:  # e.g. the runner in a replay
+    with mine.hold("a replay"):  # e.g. the runner in a replay
         t = threading.Thread(target=other)
         t.start()
         time.sleep(0.2)
         events.append("holder done")
         with ScratchBuffers("cpu").forward(pool):  # re-entrant: the holder's own scope opens at once
             events.append("holder's scope")
+        assert mine.holder() == (threading.current_thread().name, "a replay")  # the outermost hold is named
     t.join()
     assert events == ["holder done", "holder's scope", "other's scope"]
-    assert active_scopes(pool) == 0 and pool_lock(pool).acquire(blocking=False)
-    pool_lock(pool).release()
+    assert active_scopes(pool) == 0 and pool_lock(pool).holder() is None
+    with pytest.raises(TypeError, match="PoolLock"):
+        share_pool_lock(pool, threading.RLock())
+
+
+def test_a_wait_for_a_held_pool_lock_ends_in_an_error_naming_the_holder():
+    """A thread that holds a pool's lock and waits on another thread that needs it would hang both; the
+    waiter gives up after the lock's wait_s with an error naming the holder, and leaves no scope open."""
+    from moelab.scratch import PoolLock, PoolLockTimeout, share_pool_lock
+
+    pool, errors, lock = PoolToken(903), [], PoolLock(wait_s=0.2)
+    share_pool_lock(pool, lock)
+    sb = ScratchBuffers("cpu")
+
+    def other():
+        try:
+            with sb.forward(pool):
+                errors.append("opened")
+        except PoolLockTimeout as e:
+            errors.append(str(e))
+
+    with lock.hold("a replay"):
+        t = threading.Thread(target=other)
+        t.start()
+        t.join(30)  # the holder waits on the other thread: without a timeout, neither would ever go on
+    assert not t.is_alive() and len(errors) == 1, errors
+    assert "a scratch scope waited 0.2 s" in errors[0] and f"thread {threading.current_thread().name!r}" in errors[0]
+    assert "for a replay" in errors[0]
+    assert active_scopes(pool) == 0
+    with sb.forward(pool):  # the failed wait left the ScratchBuffers free for the next scope
+        pass
+    for bad in (-1, "1", True, float("nan")):
+        with pytest.raises(ValueError, match="wait_s="):
+            PoolLock(wait_s=bad)
+
+
+def test_a_pools_registry_entries_go_with_the_pool_object():
+    """Capture stream and lock are kept per pool id; once the pool object is garbage they are dropped
+    (a MemPool's id is never given out again), so runners made and dropped in a loop leave nothing behind."""
+    from moelab.scratch import capture_stream, forget_pool_when_collected, pool_lock, register_capture_stream
+
+    pool, stream = PoolToken(904), object()
+    forget_pool_when_collected(pool)
+    register_capture_stream(pool, stream)
+    lock = pool_lock(pool)
+    assert capture_stream(PoolToken(904)) is stream and pool_lock(PoolToken(904)) is lock
+    del pool
+    gc.collect()
+    assert capture_stream(PoolToken(904)) is None and pool_lock(PoolToken(904)) is not lock
 
 
 def test_runner_validates_arguments():
@@ -566,6 +613,61 @@ def test_another_threads_scratch_scope_on_the_pool_makes_replays_wait():
     t.join()
     assert events == [("intact", True), "left", "replayed"]
     torch.testing.assert_close(out, ref)
+
+
+@gpu
+@pytest.mark.gpu
+def test_a_scope_holder_waiting_on_a_replaying_thread_gets_an_error_not_a_hang():
+    """The replay that must wait for a scope, while the scope's thread waits for the replay, gives up after
+    the runner's lock_wait_s with an error naming the holder; runner and pool work on afterwards."""
+    from moelab.scratch import PoolLockTimeout
+
+    step, make = _mlp_step()
+    runner = GraphRunner(step, make, [4, 8], lock_wait_s=0.5).capture()
+    (x,) = make(8)
+    ref = step(x)
+    errors = []
+
+    def replay():
+        try:
+            runner(x)
+        except PoolLockTimeout as e:
+            errors.append(str(e))
+
+    sb = ScratchBuffers()
+    with sb.forward(runner.pool):
+        buf = sb.empty((1 << 20,), torch.float32)
+        buf.fill_(7.0)
+        t = threading.Thread(target=replay)
+        t.start()
+        t.join(30)  # waits on the replaying thread while holding the scope
+        assert bool((buf == 7.0).all())
+        del buf
+    assert not t.is_alive() and len(errors) == 1, errors
+    assert "a replay waited 0.5 s" in errors[0] and "for a scratch scope" in errors[0]
+    assert f"thread {threading.current_thread().name!r}" in errors[0]
+    torch.testing.assert_close(runner(x), ref)
+
+
+@gpu
+@pytest.mark.gpu
+def test_a_dropped_runner_leaves_no_pool_registry_entries():
+    """Capture stream, lock and tracked blocks are kept per pool; capture('auto') makes trial pools too. Once
+    a runner is dropped, none of its pools' entries are left (runners made in a loop do not pile them up)."""
+    from moelab import scratch
+
+    regs = (scratch._capture_streams, scratch._live_blocks, scratch._open_scopes, scratch._pool_locks)
+    before = [set(r) for r in regs]
+    step, make = _mlp_step()
+    runner = GraphRunner(step, make, [4, 8], eager_example=make(8)).capture()  # 'auto': two or three pools
+    pid = runner.pool.id
+    (x,) = make(8)
+    runner.eager(x)
+    torch.testing.assert_close(runner(x), step(x))
+    assert all(pid in r for r in (scratch._capture_streams, scratch._live_blocks, scratch._pool_locks))
+    del runner
+    gc.collect()
+    assert [set(r) - b for r, b in zip(regs, before)] == [set()] * 4
 
 
 @gpu

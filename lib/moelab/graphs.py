@@ -26,7 +26,6 @@ import bisect
 import contextlib
 import inspect
 import logging
-import threading
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -34,9 +33,13 @@ from dataclasses import dataclass
 import torch
 
 from moelab.scratch import (
+    LOCK_WAIT_S,
+    PoolLock,
+    PoolLockTimeout,
     ScratchBuffers,
     ScratchLiveError,
     active_scopes,
+    forget_pool_when_collected,
     live_scratch_bytes,
     prefer_graph_pool,
     register_capture_stream,
@@ -59,6 +62,7 @@ __all__ = [
     "hf_decode_step",
     "prefer_graph_pool",
     "ScratchLiveError",
+    "PoolLockTimeout",
 ]
 
 log = logging.getLogger(__name__)
@@ -279,6 +283,8 @@ class GraphRunner:
     max(graphs, eager) instead of graphs + eager-sized segments added later.
     Outputs of every bucket are views of one preallocated buffer per output (see the module docstring);
     a replay's result is copied out at once, so buckets can share the rows.
+    lock_wait_s: how long a replay, eager forward or scratch scope on the shared pool waits for another
+    thread's before PoolLockTimeout (None: forever); see `moelab.scratch.PoolLock`.
     """
 
     def __init__(
@@ -292,6 +298,7 @@ class GraphRunner:
         device=None,
         stream=None,
         eager_example: tuple | None = None,
+        lock_wait_s: float | None = LOCK_WAIT_S,
     ):
         if pool not in ("shared", "private"):
             raise ValueError(f"pool={pool!r}: must be 'shared' or 'private'")
@@ -324,7 +331,7 @@ class GraphRunner:
         self._captured_segments: list = []  # the shared pool's segments right after capture
         self._graph_ranges: list = []  # address ranges the graphs' own allocations used during capture
         self._leak: tuple[frozenset, str] | None = None  # (the pool's held blocks before the leaking forward, message)
-        self._lock = threading.RLock()  # one eager forward or replay at a time: a replay must not land between
+        self._lock = PoolLock(lock_wait_s)  # one eager forward or replay at a time: a replay must not land between
         # another thread's safety check and its eager kernels (they share the capture stream's blocks); after
         # capture it is also the shared pool's `pool_lock`, held by any thread's scratch scope on that pool
 
@@ -351,7 +358,7 @@ class GraphRunner:
                 raise ValueError(f"prime={prime!r}: must be 'auto', True, False or a tuple of inputs")
             if self.eager_example is None or self.pool_mode != "shared":
                 return self._capture_guarded(release_cache, None)
-            with self._lock:
+            with self._lock.hold("a capture"):
                 try:
                     return self._capture_auto(release_cache)
                 except BaseException:
@@ -372,7 +379,7 @@ class GraphRunner:
         return self._capture_guarded(release_cache, prime)
 
     def _capture_guarded(self, release_cache: bool, prime: tuple | None) -> "GraphRunner":
-        with self._lock:
+        with self._lock.hold("a capture"):
             try:
                 return self._capture_once(release_cache, prime)
             except BaseException:
@@ -414,6 +421,7 @@ class GraphRunner:
             self.stream = torch.cuda.Stream(self.device)
         if self.pool_mode == "shared":
             self.pool = torch.cuda.MemPool()
+            forget_pool_when_collected(self.pool)  # the registries' entries go with the MemPool
             register_capture_stream(self.pool, self.stream)
             share_pool_lock(self.pool, self._lock)  # scratch scopes of other threads on the pool wait for replays
         cur = torch.cuda.current_stream(self.device)
@@ -516,7 +524,7 @@ class GraphRunner:
 
     def __call__(self, *inputs):
         """Replay the bucket graph for a batch of n <= max bucket; returns fresh tensors of n rows."""
-        with self._lock:
+        with self._lock.hold("a replay"):
             return self._replay(inputs)
 
     def _replay(self, inputs: tuple):
@@ -574,7 +582,7 @@ class GraphRunner:
         if reuse is True and self.pool is None:
             raise ValueError("reuse=True: this runner has no shared pool to borrow "
                              f"({'pool=private' if self.pool_mode == 'private' else 'capture() first'})")
-        with self._lock:
+        with self._lock.hold("an eager forward"):
             return self._eager(inputs, reuse is not False, stream)
 
     def _eager(self, inputs: tuple, reuse: bool, stream):

@@ -21,6 +21,7 @@ import logging
 import math
 import numbers
 import threading
+import weakref
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -38,6 +39,11 @@ __all__ = [
     "active_scopes",
     "pool_lock",
     "share_pool_lock",
+    "PoolLock",
+    "PoolLockTimeout",
+    "LOCK_WAIT_S",
+    "forget_pool",
+    "forget_pool_when_collected",
     "round_block",
 ]
 
@@ -50,12 +56,65 @@ _live_blocks: dict[tuple[int, int], list] = {}
 # pool id -> number of eager scopes currently open on it (any thread)
 _open_scopes: dict[tuple[int, int], int] = {}
 # pool id -> the lock its eager scopes hold for their whole forward (a GraphRunner shares its own: see pool_lock)
-_pool_locks: dict[tuple[int, int], "threading.RLock"] = {}
+_pool_locks: dict[tuple[int, int], "PoolLock"] = {}
 _registry_lock = threading.Lock()
+LOCK_WAIT_S = 60.0  # default seconds a thread waits for a pool's lock before PoolLockTimeout (None: forever)
 
 
 class ScratchLiveError(RuntimeError):
     """A graph replay was requested while eager scratch memory of its pool is still in use."""
+
+
+class PoolLockTimeout(TimeoutError):
+    """A pool's lock stayed taken for the whole wait: most likely two threads waiting on each other."""
+
+
+class PoolLock:
+    """The re-entrant lock of one graph pool: every scratch scope on the pool holds it, and so do its runner's
+    replays, eager forwards and captures. A wait longer than `wait_s` raises PoolLockTimeout naming the holder
+    instead of hanging: a thread that holds a scope and waits for another thread's replay of the same pool
+    would otherwise wait forever. wait_s=None waits forever."""
+
+    def __init__(self, wait_s: float | None = LOCK_WAIT_S):
+        if wait_s is not None and (isinstance(wait_s, bool) or not isinstance(wait_s, numbers.Real) or
+                                   not 0 <= wait_s < threading.TIMEOUT_MAX):
+            raise ValueError(f"wait_s={wait_s!r}: must be None (wait forever) or seconds >= 0")
+        self.wait_s = wait_s
+        self._lock = threading.RLock()
+        self._holder: tuple[str, str] | None = None  # (thread name, what it does) of the outermost hold
+        self._depth = 0
+
+    def acquire(self, what: str = "a scratch scope") -> None:
+        """Take the lock for `what` (named to a waiter that times out); PoolLockTimeout after wait_s."""
+        if not self._lock.acquire(timeout=-1 if self.wait_s is None else self.wait_s):
+            name, doing = self._holder or ("?", "?")  # read without the lock: a hint for the message
+            raise PoolLockTimeout(
+                f"{what} waited {self.wait_s} s for a graph pool's lock, held by thread {name!r} for {doing}. A "
+                "thread that holds a scratch scope on a pool must not wait for another thread's replay or eager "
+                "forward on it (deadlock); a longer wait: GraphRunner(lock_wait_s=...), None waits forever"
+            )
+        if self._depth == 0:
+            self._holder = (threading.current_thread().name, what)
+        self._depth += 1
+
+    def release(self) -> None:
+        self._depth -= 1
+        if self._depth == 0:
+            self._holder = None
+        self._lock.release()
+
+    @contextlib.contextmanager
+    def hold(self, what: str):
+        """`with lock.hold("a replay"):` the lock for the body."""
+        self.acquire(what)
+        try:
+            yield self
+        finally:
+            self.release()
+
+    def holder(self) -> tuple[str, str] | None:
+        """(thread name, what it does) of the current holder, None when free."""
+        return self._holder
 
 
 def pool_id(pool) -> tuple[int, int]:
@@ -100,7 +159,9 @@ def preferred_pool():
 
 def register_capture_stream(pool, stream) -> None:
     """Remember the stream a pool's graphs were captured on: scratch allocations must use it to reuse blocks."""
-    _capture_streams[pool_id(pool)] = stream
+    pid = pool_id(pool)
+    with _registry_lock:
+        _capture_streams[pid] = stream
 
 
 def capture_stream(pool):
@@ -108,20 +169,34 @@ def capture_stream(pool):
     return _capture_streams.get(pool_id(pool))
 
 
-def pool_lock(pool):
-    """The re-entrant lock that every scratch scope on `pool` holds for its whole forward. A GraphRunner
-    registers its own lock here (`share_pool_lock`), so a scope of another thread and a replay of its graphs,
-    which would overwrite that scope's blocks, never overlap: the replay waits for the scope to end."""
+def pool_lock(pool) -> PoolLock:
+    """The lock that every scratch scope on `pool` holds for its whole forward. A GraphRunner registers its
+    own lock here (`share_pool_lock`), so a scope of another thread and a replay of its graphs, which would
+    overwrite that scope's blocks, never overlap: the replay waits for the scope to end."""
     pid = pool_id(pool)
     with _registry_lock:
-        return _pool_locks.setdefault(pid, threading.RLock())
+        return _pool_locks.setdefault(pid, PoolLock())
 
 
-def share_pool_lock(pool, lock) -> None:
-    """Make `lock` (a re-entrant lock: its holder may open scopes) the one scopes on `pool` hold."""
+def share_pool_lock(pool, lock: PoolLock) -> None:
+    """Make `lock` (a PoolLock: re-entrant, so its holder may open scopes) the one scopes on `pool` hold."""
+    if not isinstance(lock, PoolLock):
+        raise TypeError(f"lock={lock!r}: must be a moelab.scratch.PoolLock")
     pid = pool_id(pool)
     with _registry_lock:
         _pool_locks[pid] = lock
+
+
+def forget_pool(pid: tuple[int, int]) -> None:
+    """Drop everything kept about pool id `pid` (capture stream, lock, open scopes, tracked blocks)."""
+    with _registry_lock:
+        for reg in (_capture_streams, _live_blocks, _open_scopes, _pool_locks):
+            reg.pop(pid, None)
+
+
+def forget_pool_when_collected(pool) -> None:
+    """Forget `pool`'s entries once the MemPool object is garbage (its id is never given out again)."""
+    weakref.finalize(pool, forget_pool, pool_id(pool))
 
 
 def round_block(nbytes: int) -> int:
@@ -244,7 +319,7 @@ class ScratchBuffers:
         try:
             with contextlib.ExitStack() as es:  # callbacks run last registered first: the lock goes last
                 if lock is not None:
-                    lock.acquire()  # waits for a replay of the pool's graphs (or another thread's scope) to end
+                    lock.acquire("a scratch scope")  # waits for a replay of the pool's graphs (or another scope)
                     es.callback(lock.release)
                     _count_scope(pid, 1)
                     es.callback(_count_scope, pid, -1)
