@@ -4,6 +4,7 @@ import gc
 import logging
 import random
 import threading
+import time
 
 import pytest
 import torch
@@ -287,24 +288,88 @@ def test_a_wait_for_a_held_pool_lock_ends_in_an_error_naming_the_holder():
     assert active_scopes(pool) == 0
     with sb.forward(pool):  # the failed wait left the ScratchBuffers free for the next scope
         pass
-    for bad in (-1, "1", True, float("nan")):
+    for bad in (-1, "1", True, float("nan"), threading.TIMEOUT_MAX):
         with pytest.raises(ValueError, match="wait_s="):
             PoolLock(wait_s=bad)
+    assert PoolLock(float("inf")).wait_s is None and PoolLock(None).wait_s is None
+    from fractions import Fraction
+
+    assert PoolLock(Fraction(1, 4)).wait_s == 0.25  # any real number becomes a float RLock.acquire takes
+
+
+def test_a_pool_lock_times_its_wait_and_only_its_holder_releases_it():
+    from moelab.scratch import PoolLock, PoolLockTimeout
+
+    lock, out = PoolLock(wait_s=0.3), {}
+
+    def other():
+        t0 = time.perf_counter()
+        try:
+            lock.acquire("a replay")
+        except PoolLockTimeout:
+            out["waited"] = time.perf_counter() - t0
+        try:
+            lock.release()
+        except RuntimeError as e:
+            out["release"] = str(e)
+
+    with lock.hold("a scratch scope"):
+        t = threading.Thread(target=other, name="decoder")
+        t.start()
+        t.join(30)
+        assert lock.holder() == (threading.current_thread().name, "a scratch scope")  # untouched by the other
+    assert 0.25 <= out["waited"] < 10 and "'decoder', which does not hold it" in out["release"]
+    assert lock.holder() is None
+    zero = PoolLock(wait_s=0)  # one try
+
+    def try_zero():
+        try:
+            zero.acquire("a replay")
+            out["zero"] = "taken"
+        except PoolLockTimeout:
+            out["zero"] = "refused"
+
+    with zero.hold("a scratch scope"):
+        t = threading.Thread(target=try_zero)
+        t.start()
+        t.join(30)
+    assert out["zero"] == "refused"
 
 
 def test_a_pools_registry_entries_go_with_the_pool_object():
     """Capture stream and lock are kept per pool id; once the pool object is garbage they are dropped
     (a MemPool's id is never given out again), so runners made and dropped in a loop leave nothing behind."""
-    from moelab.scratch import capture_stream, forget_pool_when_collected, pool_lock, register_capture_stream
+    from moelab.scratch import capture_stream, pool_lock, register_capture_stream, registered_pools
 
     pool, stream = PoolToken(904), object()
-    forget_pool_when_collected(pool)
     register_capture_stream(pool, stream)
     lock = pool_lock(pool)
     assert capture_stream(PoolToken(904)) is stream and pool_lock(PoolToken(904)) is lock
+    assert (0, 904) in registered_pools()
     del pool
     gc.collect()
-    assert capture_stream(PoolToken(904)) is None and pool_lock(PoolToken(904)) is not lock
+    assert (0, 904) not in registered_pools() and capture_stream(PoolToken(904)) is None
+
+
+def test_a_pool_collected_while_the_registry_is_busy_does_not_hang():
+    """A pool's finalizer may run in any thread during any allocation, also one made while the registry's own
+    lock is held (a collection of a pool in a reference cycle): it must not take that lock."""
+    from moelab import scratch
+
+    pool = PoolToken(905)
+    pool.cycle = pool  # only the cycle collector frees it
+    scratch.pool_lock(pool)
+    del pool
+
+    def collect_under_the_registry_lock():
+        with scratch._registry_lock:
+            gc.collect()
+
+    t = threading.Thread(target=collect_under_the_registry_lock, daemon=True)
+    t.start()
+    t.join(30)
+    assert not t.is_alive(), "the finalizer took the registry lock its own thread held"
+    assert (0, 905) not in scratch.registered_pools()
 
 
 def test_runner_validates_arguments():
@@ -654,20 +719,19 @@ def test_a_scope_holder_waiting_on_a_replaying_thread_gets_an_error_not_a_hang()
 def test_a_dropped_runner_leaves_no_pool_registry_entries():
     """Capture stream, lock and tracked blocks are kept per pool; capture('auto') makes trial pools too. Once
     a runner is dropped, none of its pools' entries are left (runners made in a loop do not pile them up)."""
-    from moelab import scratch
+    from moelab.scratch import registered_pools
 
-    regs = (scratch._capture_streams, scratch._live_blocks, scratch._open_scopes, scratch._pool_locks)
-    before = [set(r) for r in regs]
+    before = registered_pools()
     step, make = _mlp_step()
     runner = GraphRunner(step, make, [4, 8], eager_example=make(8)).capture()  # 'auto': two or three pools
     pid = runner.pool.id
     (x,) = make(8)
     runner.eager(x)
     torch.testing.assert_close(runner(x), step(x))
-    assert all(pid in r for r in (scratch._capture_streams, scratch._live_blocks, scratch._pool_locks))
+    assert pid in registered_pools()
     del runner
     gc.collect()
-    assert [set(r) - b for r, b in zip(regs, before)] == [set()] * 4
+    assert registered_pools() - before == set()
 
 
 @gpu

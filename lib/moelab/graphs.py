@@ -39,7 +39,6 @@ from moelab.scratch import (
     ScratchBuffers,
     ScratchLiveError,
     active_scopes,
-    forget_pool_when_collected,
     live_scratch_bytes,
     prefer_graph_pool,
     register_capture_stream,
@@ -331,9 +330,10 @@ class GraphRunner:
         self._captured_segments: list = []  # the shared pool's segments right after capture
         self._graph_ranges: list = []  # address ranges the graphs' own allocations used during capture
         self._leak: tuple[frozenset, str] | None = None  # (the pool's held blocks before the leaking forward, message)
-        self._lock = PoolLock(lock_wait_s)  # one eager forward or replay at a time: a replay must not land between
-        # another thread's safety check and its eager kernels (they share the capture stream's blocks); after
-        # capture it is also the shared pool's `pool_lock`, held by any thread's scratch scope on that pool
+        # one capture, eager forward or replay at a time: a replay must not land between another thread's safety
+        # check and its eager kernels (they share the capture stream's blocks); after capture it is also the
+        # shared pool's `pool_lock`, held by any thread's scratch scope on that pool
+        self._lock = PoolLock(lock_wait_s, arg="lock_wait_s")
 
     # capture
     def capture(self, release_cache: bool = True, prime: tuple | bool | str = "auto") -> "GraphRunner":
@@ -421,7 +421,6 @@ class GraphRunner:
             self.stream = torch.cuda.Stream(self.device)
         if self.pool_mode == "shared":
             self.pool = torch.cuda.MemPool()
-            forget_pool_when_collected(self.pool)  # the registries' entries go with the MemPool
             register_capture_stream(self.pool, self.stream)
             share_pool_lock(self.pool, self._lock)  # scratch scopes of other threads on the pool wait for replays
         cur = torch.cuda.current_stream(self.device)

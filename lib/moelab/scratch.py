@@ -15,6 +15,7 @@ logs a warning and counts the fallback.
 from __future__ import annotations
 
 import bisect
+import collections
 import contextlib
 import itertools
 import logging
@@ -43,13 +44,16 @@ __all__ = [
     "PoolLockTimeout",
     "LOCK_WAIT_S",
     "forget_pool",
-    "forget_pool_when_collected",
+    "registered_pools",
     "round_block",
 ]
 
 log = logging.getLogger(__name__)
 
 _tls = threading.local()
+# Registries keyed by pool id, guarded by _registry_lock. A pool's entries go once its pool object is garbage
+# (a MemPool's id is never given out again): its finalizer only queues the id (`_collected`, no lock: it may run
+# in any thread, during any allocation, also one made under _registry_lock), and the next registry call drops it.
 _capture_streams: dict[tuple[int, int], "torch.cuda.Stream"] = {}
 # pool id -> (storage weak reference, bytes) of scratch blocks; not expired = pool memory still in use
 _live_blocks: dict[tuple[int, int], list] = {}
@@ -57,8 +61,11 @@ _live_blocks: dict[tuple[int, int], list] = {}
 _open_scopes: dict[tuple[int, int], int] = {}
 # pool id -> the lock its eager scopes hold for their whole forward (a GraphRunner shares its own: see pool_lock)
 _pool_locks: dict[tuple[int, int], "PoolLock"] = {}
+_watched: set[tuple[int, int]] = set()  # ids whose pool object has a finalizer
+_collected: collections.deque = collections.deque()  # ids whose pool object is gone: dropped at the next call
 _registry_lock = threading.Lock()
-LOCK_WAIT_S = 60.0  # default seconds a thread waits for a pool's lock before PoolLockTimeout (None: forever)
+LOCK_WAIT_S = 60.0  # seconds a thread waits for a pool's lock before PoolLockTimeout (None: forever); the
+# default of GraphRunner(lock_wait_s=...) and, read when the lock is made, of pools no runner made
 
 
 class ScratchLiveError(RuntimeError):
@@ -69,19 +76,28 @@ class PoolLockTimeout(TimeoutError):
     """A pool's lock stayed taken for the whole wait: most likely two threads waiting on each other."""
 
 
+def _check_wait(wait_s, name: str) -> float | None:
+    if wait_s is None or (isinstance(wait_s, numbers.Real) and not isinstance(wait_s, bool) and wait_s == math.inf):
+        return None
+    if isinstance(wait_s, bool) or not isinstance(wait_s, numbers.Real) or not 0 <= wait_s < threading.TIMEOUT_MAX:
+        raise ValueError(f"{name}={wait_s!r}: must be seconds >= 0 (below threading.TIMEOUT_MAX), or None / inf to "
+                         "wait forever")
+    return float(wait_s)
+
+
 class PoolLock:
     """The re-entrant lock of one graph pool: every scratch scope on the pool holds it, and so do its runner's
     replays, eager forwards and captures. A wait longer than `wait_s` raises PoolLockTimeout naming the holder
     instead of hanging: a thread that holds a scope and waits for another thread's replay of the same pool
-    would otherwise wait forever. wait_s=None waits forever."""
+    would otherwise wait forever. The wait cannot tell that from a holder that is only slow (a long capture or
+    prefill, or a lock handed to other waiters first: it is not fair), so keep wait_s well above the longest
+    hold; None waits forever."""
 
-    def __init__(self, wait_s: float | None = LOCK_WAIT_S):
-        if wait_s is not None and (isinstance(wait_s, bool) or not isinstance(wait_s, numbers.Real) or
-                                   not 0 <= wait_s < threading.TIMEOUT_MAX):
-            raise ValueError(f"wait_s={wait_s!r}: must be None (wait forever) or seconds >= 0")
-        self.wait_s = wait_s
+    def __init__(self, wait_s: float | None = LOCK_WAIT_S, *, arg: str = "wait_s"):
+        self.wait_s = _check_wait(wait_s, arg)  # arg: the name a bad value is reported under
         self._lock = threading.RLock()
         self._holder: tuple[str, str] | None = None  # (thread name, what it does) of the outermost hold
+        self._owner: int | None = None  # thread ident of the holder
         self._depth = 0
 
     def acquire(self, what: str = "a scratch scope") -> None:
@@ -94,13 +110,17 @@ class PoolLock:
                 "forward on it (deadlock); a longer wait: GraphRunner(lock_wait_s=...), None waits forever"
             )
         if self._depth == 0:
+            self._owner = threading.get_ident()
             self._holder = (threading.current_thread().name, what)
         self._depth += 1
 
     def release(self) -> None:
+        if self._depth == 0 or self._owner != threading.get_ident():
+            raise RuntimeError(f"PoolLock released by thread {threading.current_thread().name!r}, which does not "
+                               f"hold it (holder: {self._holder})")
         self._depth -= 1
         if self._depth == 0:
-            self._holder = None
+            self._owner = self._holder = None
         self._lock.release()
 
     @contextlib.contextmanager
@@ -115,6 +135,31 @@ class PoolLock:
     def holder(self) -> tuple[str, str] | None:
         """(thread name, what it does) of the current holder, None when free."""
         return self._holder
+
+
+def _registered(pool) -> tuple[int, int]:
+    """pool_id(pool), with _registry_lock held: drop the ids of collected pools, and watch this one."""
+    pid = pool_id(pool)
+    _drop_collected()
+    if pid not in _watched:
+        weakref.finalize(pool, _collected.append, pid)
+        _watched.add(pid)
+    return pid
+
+
+def registered_pools() -> set[tuple[int, int]]:
+    """Ids of the pools that have entries (capture stream, lock, open scopes or tracked blocks)."""
+    with _registry_lock:
+        _drop_collected()
+        return set(_capture_streams) | set(_live_blocks) | set(_open_scopes) | set(_pool_locks)
+
+
+def _drop_collected() -> None:
+    while _collected:
+        gone = _collected.popleft()
+        for reg in (_capture_streams, _live_blocks, _open_scopes, _pool_locks):
+            reg.pop(gone, None)
+        _watched.discard(gone)
 
 
 def pool_id(pool) -> tuple[int, int]:
@@ -159,9 +204,8 @@ def preferred_pool():
 
 def register_capture_stream(pool, stream) -> None:
     """Remember the stream a pool's graphs were captured on: scratch allocations must use it to reuse blocks."""
-    pid = pool_id(pool)
     with _registry_lock:
-        _capture_streams[pid] = stream
+        _capture_streams[_registered(pool)] = stream
 
 
 def capture_stream(pool):
@@ -172,31 +216,29 @@ def capture_stream(pool):
 def pool_lock(pool) -> PoolLock:
     """The lock that every scratch scope on `pool` holds for its whole forward. A GraphRunner registers its
     own lock here (`share_pool_lock`), so a scope of another thread and a replay of its graphs, which would
-    overwrite that scope's blocks, never overlap: the replay waits for the scope to end."""
-    pid = pool_id(pool)
+    overwrite that scope's blocks, never overlap: the replay waits for the scope to end. A pool no runner
+    registered gets a PoolLock waiting LOCK_WAIT_S."""
     with _registry_lock:
-        return _pool_locks.setdefault(pid, PoolLock())
+        pid = _registered(pool)
+        lock = _pool_locks.get(pid)
+        if lock is None:
+            lock = _pool_locks[pid] = PoolLock(LOCK_WAIT_S)
+        return lock
 
 
 def share_pool_lock(pool, lock: PoolLock) -> None:
     """Make `lock` (a PoolLock: re-entrant, so its holder may open scopes) the one scopes on `pool` hold."""
     if not isinstance(lock, PoolLock):
         raise TypeError(f"lock={lock!r}: must be a moelab.scratch.PoolLock")
-    pid = pool_id(pool)
     with _registry_lock:
-        _pool_locks[pid] = lock
+        _pool_locks[_registered(pool)] = lock
 
 
 def forget_pool(pid: tuple[int, int]) -> None:
-    """Drop everything kept about pool id `pid` (capture stream, lock, open scopes, tracked blocks)."""
+    """Drop everything kept about pool id `pid` now (done by itself once the pool object is garbage)."""
     with _registry_lock:
-        for reg in (_capture_streams, _live_blocks, _open_scopes, _pool_locks):
-            reg.pop(pid, None)
-
-
-def forget_pool_when_collected(pool) -> None:
-    """Forget `pool`'s entries once the MemPool object is garbage (its id is never given out again)."""
-    weakref.finalize(pool, forget_pool, pool_id(pool))
+        _collected.append(pid)
+        _drop_collected()
 
 
 def round_block(nbytes: int) -> int:
@@ -217,7 +259,8 @@ def live_scratch_bytes(pool) -> int:
     pid = pool_id(pool)
     with _registry_lock:
         refs = [(r, n) for r, n in _live_blocks.get(pid, []) if not r.expired()]
-        _live_blocks[pid] = refs
+        if pid in _live_blocks:
+            _live_blocks[pid] = refs
     return sum(n for _, n in refs)
 
 
