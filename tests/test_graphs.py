@@ -37,7 +37,8 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run 
 
 
 class PoolToken:
-    """A pool identity for the context logic (anything with an .id of two ints is accepted, like MemPool)."""
+    """A pool identity for the context logic (anything with an .id of two ints is accepted, like MemPool; the
+    registries watch the first live object of an id, so a test keeps one object per id alive while it needs it)."""
 
     def __init__(self, i):
         self.id = (0, i)
@@ -351,24 +352,33 @@ def test_a_pools_registry_entries_go_with_the_pool_object():
     assert (0, 904) not in registered_pools() and capture_stream(PoolToken(904)) is None
 
 
-def test_a_pool_collected_while_the_registry_is_busy_does_not_hang():
+def test_a_pool_collected_while_the_registry_is_busy_does_not_hang(monkeypatch):
     """A pool's finalizer may run in any thread during any allocation, also one made while the registry's own
     lock is held (a collection of a pool in a reference cycle): it must not take that lock."""
     from moelab import scratch
 
-    pool = PoolToken(905)
-    pool.cycle = pool  # only the cycle collector frees it
-    scratch.pool_lock(pool)
-    del pool
+    # a lock of this test's own: should the finalizer take it, the stuck thread holds only this one
+    monkeypatch.setattr(scratch, "_registry_lock", threading.Lock())
+    gc.disable()  # the cycle is freed by the collection below, under the lock, not earlier
+    try:
+        pool = PoolToken(905)
+        pool.cycle = pool  # only the cycle collector frees it
+        scratch.pool_lock(pool)
+        del pool
+        seen = {}
 
-    def collect_under_the_registry_lock():
-        with scratch._registry_lock:
-            gc.collect()
+        def collect_under_the_registry_lock():
+            with scratch._registry_lock:
+                gc.collect()
+                seen["queued"] = (0, 905) in scratch._collected  # the finalizer ran, and only queued the id
 
-    t = threading.Thread(target=collect_under_the_registry_lock, daemon=True)
-    t.start()
-    t.join(30)
+        t = threading.Thread(target=collect_under_the_registry_lock, daemon=True)
+        t.start()
+        t.join(30)
+    finally:
+        gc.enable()
     assert not t.is_alive(), "the finalizer took the registry lock its own thread held"
+    assert seen == {"queued": True}
     assert (0, 905) not in scratch.registered_pools()
 
 

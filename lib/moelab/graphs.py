@@ -33,7 +33,6 @@ from dataclasses import dataclass
 import torch
 
 from moelab.scratch import (
-    LOCK_WAIT_S,
     PoolLock,
     PoolLockTimeout,
     ScratchBuffers,
@@ -297,7 +296,7 @@ class GraphRunner:
         device=None,
         stream=None,
         eager_example: tuple | None = None,
-        lock_wait_s: float | None = LOCK_WAIT_S,
+        lock_wait_s: float | None = 60.0,
     ):
         if pool not in ("shared", "private"):
             raise ValueError(f"pool={pool!r}: must be 'shared' or 'private'")

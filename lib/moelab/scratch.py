@@ -43,7 +43,6 @@ __all__ = [
     "PoolLock",
     "PoolLockTimeout",
     "LOCK_WAIT_S",
-    "forget_pool",
     "registered_pools",
     "round_block",
 ]
@@ -64,8 +63,8 @@ _pool_locks: dict[tuple[int, int], "PoolLock"] = {}
 _watched: set[tuple[int, int]] = set()  # ids whose pool object has a finalizer
 _collected: collections.deque = collections.deque()  # ids whose pool object is gone: dropped at the next call
 _registry_lock = threading.Lock()
-LOCK_WAIT_S = 60.0  # seconds a thread waits for a pool's lock before PoolLockTimeout (None: forever); the
-# default of GraphRunner(lock_wait_s=...) and, read when the lock is made, of pools no runner made
+LOCK_WAIT_S = 60.0  # seconds a thread waits for a pool's lock before PoolLockTimeout (None: forever): the wait of
+# the locks pool_lock makes, read when it makes one; PoolLock() and GraphRunner(lock_wait_s=...) default to 60 s
 
 
 class ScratchLiveError(RuntimeError):
@@ -93,7 +92,7 @@ class PoolLock:
     prefill, or a lock handed to other waiters first: it is not fair), so keep wait_s well above the longest
     hold; None waits forever."""
 
-    def __init__(self, wait_s: float | None = LOCK_WAIT_S, *, arg: str = "wait_s"):
+    def __init__(self, wait_s: float | None = 60.0, *, arg: str = "wait_s"):
         self.wait_s = _check_wait(wait_s, arg)  # arg: the name a bad value is reported under
         self._lock = threading.RLock()
         self._holder: tuple[str, str] | None = None  # (thread name, what it does) of the outermost hold
@@ -163,7 +162,9 @@ def _drop_collected() -> None:
 
 
 def pool_id(pool) -> tuple[int, int]:
-    """The (int, int) id of a MemPool; ValueError for anything that cannot route allocations."""
+    """The (int, int) id of a MemPool; ValueError for anything that cannot route allocations. The registries
+    keep a pool's entries while the first object registered with its id lives (weak-referenceable, one live
+    object per id: true of MemPool, whose ids are never reused)."""
     pid = getattr(pool, "id", None)
     if not (isinstance(pid, tuple) and len(pid) == 2 and all(isinstance(i, int) for i in pid)):
         raise ValueError(
@@ -234,13 +235,6 @@ def share_pool_lock(pool, lock: PoolLock) -> None:
         _pool_locks[_registered(pool)] = lock
 
 
-def forget_pool(pid: tuple[int, int]) -> None:
-    """Drop everything kept about pool id `pid` now (done by itself once the pool object is garbage)."""
-    with _registry_lock:
-        _collected.append(pid)
-        _drop_collected()
-
-
 def round_block(nbytes: int) -> int:
     """Block size the CUDA caching allocator gives a request of nbytes (multiples of 512 bytes)."""
     if nbytes < 0:
@@ -266,7 +260,11 @@ def live_scratch_bytes(pool) -> int:
 
 def _count_scope(pid, n: int) -> None:
     with _registry_lock:
-        _open_scopes[pid] = _open_scopes.get(pid, 0) + n
+        left = _open_scopes.get(pid, 0) + n
+        if left > 0:
+            _open_scopes[pid] = left
+        else:
+            _open_scopes.pop(pid, None)
 
 
 def active_scopes(pool) -> int:
