@@ -76,12 +76,14 @@ class PoolLockTimeout(TimeoutError):
 
 
 def _check_wait(wait_s, name: str) -> float | None:
-    if wait_s is None or (isinstance(wait_s, numbers.Real) and not isinstance(wait_s, bool) and wait_s == math.inf):
+    """A lock wait as RLock.acquire takes it: float seconds, or None (forever) for None and inf."""
+    if wait_s is None:
         return None
-    if isinstance(wait_s, bool) or not isinstance(wait_s, numbers.Real) or not 0 <= wait_s < threading.TIMEOUT_MAX:
+    if (isinstance(wait_s, bool) or not isinstance(wait_s, numbers.Real)
+            or not (0 <= wait_s < threading.TIMEOUT_MAX or wait_s == math.inf)):
         raise ValueError(f"{name}={wait_s!r}: must be seconds >= 0 (below threading.TIMEOUT_MAX), or None / inf to "
                          "wait forever")
-    return float(wait_s)
+    return None if wait_s == math.inf else float(wait_s)
 
 
 class PoolLock:
