@@ -352,6 +352,35 @@ def test_a_pools_registry_entries_go_with_the_pool_object():
     assert (0, 904) not in registered_pools() and capture_stream(PoolToken(904)) is None
 
 
+def test_a_scope_never_left_and_collected_under_the_registry_lock_cleans_up(monkeypatch):
+    """A forward() scope entered and never left is closed when the collector frees it, possibly in a thread
+    that holds the registry's lock: its clean-up takes that lock again and must not hang; it releases the
+    pool's lock and its open-scope count."""
+    from moelab import scratch
+
+    # a fresh lock of the module's own kind: should the clean-up hang, the stuck thread holds only this one
+    monkeypatch.setattr(scratch, "_registry_lock", type(scratch._registry_lock)())
+    pool, sb, out = PoolToken(906), ScratchBuffers("cpu"), {}
+
+    def abandon_then_collect():
+        cm = sb.forward(pool)
+        cm.__enter__()  # never __exit__: a scope left open by mistake
+        out["open"] = active_scopes(pool)
+        with scratch._registry_lock:
+            del cm
+            gc.collect()
+        out["after"] = active_scopes(pool)
+
+    t = threading.Thread(target=abandon_then_collect, daemon=True)
+    t.start()
+    t.join(30)
+    assert not t.is_alive(), "the abandoned scope's clean-up hung on the registry lock"
+    assert out == {"open": 1, "after": 0}
+    assert scratch.pool_lock(pool).holder() is None
+    with sb.forward(pool):  # the ScratchBuffers is free again
+        pass
+
+
 def test_a_pool_collected_while_the_registry_is_busy_does_not_hang(monkeypatch):
     """A pool's finalizer may run in any thread during any allocation, also one made while the registry's own
     lock is held (a collection of a pool in a reference cycle): it must not take that lock."""

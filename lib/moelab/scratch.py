@@ -62,7 +62,9 @@ _open_scopes: dict[tuple[int, int], int] = {}
 _pool_locks: dict[tuple[int, int], "PoolLock"] = {}
 _watched: set[tuple[int, int]] = set()  # ids whose pool object has a finalizer
 _collected: collections.deque = collections.deque()  # ids whose pool object is gone: dropped at the next call
-_registry_lock = threading.Lock()
+# re-entrant: a collection under it may finalize a forward() scope entered and never left, whose clean-up
+# (`_count_scope`) takes it again in the same thread
+_registry_lock = threading.RLock()
 LOCK_WAIT_S = 60.0  # seconds a thread waits for a pool's lock before PoolLockTimeout (None: forever): the wait of
 # the locks pool_lock makes, read when it makes one; PoolLock() and GraphRunner(lock_wait_s=...) default to 60 s
 
