@@ -47,22 +47,24 @@ def test_heldout_texts_share_no_text_with_training():
 
 
 def test_altered_file_is_refused(tmp_path, monkeypatch):
+    """An altered corpus is refused, also after the good one was read (the caches follow MOELAB_DATA)."""
+    good_text = data.load_text("tinyshakespeare")  # cached from the project's data/
     (tmp_path / "text").mkdir()
     good = data.data_dir() / "SHA256SUMS"
     (tmp_path / "SHA256SUMS").write_text(good.read_text())
     (tmp_path / "text" / "tinyshakespeare.txt").write_text("not the original")
     monkeypatch.setenv("MOELAB_DATA", str(tmp_path))
-    data._hashes.cache_clear()
-    data.load_text.cache_clear()
-    try:
-        with pytest.raises(ValueError, match="does not match"):
-            data.load_text("tinyshakespeare")
-        with pytest.raises(ValueError, match="unknown"):
-            data.load_text("nope")
-    finally:
-        monkeypatch.delenv("MOELAB_DATA")
-        data._hashes.cache_clear()
-        data.load_text.cache_clear()
+    with pytest.raises(ValueError, match="does not match"):
+        data.load_text("tinyshakespeare")
+    with pytest.raises(ValueError, match="unknown"):
+        data.load_text("nope")
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "SHA256SUMS").write_text("")  # another folder's list: nothing known there
+    monkeypatch.setenv("MOELAB_DATA", str(tmp_path / "other"))
+    with pytest.raises(ValueError, match="unknown; choose one of \\[\\]"):
+        data.load_text("tinyshakespeare")
+    monkeypatch.delenv("MOELAB_DATA")
+    assert data.load_text("tinyshakespeare") == good_text
 
 
 def test_routing_counts_are_real_and_balanced():

@@ -66,7 +66,9 @@ def test_top1_halves_expert_work_and_changes_ppl(model, ids, base):
 
 def test_estimates(model, ids):
     sample = router_sample(model, ids, context=CTX, progress=False)
-    assert sample.num_tokens == 640 and sample.num_layers == 3
+    assert sample.num_tokens == 640 and sample.num_layers == 3 and sample.unused_tokens == 0
+    short = router_sample(model, ids[:600], context=CTX, progress=False)  # 9 whole chunks and 24 tokens
+    assert (short.num_tokens, short.unused_tokens) == (576, 24)
     assert estimate(sample, TopK(1))["mean_k"] == 1.0
     load = sample.expert_load()
     assert load.shape == (3, 8) and (load.sum(1) == 640 * 2).all()

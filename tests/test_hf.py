@@ -1,5 +1,6 @@
 """Patching transformers MoE blocks: the model's own rule reproduces it, and the model comes back intact."""
 
+import numpy as np
 import pytest
 import torch
 from transformers import (
@@ -147,6 +148,12 @@ def test_bad_policies_raise(model):
     with pytest.raises(ValueError, match="record="):
         with patched(model, TopK(1), record="yes"):
             pass
+    with pytest.raises(ValueError, match=r"policy keys \[True\]: must be MoE layer ordinals \(ints, not bools\)"):
+        with patched(model, {True: TopK(1)}):  # bool is an int subclass: it would have patched layer 1
+            pass
+    with patched(model, {np.int64(0): TopK(1)}, record=True) as p:  # numpy ints from a sweep's table
+        model(input_ids=ids(n=6))
+    assert list(p.mean_k()) == [0] and p.mean_k()[0] == 1.0
     with pytest.raises(ValueError, match="already patched"):
         with patched(model, TopK(1)):
             with patched(model, TopK(1)):

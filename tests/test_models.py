@@ -173,3 +173,31 @@ def test_router_stats_and_ids_checks():
                       (dict(batch_size=0), "batch_size=0: must be an int >= 1")):
         with pytest.raises(ValueError, match=match):
             models.router_stats(net, torch.arange(64), **kw)
+
+
+@pytest.mark.parametrize("device_map, cuda", [
+    ("auto", True), ("balanced", True), ("sequential", True), ("balanced_low_0", True), ("cpu", False),
+    ({"": "cpu"}, False), ({"model": "cpu", "lm_head": "disk"}, False), ({"": 0}, True), ("cuda:0", True),
+])
+def test_a_device_map_picks_the_dtype_of_where_the_weights_go(device_map, cuda):
+    """Strategy names are CUDA where there is one; a GPU target on a machine without CUDA names the map."""
+    if cuda and not torch.cuda.is_available():
+        if isinstance(device_map, str) and device_map in models.MAP_STRATEGIES:
+            assert models.map_device(device_map).type == "cpu"
+        else:
+            with pytest.raises(ValueError, match=r"device_map=.*no CUDA device"):
+                models.map_device(device_map)
+        return
+    assert models.map_device(device_map).type == ("cuda" if cuda else "cpu")
+
+
+def test_a_checkpoint_without_tokenizer_fails_before_loading_weights(tmp_path, monkeypatch):
+    """The tokenizer check comes first: a large checkpoint is not read only to fail afterwards."""
+    import transformers
+
+    models.tiny_random("olmoe").save_pretrained(tmp_path / "ckpt")
+    called = []
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: called.append(a))
+    with pytest.raises(FileNotFoundError, match="no tokenizer files"):
+        models.load(tmp_path / "ckpt")
+    assert not called

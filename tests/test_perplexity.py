@@ -85,6 +85,9 @@ def test_bad_input_raises():
         perplexity(None, None, torch.arange(10), context=512, stride=1024)
     with pytest.raises(ValueError, match="must be integers"):
         token_ids(None, torch.zeros(5))
+    assert token_ids(None, []).dtype == torch.long  # empty: no dtype to judge; the callers name the count
+    with pytest.raises(ValueError, match="0 tokens: need at least 2"):
+        perplexity(None, None, [])
 
 
 def test_ids_outside_the_vocabulary_and_bad_context_are_named(model):

@@ -2,6 +2,7 @@
 
 import json
 import lzma
+from pathlib import Path
 
 import pytest
 
@@ -69,3 +70,16 @@ def test_write_json_is_strict_json_with_nan_as_null(tmp_path):
     assert "NaN" not in text
     assert json.loads(text, parse_constant=lambda c: pytest.fail(f"non-standard constant {c}")) == {
         "a": None, "b": None, "c": [1.0, None], "d": [None], "e": 3}
+
+
+def test_machine_names_the_cpu_model():
+    """Eager timings depend on the host CPU: the results files name its model, not only the architecture."""
+    from moelab.results import machine
+
+    m = machine()
+    assert isinstance(m["cpu_model"], str) and m["cpu_model"]
+    cpuinfo = Path("/proc/cpuinfo")
+    names = [ln.split(":", 1)[1].strip() for ln in (cpuinfo.read_text().splitlines() if cpuinfo.exists() else [])
+             if ln.startswith("model name")]
+    if names:
+        assert m["cpu_model"] == names[0]

@@ -218,3 +218,62 @@ def test_cli_refuses_flags_it_would_ignore(argv, match, capsys, monkeypatch):
         sweep.main(argv)
     assert e.value.code == 2
     assert match in capsys.readouterr().err
+
+
+def test_a_papermill_failure_on_a_rerun_replaces_the_old_result(tmp_path):
+    """A worker whose papermill call fails outside any cell (here: a notebook nbformat cannot read) records a
+    failure; it does not leave the earlier run's `done` in place, nor its own temporary folder behind."""
+    bad = tmp_path / "bad.ipynb"  # valid JSON with cells (it has a digest) but no nbformat version
+    bad.write_text(json.dumps({"cells": [{"cell_type": "code", "source": "1", "metadata": {}, "outputs": [],
+                                          "execution_count": None}], "metadata": {}}))
+    final = tmp_path / "runs" / "abc123"
+    final.mkdir(parents=True)
+    (final / "params.json").write_text(json.dumps({"notebook_digest": "OLD", "parameters": {}}))
+    (final / "done").write_text("{}")
+    st = sweep._launch(bad, {}, final, "run", None, 120, sweep.notebook_digest(bad))
+    assert st.status == "failed" and st.error["ename"] not in (None, "")
+    assert (final / "error.json").exists() and not (final / "done").exists()
+    assert json.loads((final / "params.json").read_text())["notebook_digest"] == sweep.notebook_digest(bad)
+    assert "Traceback" in (final / "worker.log").read_text()
+    assert not list(final.parent.glob(".tmp-*"))
+
+
+def test_collect_lists_runs_of_another_notebook_version_as_stale(tmp_path):
+    """--collect with the notebook changed since a run finished: that run is 'stale' in the summary and its
+    results are in no table; a current run's are."""
+    for h, dig, y in (("aaa", "OLD", 1.0), ("bbb", "NEW", 2.0)):
+        d = tmp_path / h
+        (d / "results").mkdir(parents=True)
+        (d / "params.json").write_text(json.dumps({"notebook": "toy.ipynb", "notebook_digest": dig,
+                                                   "parameters": {"x": h}}))
+        (d / "done").write_text(json.dumps({"elapsed_s": 1}))
+        (d / "results" / "metrics.json").write_text(json.dumps({"y": y}))
+    tables = sweep.collect(tmp_path, ["aaa", "bbb"], "t", digest="NEW")
+    summary = pd.read_csv(tables["summary.csv"]).set_index("run")
+    assert summary.loc["aaa", "status"] == "stale" and pd.isna(summary.loc["aaa", "metrics.y"])
+    assert summary.loc["bbb", "status"] == "ok" and summary.loc["bbb", "metrics.y"] == 2.0
+    assert set(pd.read_csv(sweep.collect(tmp_path, ["aaa", "bbb"])["summary.csv"]).status) == {"ok"}  # no digest
+
+
+def test_a_sweep_leaves_other_attempts_folders_alone(toy, tmp_path):
+    """Only this host's attempt folders whose process is gone are cleaned up: another host's (or a live
+    process's) may be a running attempt of a second sweep on the same file system. The run executes a copy
+    of the notebook, kept in its folder, whose digest params.json records."""
+    import os
+    import socket
+
+    g = sweep.Grid(notebook=toy, name="attempts", parameters={"x": [1]}, fixed={"sleep_s": 0.0})
+    ((h, _),) = sweep.param_hash_points(g)
+    d = tmp_path / "attempts"
+    d.mkdir()
+    other = d / f".tmp-{h}-some-other-host-{os.getpid()}"
+    live = d / f".tmp-{h}-{socket.gethostname()}-1"  # pid 1 lives
+    dead = d / f".tmp-{h}-{socket.gethostname()}-{2**22 + 12345}"  # above the default pid_max: no such process
+    for f in (other, live, dead):
+        f.mkdir()
+    rep = sweep.run_sweep(g, root=tmp_path, progress=False)
+    assert [r.status for r in rep.runs] == ["ok"]
+    assert other.exists() and live.exists() and not dead.exists()
+    run = d / h
+    assert sweep.notebook_digest(run / "source.ipynb") == sweep.notebook_digest(toy)
+    assert json.loads((run / "params.json").read_text())["notebook_digest"] == sweep.notebook_digest(toy)

@@ -117,3 +117,19 @@ def test_card_scores_the_unseen_heldout_slices_and_flags_seen_validation_text(tm
     write_card(named, reuse=True)
     card = (named / "README.md").read_text()
     assert "(1 of which repeat training text" in card and "unchanged model scores" not in card
+
+
+def test_train_tokens_are_the_first_of_the_whole_stream():
+    """train_tokens=N takes the first N tokens of the joined training texts, continuing into the next text
+    when the first is shorter (it used to stop at the end of the first text)."""
+    from transformers import AutoTokenizer
+
+    from moelab.train import _stream
+
+    tok = AutoTokenizer.from_pretrained(models.tokenizer_dir())
+    texts = {"a": "To be, or not to be, that is the question.", "b": "The quick brown fox jumps. " * 40}
+    full = _stream(tok, texts)
+    n_a = len(tok(texts["a"], add_special_tokens=False)["input_ids"]) + 1  # with its EOS
+    for n in (5, n_a, n_a + 30):
+        assert torch.equal(_stream(tok, texts, n)[:n], full[:n])
+    assert _stream(tok, texts, n_a + 30)[:n_a + 30].numel() == n_a + 30

@@ -479,7 +479,8 @@ def paper_rows(
     kv = tuple(k_values) if k_values else calibration_k_values(family, native_k)
     k_cap = min(E, max(kv[-1], 16, *(fixed_ks or ())))  # every k asked for fits the sample
     sample = router_sample(model, cal_ids, context=context, batch_size=batch_size, k_cap=k_cap, progress=False)
-    log.info("%s: router sample of %d held-out tokens in %.1fs", name, sample.num_tokens, time.perf_counter() - t0)
+    log.info("%s: router sample of %d held-out tokens (%d in no whole chunk of %d left out) in %.1fs", name,
+             sample.num_tokens, sample.unused_tokens, sample.context, time.perf_counter() - t0)
     lo_r, hi_r = 1 - kv[-1] / native_k, 1 - kv[0] / native_k
     if claims:
         r = claims["pr_reduction"]

@@ -46,9 +46,14 @@ def data_dir() -> Path:
     return Path(__file__).resolve().parents[2] / "data"
 
 
-@lru_cache(maxsize=1)
 def _hashes() -> dict[str, str]:
-    sums = data_dir() / "SHA256SUMS"
+    """{path under data/: sha256} from data_dir()'s SHA256SUMS (cached per folder: MOELAB_DATA may change)."""
+    return _hashes_in(data_dir())
+
+
+@lru_cache(maxsize=4)
+def _hashes_in(d: Path) -> dict[str, str]:
+    sums = d / "SHA256SUMS"
     out = {}
     for line in sums.read_text().splitlines():
         if line.strip():
@@ -80,9 +85,13 @@ def text_names() -> list[str]:
     return sorted(rel[len("text/") : -len(".txt")] for rel in _hashes() if rel.startswith("text/"))
 
 
-@lru_cache(maxsize=16)
 def load_text(name: str) -> str:
     """A corpus by name (e.g. 'wikitext2_test.raw', 'tinyshakespeare'), hash-checked."""
+    return _load_text(data_dir(), name)
+
+
+@lru_cache(maxsize=16)
+def _load_text(d: Path, name: str) -> str:  # d: the folder it was read from, so that the cache follows MOELAB_DATA
     if name not in text_names():
         raise ValueError(f"text {name!r}: unknown; choose one of {text_names()}")
     return _read_checked(f"text/{name}.txt").decode("utf-8")

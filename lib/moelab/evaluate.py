@@ -217,6 +217,7 @@ class RouterSample:
     renormalize: bool
     shapes: ModelShapes
     context: int  # chunk length of the recording forwards
+    unused_tokens: int = 0  # the text's tail after the last whole chunk: not recorded
 
     @property
     def num_tokens(self) -> int:
@@ -264,7 +265,8 @@ def router_sample(
     k_cap: int | None = None,
     progress: bool = True,
 ) -> RouterSample:
-    """Record router outputs once: unchanged forwards over disjoint chunks of `context` tokens."""
+    """Record router outputs once: unchanged forwards over disjoint chunks of `context` tokens (clipped to the
+    model's context). A tail shorter than one chunk is not recorded: `unused_tokens` says how much."""
     for name, v in (("context", context), ("max_tokens", max_tokens), ("batch_size", batch_size), ("k_cap", k_cap)):
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
             raise ValueError(f"{name}={v!r}: must be an int >= 1" + ("" if name == "context" else " or None"))
@@ -312,6 +314,7 @@ def router_sample(
         renormalize=layers[0].renormalize,
         shapes=_shapes(model),
         context=context,
+        unused_tokens=ids.numel() - n * context,
     )
 
 

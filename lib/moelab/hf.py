@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import numbers
 from dataclasses import dataclass, field
 
 import torch
@@ -164,10 +165,10 @@ def _resolve_policies(layers: list[MoELayer], policy_or_policies) -> dict[int, P
             raise ValueError(f"{len(p)} policies given: need one per MoE layer ({n}) or a single policy")
         out = dict(enumerate(p))
     elif isinstance(p, dict):
-        bad = [i for i in p if not (isinstance(i, int) and 0 <= i < n)]
+        bad = [i for i in p if isinstance(i, bool) or not (isinstance(i, numbers.Integral) and 0 <= i < n)]
         if bad:
-            raise ValueError(f"policy keys {bad}: must be MoE layer ordinals in [0, {n})")
-        out = dict(p)  # layers left out keep the model's own routing
+            raise ValueError(f"policy keys {bad}: must be MoE layer ordinals (ints, not bools) in [0, {n})")
+        out = {int(i): pol for i, pol in p.items()}  # layers left out keep the model's own routing
     else:
         raise ValueError(f"policy {p!r}: must be a moelab policy, a list of them (one per layer) or a dict")
     for i, pol in out.items():

@@ -266,23 +266,37 @@ def load(name_or_path: str | Path, device=None, dtype=None, device_map=None):
         raise ValueError(f"{path}: {e}") from None
     if info["family"] not in FAMILIES:
         log.warning("%s: family %r is not one moelab has an adapter for (%s)", path, info["family"], sorted(FAMILIES))
-    if device_map is not None:  # where the weights go: the map's devices ('auto': CUDA if there is one)
-        targets = list(device_map.values()) if isinstance(device_map, dict) else [device_map]
-        on_cuda = any(str(t) not in ("cpu", "disk", "meta") and (str(t) != "auto" or torch.cuda.is_available())
-                      for t in targets)
-        device = torch.device("cuda" if on_cuda else "cpu")
-    else:
-        device = pick_device(device)
+    if not ((path / "tokenizer.json").exists() or (path / "tokenizer_config.json").exists()):  # before any weights
+        raise FileNotFoundError(f"{path}: no tokenizer files (tokenizer.json, tokenizer_config.json) beside the model")
+    device = map_device(device_map) if device_map is not None else pick_device(device)
     dtype = pick_dtype(dtype, device)
     if device_map is not None:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=device_map).eval()
     else:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
-    tok_path = path if (path / "tokenizer.json").exists() or (path / "tokenizer_config.json").exists() else None
-    if tok_path is None:
-        raise FileNotFoundError(f"{path}: no tokenizer files (tokenizer.json, tokenizer_config.json) beside the model")
-    tokenizer = AutoTokenizer.from_pretrained(tok_path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
     return model, tokenizer
+
+
+MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")  # accelerate's: CUDA when there is one
+
+
+def map_device(device_map) -> torch.device:
+    """Where a device_map puts the weights, for the dtype default: CUDA if any target is a GPU (a strategy
+    name counts as one when this machine has CUDA), else CPU. A GPU target on a machine without CUDA raises
+    `pick_device`'s error."""
+    targets = list(device_map.values()) if isinstance(device_map, dict) else [device_map]
+    on_cuda = False
+    for t in targets:
+        if isinstance(t, str) and t in MAP_STRATEGIES:
+            on_cuda |= torch.cuda.is_available()
+        elif not (isinstance(t, str) and t in ("cpu", "disk", "meta")):
+            dev = f"cuda:{t}" if isinstance(t, int) and not isinstance(t, bool) else t
+            try:
+                on_cuda |= pick_device(dev).type == "cuda"
+            except ValueError as e:
+                raise ValueError(f"device_map={device_map!r}: {e}") from None
+    return torch.device("cuda" if on_cuda else "cpu")
 
 
 def model_context(model) -> int | None:

@@ -37,6 +37,8 @@ def token_ids(tokenizer, text_or_ids) -> torch.Tensor:
         ids = ids[0]
     if ids.dim() != 1:
         raise ValueError(f"token ids of shape {tuple(ids.shape)}: must be one stream, shape [N] or [1, N]")
+    if ids.numel() == 0:  # before the dtype check: torch.as_tensor([]) is float32
+        return ids.long()
     if ids.dtype.is_floating_point or ids.dtype == torch.bool:
         raise ValueError(f"token ids of dtype {ids.dtype}: must be integers")
     return ids.long()

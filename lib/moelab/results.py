@@ -49,12 +49,24 @@ def commit() -> str:
     return out + ("-dirty" if dirty else "")
 
 
+def cpu_model() -> str:
+    """The host CPU's model name (Linux /proc/cpuinfo), else the architecture: eager timings depend on it."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def machine() -> dict:
     """Device name and library versions of this process."""
     import torch
 
     info: dict[str, Any] = {
-        "host_cpu": platform.processor() or platform.machine(),
+        "host_cpu": platform.processor() or platform.machine(),  # the architecture (kept: older files have it)
+        "cpu_model": cpu_model(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,

@@ -15,10 +15,12 @@ A grid file (YAML)::
     # optional: timeout_s (per run), workers (CPU only), figures: run | repo
 
 Each run lives in runs/<name>/<hash>/ where <hash> identifies (notebook name, parameters). A run
-executes in a temporary sibling folder and is renamed into place when it ends, holding
-params.json, notebook.ipynb (executed), results/ (what `moelab.results.save` wrote; MOELAB_RUN_DIR
-points there), figures/ (for grids; `--main` writes the repo's figures/) and either `done` or
-`error.json` (cell index, execution count, source excerpt, exception). A rerun skips every run with a
+executes in a temporary sibling folder and is renamed into place when it ends, holding params.json,
+source.ipynb (the notebook as the run started, the copy it ran: an edit during a sweep reaches only later
+runs, and params.json holds the copy's digest), notebook.ipynb (executed), results/ (what
+`moelab.results.save` wrote; MOELAB_RUN_DIR points there), figures/ (for grids; `--main` writes the
+repo's figures/) and either `done` or `error.json` (cell index, execution count, source excerpt,
+exception). A rerun skips every run with a
 `done` marker whose notebook is unchanged, so a sweep killed at any moment loses no finished run;
 failed runs are retried. Runs are spread over the visible GPUs, one worker process per GPU with
 CUDA_VISIBLE_DEVICES set to it, or run one after another on a CPU. At the end the runs combine into
@@ -68,6 +70,7 @@ DONE = "done"
 ERROR = "error.json"
 PARAMS = "params.json"
 NOTEBOOK_OUT = "notebook.ipynb"
+SOURCE = "source.ipynb"  # the notebook as it was when the run started (its digest is in params.json)
 WORKER_LOG = "worker.log"
 FIGURES_MODES = ("run", "repo")
 MAIN_TIME_BUDGET_S = 15 * 60
@@ -249,8 +252,9 @@ def _excerpt(source: str, lines: int = 3, width: int = 200) -> str:
 
 
 def execute(notebook: Path, output: Path, parameters: dict, cwd: Path | None = None,
-            kernel: str = "python3") -> None:
-    """Run one notebook with papermill; a failing cell raises NotebookRunError naming the cell."""
+            kernel: str = "python3", name: str | None = None) -> None:
+    """Run one notebook with papermill; a failing cell raises NotebookRunError naming the cell (and the
+    notebook as `name`, default its file name)."""
     import papermill
     from nbclient.exceptions import CellTimeoutError, DeadKernelError
     from papermill.exceptions import PapermillExecutionError
@@ -263,7 +267,7 @@ def execute(notebook: Path, output: Path, parameters: dict, cwd: Path | None = N
     except PapermillExecutionError as e:
         line = _failing_line(e.traceback, e.exec_count)
         lines = e.source.splitlines()
-        raise NotebookRunError(Path(notebook).name, {
+        raise NotebookRunError(name or Path(notebook).name, {
             "cell_index": _source_index(Path(output), e.cell_index),
             "exec_count": e.exec_count,
             "line": line,
@@ -273,7 +277,7 @@ def execute(notebook: Path, output: Path, parameters: dict, cwd: Path | None = N
             "evalue": e.evalue,
         }) from e
     except (CellTimeoutError, DeadKernelError) as e:  # no cell index from nbclient: the message names it
-        raise NotebookRunError(Path(notebook).name, {"cell_index": None, "ename": type(e).__name__,
+        raise NotebookRunError(name or Path(notebook).name, {"cell_index": None, "ename": type(e).__name__,
                                                      "evalue": str(e)[:2000]}) from e
 
 
@@ -329,13 +333,22 @@ def _worker(tmp: Path) -> int:
         os.environ["MOELAB_FIGURES"] = str(tmp / "figures")
     t0 = time.time()
     status = {"host": socket.gethostname(), "gpu": os.environ.get("CUDA_VISIBLE_DEVICES")}
+    source = tmp / SOURCE if (tmp / SOURCE).exists() else Path(spec["notebook"])  # the copy the digest names
     try:
-        execute(Path(spec["notebook"]), tmp / NOTEBOOK_OUT, spec["parameters"])
+        execute(source, tmp / NOTEBOOK_OUT, spec["parameters"], cwd=Path(spec["notebook"]).parent,
+                name=Path(spec["notebook"]).name)
         status.update(status="ok", elapsed_s=round(time.time() - t0, 2))
         write_json(tmp / DONE, status)
         rc = 0
     except NotebookRunError as e:
         write_json(tmp / ERROR, {**e.error, **status, "elapsed_s": round(time.time() - t0, 2)})
+        rc = 1
+    except Exception as e:  # noqa: BLE001  papermill itself failed (no kernel, unreadable notebook, ...): a failed run
+        import traceback
+
+        traceback.print_exc()  # into worker.log, which travels with the run folder
+        write_json(tmp / ERROR, {"cell_index": None, "ename": type(e).__name__, "evalue": str(e)[:2000], **status,
+                                 "elapsed_s": round(time.time() - t0, 2)})
         rc = 1
     _finish(tmp, Path(spec["final"]))
     return rc
@@ -373,7 +386,8 @@ class RunState:
 
 
 def run_state(run_dir: Path, digest: str | None = None) -> str:
-    """'done' if the run finished (with this notebook version when digest is given), 'failed', or 'pending'."""
+    """'done' if the run finished (with this notebook version when digest is given; 'stale' if with another),
+    'failed', or 'pending'."""
     if (run_dir / DONE).exists():
         if digest is not None:
             try:
@@ -388,19 +402,47 @@ def run_state(run_dir: Path, digest: str | None = None) -> str:
     return "pending"
 
 
+def _dead_attempt(pid: str) -> bool:
+    """Whether this host's attempt folder with process id `pid` was left by a process that is gone (or by this
+    one, earlier). Folders of other hosts, and of live processes here, are another sweep's running attempt."""
+    try:
+        n = int(pid)
+    except ValueError:
+        return False
+    if n == os.getpid():
+        return True
+    try:
+        os.kill(n, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # EPERM: alive, another user's
+        return False
+    return False
+
+
 def _launch(notebook: Path, params: dict, final: Path, figures: str, gpu: str | None,
             timeout_s: float | None, digest: str) -> RunState:
     """Execute one run in a worker process (its own session, so a timeout kills its kernel too)."""
     h = final.name
-    for stale in final.parent.glob(f".tmp-{h}-*"):
-        shutil.rmtree(stale, ignore_errors=True)  # left by a killed attempt at this run
-    tmp = final.parent / f".tmp-{h}-{socket.gethostname()}-{os.getpid()}"
+    host = socket.gethostname()
+    for stale in final.parent.glob(f".tmp-{h}-{host}-*"):
+        if _dead_attempt(stale.name.rsplit("-", 1)[-1]):
+            shutil.rmtree(stale, ignore_errors=True)  # left by a killed attempt of this host
+    tmp = final.parent / f".tmp-{h}-{host}-{os.getpid()}"
     tmp.mkdir(parents=True)
-    write_json(tmp / PARAMS, {
-        "notebook": str(notebook), "notebook_digest": digest, "parameters": params, "hash": h,
-        "final": str(final), "figures": figures, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "started_epoch": time.time(),
-    })
+    try:
+        shutil.copyfile(notebook, tmp / SOURCE)  # the run executes this copy: a later edit cannot reach it
+        ran = notebook_digest(tmp / SOURCE)
+        write_json(tmp / PARAMS, {
+            "notebook": str(notebook), "notebook_digest": ran, "parameters": params, "hash": h,
+            "final": str(final), "figures": figures, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "started_epoch": time.time(),
+        })
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if ran != digest:
+        log.warning("run %s: %s changed since the sweep started; this run uses the new version", h, notebook.name)
     env = dict(os.environ)
     # headless: transformers' weight-loading bar would stay in the saved notebook as a widget frozen at 0%
     env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
@@ -421,7 +463,7 @@ def _launch(notebook: Path, params: dict, final: Path, figures: str, gpu: str | 
                 write_json(tmp / ERROR, err)
                 _finish(tmp, final)
             return RunState(h, params, "failed", err)
-    if proc.returncode not in (0, 1) or not final.exists():
+    if proc.returncode not in (0, 1) or not final.exists() or tmp.exists():  # tmp left: the worker never finished
         where = tmp if tmp.exists() else final
         tail = (where / WORKER_LOG).read_text(errors="replace")[-2000:] if (where / WORKER_LOG).exists() else ""
         err = {"cell_index": None, "ename": f"WorkerExit{proc.returncode}", "evalue": tail}
@@ -546,7 +588,7 @@ def run_sweep(grid: Grid | str | Path, *, root: Path | None = None, workers: int
                 states[h] = RunState(h, p, "failed", {"cell_index": None, "ename": "NotRun",
                                                       "evalue": "no worker finished this point"})
 
-    tables = collect(sweep_dir, [h for h, _ in param_hash_points(grid)], grid.name)
+    tables = collect(sweep_dir, [h for h, _ in param_hash_points(grid)], grid.name, digest=digest)
     return SweepReport(grid.name, sweep_dir, [states[h] for h, _ in points], tables)
 
 
@@ -595,24 +637,30 @@ def _write_table(df, path_stem: Path) -> dict[str, Path]:
     return {"parquet": path_stem.with_suffix(".parquet"), "csv": path_stem.with_suffix(".csv")}
 
 
-def collect(sweep_dir: Path, hashes: list[str], name: str = "") -> dict[str, Path]:
+def collect(sweep_dir: Path, hashes: list[str], name: str = "", digest: str | None = None) -> dict[str, Path]:
     """Combine runs into summary.{parquet,csv} (one row per run) and <result>.{parquet,csv} per saved frame.
 
     Parameters become columns (prefixed `param.` only where a frame already has a column of that name).
+    digest: the notebook's current `notebook_digest`; a run finished with another version is listed with
+    status 'stale' and none of its results (a sweep without --collect runs it again).
     """
     import pandas as pd
 
     from moelab.results import load_saved
 
-    summary, frames = [], {}
+    summary, frames, stale = [], {}, 0
     for h in hashes:
         d = sweep_dir / h
-        state = run_state(d)
+        state = run_state(d, digest)
         if state == "pending":
             continue
         spec = json.loads((d / PARAMS).read_text())
         params = {k: _cell(v) for k, v in spec["parameters"].items()}
-        row = {"run": h, **params, "status": "ok" if state == "done" else "failed"}
+        row = {"run": h, **params, "status": {"done": "ok", "stale": "stale"}.get(state, "failed")}
+        if state == "stale":
+            stale += 1
+            summary.append(row)
+            continue
         if state == "done":
             row["elapsed_s"] = json.loads((d / DONE).read_text()).get("elapsed_s")
         else:
@@ -631,6 +679,9 @@ def collect(sweep_dir: Path, hashes: list[str], name: str = "") -> dict[str, Pat
             else:
                 row[rname] = _cell(obj)
         summary.append(row)
+    if stale:
+        log.warning("%s: %d runs finished with another version of the notebook: listed as 'stale', without their "
+                    "results (run the sweep again to redo them)", name or sweep_dir.name, stale)
     out = {}
     if summary:
         out.update({f"summary.{k}": v for k, v in _write_table(pd.DataFrame(summary), sweep_dir / "summary").items()})

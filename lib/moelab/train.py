@@ -169,7 +169,7 @@ def train(cfg: TrainConfig) -> dict:
     t0 = time.perf_counter()
     texts = training_texts()
     if cfg.train_tokens:  # the first train_tokens of the stream, without encoding all of it
-        train_ids = _stream(tokenizer, {k: texts[k] for k in list(texts)[:1]}, cfg.train_tokens)[: cfg.train_tokens]
+        train_ids = _stream(tokenizer, texts, cfg.train_tokens)[: cfg.train_tokens]  # into the next texts if need be
     else:
         train_ids = _stream(tokenizer, texts)
     held = heldout_texts()
