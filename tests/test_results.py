@@ -83,3 +83,30 @@ def test_machine_names_the_cpu_model():
              if ln.startswith("model name")]
     if names:
         assert m["cpu_model"] == names[0]
+
+
+def test_write_results_keeps_an_earlier_run_of_the_same_day(tmp_path, monkeypatch, capsys):
+    """A second run of a topic on the same day moves the first run's file to archive/ (named by its commit)
+    instead of overwriting it; a run's own later writes (saving as it goes) replace its file."""
+    from moelab import results
+
+    monkeypatch.setattr(results, "_WRITTEN", set())
+    monkeypatch.setenv("MOELAB_COMMIT", "aaaaaaa111")
+    first = results.write_results("topic-x", [{"v": 1}], out_dir=tmp_path)
+    results.write_results("topic-x", [{"v": 2}], out_dir=tmp_path)  # the same run, a later save
+    assert not (tmp_path / "archive").exists()
+    monkeypatch.setattr(results, "_WRITTEN", set())  # as if a new process
+    monkeypatch.setenv("MOELAB_COMMIT", "bbbbbbb222")
+    results.write_results("topic-x", [{"v": 3}], out_dir=tmp_path)
+    kept = tmp_path / "archive" / f"{first.stem}-aaaaaaa.json"
+    assert json.loads(kept.read_text())["rows"] == [{"v": 2}]
+    assert json.loads(first.read_text())["rows"] == [{"v": 3}]
+    assert "moved to" in capsys.readouterr().out
+    monkeypatch.setattr(results, "_WRITTEN", set())
+    results.write_results("topic-x", [{"v": 4}], out_dir=tmp_path)  # same commit again: a numbered name
+    assert json.loads((tmp_path / "archive" / f"{first.stem}-bbbbbbb.json").read_text())["rows"] == [{"v": 3}]
+    monkeypatch.setattr(results, "_WRITTEN", set())
+    monkeypatch.setenv("MOELAB_COMMIT", "bbbbbbb222")
+    results.write_results("topic-x", [{"v": 5}], out_dir=tmp_path)
+    assert json.loads((tmp_path / "archive" / f"{first.stem}-bbbbbbb-2.json").read_text())["rows"] == [{"v": 4}]
+    assert sorted(d["rows"][0]["v"] for d in results.load_runs("topic-x", tmp_path)) == [2, 3, 4, 5]  # all kept

@@ -2,7 +2,8 @@
 
 Two writers:
 - `write_results(topic, rows, ...)`: a benchmark or GPU run's file `data/results/<topic>-<yyyymmdd>.json`
-  (schema 1: topic, created, commit, command, machine, rows, notes);
+  (schema 1: topic, created, commit, command, machine, rows, notes); an earlier run's file of the same name
+  is moved to `archive/<topic>-<yyyymmdd>-<commit>.json` first, never overwritten;
 - `save(name, obj)`: a notebook's named result (JSON for scalars/dicts, parquet for frames) in the
   current run directory (`MOELAB_RUN_DIR`, set by the sweep runner; `runs/interactive` otherwise), as it
   is: its provenance is the run folder's params.json and executed notebook.
@@ -144,7 +145,31 @@ def write_results(topic: str, rows: list[dict], notes: str = "", command: str | 
     if extra:
         doc.update(extra)
     path = Path(out_dir or results_dir()) / f"{topic}-{now:%Y%m%d}.json"
+    if path.exists() and path.resolve() not in _WRITTEN:  # an earlier run's file of the same day: keep it
+        kept = _archive_name(path)
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(path, kept)
+        print(f"{path.name}: the earlier run of this day moved to {kept}")
+    _WRITTEN.add(path.resolve())
     return write_json(path, doc)
+
+
+_WRITTEN: set[Path] = set()  # results files this process wrote: its own later writes (a run saving as it goes)
+# replace them; a file from another run is moved to archive/ first
+
+
+def _archive_name(path: Path) -> Path:
+    """archive/<topic>-<yyyymmdd>-<commit>.json for an earlier results file (its commit's first 7 characters;
+    -2, -3, ... where that name is taken)."""
+    try:
+        sha = str(json.loads(path.read_text()).get("commit", "unknown"))[:7]
+    except (OSError, ValueError, AttributeError):
+        sha = "unknown"
+    base = path.parent / "archive" / f"{path.stem}-{sha}"
+    out, n = base.with_suffix(".json"), 2
+    while out.exists() or out.with_name(out.name + ".xz").exists():
+        out, n = Path(f"{base}-{n}.json"), n + 1
+    return out
 
 
 def load_results(topic: str, directory: Path | None = None, fallback: bool = False) -> dict:
@@ -170,7 +195,7 @@ def load_runs(topic: str, directory: Path | None = None) -> list[dict]:
     number moves between runs. Side runs of another configuration, archived under a descriptive suffix
     (`graph-pool-20261129-primed-default.json.xz`), are not replaced runs: `read_file` opens them."""
     d = Path(directory or REPO / "data" / "results")
-    name = re.compile(rf"{re.escape(topic)}-\d{{8}}(-[0-9a-f]{{7,40}})?\.json(\.xz)?")
+    name = re.compile(rf"{re.escape(topic)}-\d{{8}}(-[0-9a-f]{{7,40}}(-\d+)?)?\.json(\.xz)?")
     candidates = (*d.glob(f"{topic}-*.json"), *(d / "archive").glob(f"{topic}-*.json*"))
     files = [f for f in candidates if name.fullmatch(f.name)]  # the current file is plain .json: the glob above
     if not files:
