@@ -231,7 +231,9 @@ def test_a_papermill_failure_on_a_rerun_replaces_the_old_result(tmp_path):
     (final / "params.json").write_text(json.dumps({"notebook_digest": "OLD", "parameters": {}}))
     (final / "done").write_text("{}")
     st = sweep._launch(bad, {}, final, "run", None, 120, sweep.notebook_digest(bad))
-    assert st.status == "failed" and st.error["ename"] not in (None, "")
+    # the worker named papermill's own exception (not just "the worker exited") and finished the run itself
+    assert st.status == "failed" and st.error["ename"] and not st.error["ename"].startswith("WorkerExit")
+    assert st.error["evalue"]
     assert (final / "error.json").exists() and not (final / "done").exists()
     assert json.loads((final / "params.json").read_text())["notebook_digest"] == sweep.notebook_digest(bad)
     assert "Traceback" in (final / "worker.log").read_text()
@@ -256,24 +258,51 @@ def test_collect_lists_runs_of_another_notebook_version_as_stale(tmp_path):
 
 
 def test_a_sweep_leaves_other_attempts_folders_alone(toy, tmp_path):
-    """Only this host's attempt folders whose process is gone are cleaned up: another host's (or a live
-    process's) may be a running attempt of a second sweep on the same file system. The run executes a copy
-    of the notebook, kept in its folder, whose digest params.json records."""
-    import os
+    """Only attempt folders whose attempt is over are cleaned up: this host's whose process is gone, another
+    host's once it started longer ago than the grid's timeout. Another sweep on the same file system may be
+    running the others (a host `vm` does not claim host `vm-2`'s). The run executes a copy of the notebook,
+    kept in its folder, whose digest params.json records."""
     import socket
+    import time
 
-    g = sweep.Grid(notebook=toy, name="attempts", parameters={"x": [1]}, fixed={"sleep_s": 0.0})
+    g = sweep.Grid(notebook=toy, name="attempts", parameters={"x": [1]}, fixed={"sleep_s": 0.0}, timeout_s=600)
     ((h, _),) = sweep.param_hash_points(g)
     d = tmp_path / "attempts"
     d.mkdir()
-    other = d / f".tmp-{h}-some-other-host-{os.getpid()}"
-    live = d / f".tmp-{h}-{socket.gethostname()}-1"  # pid 1 lives
-    dead = d / f".tmp-{h}-{socket.gethostname()}-{2**22 + 12345}"  # above the default pid_max: no such process
-    for f in (other, live, dead):
+    host = socket.gethostname()
+    keep = [d / f".tmp-{h}-{host}-1-0badc0de",  # pid 1 lives
+            d / f".tmp-{h}-{host}-2-{2**22 + 12345}-0badc0de",  # host '<host>-2', a dead pid here
+            d / f".tmp-{h}-elsewhere-77-0badc0de"]  # another host's, started now
+    gone = [d / f".tmp-{h}-{host}-{2**22 + 12345}-0badc0de",  # above the default pid_max: no such process
+            d / f".tmp-{h}-elsewhere-78-0badc0de"]  # another host's, started past the timeout
+    for f, started in zip(keep + gone, [0, time.time(), time.time(), 0, time.time() - 3600]):
         f.mkdir()
+        (f / "params.json").write_text(json.dumps({"started_epoch": started}))
     rep = sweep.run_sweep(g, root=tmp_path, progress=False)
     assert [r.status for r in rep.runs] == ["ok"]
-    assert other.exists() and live.exists() and not dead.exists()
+    assert all(f.exists() for f in keep) and not any(f.exists() for f in gone)
     run = d / h
     assert sweep.notebook_digest(run / "source.ipynb") == sweep.notebook_digest(toy)
     assert json.loads((run / "params.json").read_text())["notebook_digest"] == sweep.notebook_digest(toy)
+
+
+def test_an_edit_during_a_sweep_marks_the_runs_before_it_stale(toy, tmp_path, monkeypatch):
+    """The tables are collected against the notebook as it is at the end: a run that started before an edit
+    made during the sweep is 'stale', one that started after it is current."""
+    nb = tmp_path / "toy.ipynb"
+    nb.write_bytes(toy.read_bytes())
+    g = sweep.Grid(notebook=nb, name="edit", parameters={"x": [1, 2]}, fixed={"sleep_s": 0.0})
+    orig = sweep._launch
+
+    def launch_then_edit(notebook, p, *a):
+        st = orig(notebook, p, *a)
+        if p["x"] == 1:  # the edit lands after the first run
+            doc = json.loads(nb.read_text())
+            doc["cells"].append({"cell_type": "markdown", "metadata": {}, "source": "edited"})
+            nb.write_text(json.dumps(doc))
+        return st
+
+    monkeypatch.setattr(sweep, "_launch", launch_then_edit)
+    rep = sweep.run_sweep(g, root=tmp_path, progress=False, workers=1)  # one worker (CPU): in grid order
+    summary = pd.read_csv(rep.tables["summary.csv"]).set_index("x")
+    assert summary.loc[1, "status"] == "stale" and summary.loc[2, "status"] == "ok"

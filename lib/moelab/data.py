@@ -122,12 +122,16 @@ def training_texts() -> dict[str, str]:
 REPEAT_BLOCK = 200  # characters: a held-out slice repeats its training part if any such block of it occurs there
 
 
-@lru_cache(maxsize=16)
 def heldout_repeats(name: str) -> float:
     """Share of the held-out slice's REPEAT_BLOCK-character blocks that occur verbatim in the training part.
 
     The five OLMoE domain files repeat text (four end with a second copy of their beginning, the GitHub
     file repeats its blocks), so their last 5% is text the models were trained on (1.0 for all five)."""
+    return _heldout_repeats(data_dir(), name)
+
+
+@lru_cache(maxsize=16)
+def _heldout_repeats(d: Path, name: str) -> float:  # d: cached per data folder, as `_load_text`
     train, held = split_heldout(load_text(name))
     blocks = [held[i : i + REPEAT_BLOCK] for i in range(0, len(held) - REPEAT_BLOCK + 1, REPEAT_BLOCK)]
     return sum(b in train for b in blocks) / len(blocks) if blocks else 0.0

@@ -53,6 +53,7 @@ import json
 import logging
 import os
 import queue
+import secrets
 import shutil
 import socket
 import subprocess
@@ -402,33 +403,44 @@ def run_state(run_dir: Path, digest: str | None = None) -> str:
     return "pending"
 
 
-def _dead_attempt(pid: str) -> bool:
-    """Whether this host's attempt folder with process id `pid` was left by a process that is gone (or by this
-    one, earlier). Folders of other hosts, and of live processes here, are another sweep's running attempt."""
-    try:
-        n = int(pid)
-    except ValueError:
+def _dead_attempt(folder: Path, timeout_s: float | None) -> bool:
+    """Whether an attempt folder `.tmp-<hash>-<host>-<pid>-<token>` was left by an attempt that is over.
+
+    This host's: its process is gone (Linux / macOS; on Windows, where probing a process can end it, never).
+    Another host's (a shared file system): only when it started longer ago than the grid's timeout_s, past
+    which its own runner would have killed it; without a timeout it may still run, so it is left."""
+    host = socket.gethostname()
+    h = folder.name[len(".tmp-"):].split("-", 1)[0]
+    mine = folder.name[len(f".tmp-{h}-{host}-"):] if folder.name.startswith(f".tmp-{h}-{host}-") else ""
+    pid, _, token = mine.partition("-")
+    if pid.isdigit() and len(token) == 8 and all(c in "0123456789abcdef" for c in token):
+        # this host's (the token's shape keeps a host `node` from claiming `node-2`'s folders)
+        if os.name == "nt":
+            return False
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            return True
+        except OSError:  # EPERM: alive, another user's
+            return False
         return False
-    if n == os.getpid():
-        return True
-    try:
-        os.kill(n, 0)
-    except ProcessLookupError:
-        return True
-    except OSError:  # EPERM: alive, another user's
+    if timeout_s is None:
         return False
-    return False
+    try:
+        started = json.loads((folder / PARAMS).read_text())["started_epoch"]
+    except (OSError, ValueError, KeyError, TypeError):
+        started = folder.stat().st_mtime
+    return time.time() - started > timeout_s + 60
 
 
 def _launch(notebook: Path, params: dict, final: Path, figures: str, gpu: str | None,
             timeout_s: float | None, digest: str) -> RunState:
     """Execute one run in a worker process (its own session, so a timeout kills its kernel too)."""
     h = final.name
-    host = socket.gethostname()
-    for stale in final.parent.glob(f".tmp-{h}-{host}-*"):
-        if _dead_attempt(stale.name.rsplit("-", 1)[-1]):
-            shutil.rmtree(stale, ignore_errors=True)  # left by a killed attempt of this host
-    tmp = final.parent / f".tmp-{h}-{host}-{os.getpid()}"
+    for stale in final.parent.glob(f".tmp-{h}-*"):
+        if _dead_attempt(stale, timeout_s):
+            shutil.rmtree(stale, ignore_errors=True)  # left by a killed attempt
+    tmp = final.parent / f".tmp-{h}-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
     tmp.mkdir(parents=True)
     try:
         shutil.copyfile(notebook, tmp / SOURCE)  # the run executes this copy: a later edit cannot reach it
@@ -588,7 +600,9 @@ def run_sweep(grid: Grid | str | Path, *, root: Path | None = None, workers: int
                 states[h] = RunState(h, p, "failed", {"cell_index": None, "ename": "NotRun",
                                                       "evalue": "no worker finished this point"})
 
-    tables = collect(sweep_dir, [h for h, _ in param_hash_points(grid)], grid.name, digest=digest)
+    # the notebook as it is now: runs that started after an edit during the sweep are current, earlier ones stale
+    tables = collect(sweep_dir, [h for h, _ in param_hash_points(grid)], grid.name,
+                     digest=notebook_digest(grid.notebook))
     return SweepReport(grid.name, sweep_dir, [states[h] for h, _ in points], tables)
 
 

@@ -77,6 +77,12 @@ def _stream(tokenizer, texts: dict[str, str], per_text: int = 0) -> torch.Tensor
     return torch.tensor(out, dtype=torch.int32)
 
 
+def _train_ids(tokenizer, texts: dict[str, str], n: int = 0) -> torch.Tensor:
+    """The training stream, or its first n tokens (n > 0) without encoding all of it: on into the next texts
+    where the first is shorter."""
+    return _stream(tokenizer, texts, n)[:n] if n else _stream(tokenizer, texts)
+
+
 def _lr(cfg: TrainConfig, step: int) -> float:
     """Linear warm-up, then cosine decay to min_lr_frac * lr at max_steps."""
     if step < cfg.warmup_steps:
@@ -168,10 +174,7 @@ def train(cfg: TrainConfig) -> dict:
     tokenizer.save_pretrained(out)
     t0 = time.perf_counter()
     texts = training_texts()
-    if cfg.train_tokens:  # the first train_tokens of the stream, without encoding all of it
-        train_ids = _stream(tokenizer, texts, cfg.train_tokens)[: cfg.train_tokens]  # into the next texts if need be
-    else:
-        train_ids = _stream(tokenizer, texts)
+    train_ids = _train_ids(tokenizer, texts, cfg.train_tokens)
     held = heldout_texts()
     val_ids = _stream(tokenizer, held, max(1, cfg.eval_tokens // len(held)))
     L = cfg.seq_len
