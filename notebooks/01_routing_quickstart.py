@@ -96,11 +96,13 @@ def make_policies(calib_entropy_T: torch.Tensor, native_k: int, k_values, quanti
 
 
 def compare(logits_TE: torch.Tensor, policies: dict, native_k: int, renormalize: bool) -> pd.DataFrame:
-    """One row per policy: kept pairs, mean k, the k histogram and the reduction against the native k."""
+    """One row per policy: kept pairs, mean k, the k histogram, the reduction against the native k, and the
+    mean weight a token's kept experts get in all (1 with renormalize; else the probability mass kept)."""
     rows = []
     for label, policy in policies.items():
         plan = route(logits_TE, policy, renormalize=renormalize)
-        rows.append({"policy": label, "kind": type(policy).__name__, **plan_stats(plan, native_k)})
+        rows.append({"policy": label, "kind": type(policy).__name__, **plan_stats(plan, native_k),
+                     "mean_weight_sum": float(plan.weights.sum(-1).mean()) if plan.num_tokens else float("nan")})
     return pd.DataFrame(rows)
 
 
@@ -109,7 +111,7 @@ policies = make_policies(entropy_T, native_k, adaptive_k_values, adaptive_quanti
 stats = compare(logits_TE, policies, native_k, renormalize)
 print(f"router entropy (nats, max log E = {np.log(num_experts):.2f}): quantiles 10/50/90% =",
       np.round(np.quantile(entropy_T.numpy(), [0.1, 0.5, 0.9]), 3))
-stats[["policy", "tokens", "kept_pairs", "native_pairs", "mean_k", "expert_reduction"]]
+stats[["policy", "tokens", "kept_pairs", "native_pairs", "mean_k", "expert_reduction", "mean_weight_sum"]]
 
 
 # %%

@@ -44,7 +44,7 @@ import pandas as pd
 import torch
 
 from moelab import results
-from moelab.calibrate import PUBLISHED, calibrate_thresholds, calibration_ids, calibration_k_values
+from moelab.calibrate import PUBLISHED, calibrate_thresholds, calibration_ids, calibration_k_values, sdk_preset
 from moelab.data import COUNT_LAYERS, DOMAINS, eval_text, heldout_texts, load_routing_counts
 from moelab.data import normalised_entropy as load_entropy
 from moelab.evaluate import entropy_quantiles, estimate, evaluate, router_sample
@@ -57,7 +57,7 @@ info = moe_info(net)
 E, native_k, family = info["num_experts"], info["native_k"], info["family"]
 tag = model.rstrip("/").split("/")[-1]
 if preset == "auto":
-    preset = {"mixtral": "sdk-mixtral", "qwen2_moe": "sdk-qwen-moe", "olmoe": "sdk-olmoe"}.get(family, "trtllm-default")
+    preset = sdk_preset(family)
 if preset not in PUBLISHED:
     raise ValueError(f"preset={preset!r}: choose auto or one of {sorted(PUBLISHED)}")
 if counts_model == "auto":

@@ -26,7 +26,7 @@
 # plots the committed results, and every figure names the machine they were measured on.
 
 # %% tags=["parameters"]
-run_benchmark: bool = False  # on a GPU: run benchmarks/moe_kernels.py first (about 1 min on an H200); CPU: plot only
+run_benchmark: bool = False  # True needs a GPU: run benchmarks/moe_kernels.py first (about 1 min on an H200); False: plot only
 parts: str = "routing,layer"  # benchmark parts: routing, host, layer, tune, tune-gemm, cutlass-tiles (--help of the script)
 tokens: str = "1,16,64,512,4096,65536"  # token counts T of the benchmark (the issue's set)
 quick: bool = False  # benchmark fewer shapes (routing at E 64 and 128; the OLMoE-like layer only)
@@ -239,9 +239,10 @@ plt.show()
 # ## 3b · Expert GEMMs: Triton against CUTLASS
 # `benchmarks/moe_kernels.py --parts tune-gemm` at T = 4096 on the native and the adaptive plan: CUTLASS
 # (gate_up with its gather and SwiGLU passes, which the Triton gate_up fuses), the fastest Triton
-# configuration with pointer loads, with TMA tensor-descriptor loads and in persistent programs (one per
-# SM, looping over the tiles that exist; runs since 2026-11-30 12:00), and the tuned pick (the least
-# worst slowdown over both plans, what `moelab.kernels.grouped.TUNED` holds).
+# configuration with pointer loads, with TMA tensor-descriptor loads, in persistent programs (one per
+# SM, looping over the tiles that exist; runs since 2026-11-30 12:00) and in persistent programs whose tile
+# and K loops Triton pipelines as one (`FLATTEN`; runs since 2026-12-01), and the tuned pick (the least
+# worst slowdown over the plans, what `moelab.kernels.grouped.TUNED` holds).
 
 # %%
 tune_doc = results.load_optional("experts-tune", rdir)
@@ -249,15 +250,16 @@ if tune_doc is not None:
     gemms = expert_gemms(tune_doc)
     gshapes = list(dict.fromkeys(gemms["shape"]))
     fig, axes = figure("full", aspect=0.3, ncols=len(gshapes), squeeze=False, layout="constrained")
-    colors = {"cutlass": "grey", "triton_pointer": "C0", "triton_tma": "C1", "triton_persistent": "C2", "tuned": "C3"}
+    colors = {"cutlass": "grey", "triton_pointer": "C0", "triton_tma": "C1", "triton_persistent": "C2",
+              "triton_flatten": "C4", "tuned": "C3"}
     for ax, shape in zip(axes.flat, gshapes):
         d = gemms[gemms["shape"] == shape].set_index(["kernel", "plan"])
-        cols = [c for c in colors if d[c].notna().any()]  # runs before 2026-11-30 12:00: no persistent ones
+        cols = [c for c in colors if c in d and d[c].notna().any()]  # older runs: no persistent or flattened ones
         d[cols].plot.bar(ax=ax, width=0.8, legend=False, color=[colors[c] for c in cols])
         ax.set(title=shape, xlabel="", ylabel="us (CUDA events)" if shape == gshapes[0] else "")
         ax.tick_params(axis="x", labelsize=6, rotation=30)
     handles, labels = axes.flat[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="outside lower center", ncols=5, fontsize=6)
+    fig.legend(handles, labels, loc="outside lower center", ncols=6, fontsize=6)
     fig.suptitle(machine_line(tune_doc), fontsize=7)
     savefig(fig, "04_expert_gemms")
     plt.show()
@@ -433,7 +435,7 @@ else:
 # ## 5b · How far the layer ratios move between runs
 # The committed `moe-layer` runs that routed the same pairs (`results.load_runs`: the current file and the
 # archived ones it replaced; `like=None`: the pairs the most runs routed, one input batch and the same
-# policies), one column per run, beside the limit; each line is labelled by its variant and the k values of
+# policies; that group need not hold the current run, whose own batch is plotted in sections 4-5), one column per run, beside the limit; each line is labelled by its variant and the k values of
 # its policy (the results' `policy` column). Every column is another commit, and the code of the layer
 # (routing, layout, expert GEMMs) changed between them, so the spread from run to run mixes code changes with
 # run-to-run noise: the H200 runs these layers at its power cap (the nvidia-smi traces below, taken during the
@@ -441,7 +443,7 @@ else:
 # some runs and not in others.
 
 # %%
-layer_docs = results.load_runs("moe-layer")
+layer_docs = results.load_runs("moe-layer")  # the committed runs (a results_dir run is plotted in sections 4-5)
 runs = layer_runs(layer_docs, like=None)
 shown = run_docs(runs)  # the runs behind the columns
 policy_ks = run_policies(shown)  # (shape, variant) -> 'k=(1, 2)'

@@ -23,7 +23,8 @@
 #
 # For each model: the unchanged baseline, the model's own TopK through moelab (the patching noise
 # floor), the published configurations, thresholds calibrated on held-out text to the claimed
-# reduction, and thresholds calibrated to a +0.5% perplexity budget. Beside them: what was claimed.
+# reduction, and thresholds calibrated to a perplexity budget (parameter `budget`; +0.5% by default).
+# Beside them: what was claimed.
 #
 # This notebook runs a short slice on whatever machine runs it (CPU defaults: about a minute), and
 # shows the committed GPU run of `benchmarks/paper_tables.py` on full WikiText-2 test when it exists.
@@ -83,7 +84,10 @@ for name in models:
     print(f"{name}: {len(eval_ids)} evaluation tokens, {len(cal_ids)} calibration tokens")
 
 table = paper_table(rows)
-where = f"{results.machine()['device']}, first {eval_tokens or 'all'} WikiText-2 test tokens"
+run_on = next(model.parameters())  # where the models ran (not GPU 0's name when device='cpu'), in which dtype
+run_device = torch.cuda.get_device_name(run_on.device) if run_on.device.type == "cuda" else "CPU"
+where = (f"{run_device} ({str(run_on.dtype).removeprefix('torch.')}), first {eval_tokens or 'all'} "
+         "WikiText-2 test tokens")
 results.save("paper_rows", pd.DataFrame(rows).map(lambda v: str(v) if isinstance(v, (list, dict)) else v))
 save_table(table, "05_paper_table", caption=f"Paper table measured on {where} (moelab notebook 05)")
 table

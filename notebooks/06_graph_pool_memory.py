@@ -36,7 +36,7 @@ model: str = "all"  # model rows to chart: all, tiny-mixtral, tiny-qwen-moe, tin
 arms: list[str] = ["eager", "private", "shared", "shared+reuse", "shared+reuse-primed", "shared+reuse-unprimed"]  # in order
 results_dir: str = ""  # directory with graph-pool-*.json (default data/results, the committed results)
 live: bool = True  # also run a small GraphRunner on this machine's GPU when it has CUDA (skipped without)
-live_model: str = "tiny-mixtral"  # model for the live run (GPU-sized: synthetic via benchmarks/graph_pool.py)
+live_model: str = "tiny-mixtral"  # live run: an embedded name or MoE family, its config with fresh weights (synthetic: benchmarks/graph_pool.py)
 buckets: list[int] = [1, 2, 4, 8, 16, 32, 64]  # decode buckets of the live run (GPU-sized: up to 256)
 interactive: bool = False  # show ipywidgets explorers (never in headless runs)
 

@@ -376,3 +376,14 @@ def test_policy_k_and_runs_line_read_what_the_rows_say():
     assert "2026-11-30 to 2026-12-01" in line
     with pytest.raises(ValueError, match="docs=\\[\\]"):
         runs_line([])
+
+
+def test_layer_targets_of_a_run_without_the_target_size_keep_their_columns():
+    """A quick run that leaves out T = 4096 has only the hf comparison rows; the adaptive rows' columns are
+    there (empty), so the notebook's selection by variant and timer finds nothing instead of failing."""
+    doc = results.load_results("moe-layer")
+    quick = dict(doc, rows=[r for r in doc["rows"] if r["T"] != 4096])
+    lt = layer_targets(quick)
+    assert len(lt) and {"variant", "timer", "kept", "tiles"} <= set(lt.columns) and lt["variant"].isna().all()
+    assert lt[(lt["variant"] == "moelab_adaptive") & (lt["timer"] == "time_us")].empty
+    assert (layer_targets(doc)["variant"] == "moelab_adaptive").any()

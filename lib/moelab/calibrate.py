@@ -382,6 +382,11 @@ _FAMILY_PRESETS = {"mixtral": ("sdk-mixtral",), "qwen2_moe": ("sdk-qwen-moe", "q
                    "olmoe": ("sdk-olmoe",)}
 
 
+def sdk_preset(family: str) -> str:
+    """The name in PUBLISHED of the SDK preset for a family; the TensorRT-LLM default for other families."""
+    return _FAMILY_PRESETS.get(family, ("trtllm-default",))[0]
+
+
 def published_configs(family: str, num_experts: int) -> dict[str, EntropyAdaptiveK]:
     """The published configurations that apply to a family: the TensorRT-LLM default and its presets."""
     out = {}

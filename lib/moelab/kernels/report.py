@@ -113,7 +113,8 @@ def layer_targets(doc: dict, tokens: int = 4096) -> pd.DataFrame:
                         out.append(_row(f"{var}, shared expert as kept pairs / native layer {col} (kept {kept_s:.3f}: "
                                         f"{per_tok:g} per token)", shape, T, ratio, LAYER_SLACK * kept_s,
                                         ratio <= LAYER_SLACK * kept_s, "x"))
-    return pd.DataFrame(out)
+    cols = ["variant", "timer", "kept", "tiles"]  # present also when the run has no T = tokens (a quick run)
+    return pd.DataFrame(out).reindex(columns=list(dict.fromkeys([*pd.DataFrame(out).columns, *cols])))
 
 
 def _row_tile(var: str, row, tuned: dict | None) -> int:
