@@ -429,7 +429,10 @@ def _dead_attempt(folder: Path, timeout_s: float | None) -> bool:
     try:
         started = json.loads((folder / PARAMS).read_text())["started_epoch"]
     except (OSError, ValueError, KeyError, TypeError):
-        started = folder.stat().st_mtime
+        try:
+            started = folder.stat().st_mtime
+        except OSError:  # gone meanwhile (its attempt finished, or another sweep removed it)
+            return False
     return time.time() - started > timeout_s + 60
 
 
