@@ -39,7 +39,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from moelab.graphs import GraphRunner, hf_decode_step, make_buckets, pool_bytes
+from moelab.graphs import REUSE_PEAK_LIMIT, REUSE_SPEED_FLOOR, GraphRunner, hf_decode_step, make_buckets, pool_bytes
 from moelab.results import write_results
 
 log = logging.getLogger("graph_pool")
@@ -391,7 +391,8 @@ def write(rows, buckets, errors, args):
         f"{args.prefill_len}, capped at the model's max_position_embeddings; see prefill_batch/prefill_len per row). "
         "Weights live in a MemPool of their own; memory is counted over each arm's start; *_peak = the serving loop "
         "after capture (capture_reserved_peak_mib: capture incl. warm-up). Target ratio reuse_over_max = shared+reuse "
-        "reserved peak / max(graph pool after capture in the shared arm, eager-only reserved peak), target <= 1.05; "
+        "reserved peak / max(graph pool after capture in the shared arm, eager-only reserved peak), "
+        f"target <= {REUSE_PEAK_LIMIT:g}; "
         "saved_mib/saved_pct against the shared arm without reuse. shared+reuse: GraphRunner's default capture('auto') "
         "with the prefill as eager example: it captures both layouts (primed: one prefill in the pool before capture, "
         "so the graphs go into eager-sized segments; unprimed: graphs first) and keeps the one with the smaller pool "
@@ -430,8 +431,8 @@ def summarise(rows) -> list[dict]:
             "reuse_default_pool_mib_end": reuse["default_pool_mib_end"],
             "saved_mib": without - with_reuse, "saved_pct": 100 * (without - with_reuse) / without if without else 0.0,
             "tokens_per_s_reuse_over_no_reuse": reuse["decode_tokens_per_s"] / by["shared"]["decode_tokens_per_s"],
-            "memory_target_met": with_reuse <= 1.05 * bound,
-            "speed_target_met": reuse["decode_tokens_per_s"] >= 0.98 * by["shared"]["decode_tokens_per_s"],
+            "memory_target_met": with_reuse <= REUSE_PEAK_LIMIT * bound,
+            "speed_target_met": reuse["decode_tokens_per_s"] >= REUSE_SPEED_FLOOR * by["shared"]["decode_tokens_per_s"],
         })
         out[-1]["reuse_layout"] = ("primed" if (reuse.get("prime_choice") or {}).get("primed") else "unprimed")
         for tag in ("primed", "unprimed"):  # the two layouts forced, for comparison with the automatic choice
@@ -446,7 +447,7 @@ def summarise(rows) -> list[dict]:
                 f"{tag}_saved_mib": without - peak,
                 f"{tag}_saved_pct": 100 * (without - peak) / without if without else 0.0,
                 f"{tag}_tokens_per_s_over_no_reuse": arm["decode_tokens_per_s"] / by["shared"]["decode_tokens_per_s"],
-                f"{tag}_memory_target_met": peak <= 1.05 * bound,
+                f"{tag}_memory_target_met": peak <= REUSE_PEAK_LIMIT * bound,
             })
     return out
 

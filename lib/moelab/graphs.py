@@ -61,9 +61,15 @@ __all__ = [
     "prefer_graph_pool",
     "ScratchLiveError",
     "PoolLockTimeout",
+    "REUSE_PEAK_LIMIT",
+    "REUSE_SPEED_FLOOR",
 ]
 
 log = logging.getLogger(__name__)
+
+# the pool-reuse targets that benchmarks/graph_pool.py checks and notebook 06 shows
+REUSE_PEAK_LIMIT = 1.05  # serving loop's reserved peak with reuse <= this x max(graph pool, eager-only peak)
+REUSE_SPEED_FLOOR = 0.98  # decode tokens/s with reuse >= this x the shared pool's without reuse
 
 
 # ----- buckets (pure logic)
