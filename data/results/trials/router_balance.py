@@ -38,6 +38,8 @@ def main() -> None:
     p.add_argument("--candidates", nargs="+", required=True, help="model:coef,coef,...")
     p.add_argument("--min-entropy", type=float, default=0.82)
     p.add_argument("--card-tokens", type=int, default=CARD_TOKENS)
+    p.add_argument("--seeds", default="0", help="training seeds, comma-separated: every candidate with each")
+    p.add_argument("--no-committed", action="store_true", help="do not evaluate the committed checkpoints")
     p.add_argument("--train-args", default="", help="more moelab.train options (a smoke test: '--max-steps 2')")
     a = p.parse_args()
     work = Path(a.work)
@@ -47,19 +49,21 @@ def main() -> None:
     for spec in a.candidates:
         model, coefs = spec.split(":")
         for c in coefs.split(","):
-            out = work / f"{model}-{c}"
-            over = json.dumps({"router_aux_loss_coef": float(c)})
-            train = [py, "-m", "moelab.train", "--model", model, "--out", str(out), "--overrides", over,
-                     *a.train_args.split()]
-            jobs[(model, float(c))] = (out, run(train, work / f"{model}-{c}.train.log"))
+            for seed in a.seeds.split(","):
+                tag = f"{c}" if seed == "0" else f"{c}-s{seed}"
+                out = work / f"{model}-{tag}"
+                over = json.dumps({"router_aux_loss_coef": float(c)})
+                train = [py, "-m", "moelab.train", "--model", model, "--out", str(out), "--overrides", over,
+                         "--seed", seed, *a.train_args.split()]
+                jobs[(model, tag)] = (out, run(train, work / f"{model}-{tag}.train.log"))
     for (model, c), (_, proc) in jobs.items():
         if proc.wait() != 0:
             raise SystemExit(f"training {model} coef {c} failed: {work / f'{model}-{c}.train.log'}")
-    n_cards = len(jobs) + len({m for m, _ in jobs})
+    n_cards = len(jobs) + (0 if a.no_committed else len({m for m, _ in jobs}))
     threads = max(1, (os.cpu_count() or 2) // n_cards)  # the cards evaluate on the CPU in fp32, as committed
     cards = {key: run([py, "-m", "moelab.train", "--card", "--out", str(out), "--card-tokens", str(a.card_tokens)],
                       work / f"{key[0]}-{key[1]}.card.log", threads) for key, (out, _) in jobs.items()}
-    for model in dict.fromkeys(m for m, _ in jobs):  # the committed checkpoint, evaluated the same way
+    for model in () if a.no_committed else dict.fromkeys(m for m, _ in jobs):  # the committed, the same way
         committed = work / f"{model}-committed"
         subprocess.run(["cp", "-rL", str(REPO / "data" / "models" / model), str(committed)], check=True)
         cards[(model, "committed")] = run([py, "-m", "moelab.train", "--card", "--out", str(committed),
@@ -76,6 +80,7 @@ def main() -> None:
         ent = ev["router"]["load_entropy"]
         rows.append({"model": model, "router_aux_loss_coef": tlog["model_config"].get("router_aux_loss_coef"),
                      "checkpoint": "committed" if c == "committed" else "candidate",
+                     "seed": tlog["config"]["seed"],
                      "load_entropy": ent, "min_load_entropy": min(ent),
                      "heldout_loss": ev.get("heldout_loss"), "test_ppl_slice": ev["wikitext2_test"]["ppl"],
                      "best_val_loss": tlog["best_val_loss"], "best_step": tlog["best_step"],
