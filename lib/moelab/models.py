@@ -47,13 +47,13 @@ TINY = {
     "tiny-mixtral": (
         "mixtral",
         dict(_SHARED, num_key_value_heads=2, intermediate_size=256, num_local_experts=8, num_experts_per_tok=2,
-             router_aux_loss_coef=0.02),
+             router_aux_loss_coef=0.1),
     ),
     "tiny-qwen-moe": (
         "qwen2_moe",
         dict(_SHARED, num_key_value_heads=4, num_experts=60, num_experts_per_tok=4, moe_intermediate_size=32,
              shared_expert_intermediate_size=128, intermediate_size=128, norm_topk_prob=False,
-             decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.01),
+             decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.1),
     ),
     "tiny-olmoe": (
         "olmoe",

@@ -15,6 +15,7 @@ import dataclasses
 import json
 import logging
 import math
+import shlex
 import shutil
 import sys
 import time
@@ -420,6 +421,12 @@ token is not scored):
     wt, uni = ev["wikitext2_test"], ev["unigram"]
     renorm = "renormalised" if moe["renormalize"] else "not renormalised"
     shared = ", plus a shared expert with its gate" if moe.get("shared_expert") else ""
+    defaults = dataclasses.asdict(TrainConfig())
+    changed = {k: v for k, v in tlog["config"].items() if k not in ("model", "out", "device") and v != defaults.get(k)}
+    train_cmd = f"python -m moelab.train --model {name}" + "".join(
+        f" --{k.replace('_', '-')} " + (shlex.quote(json.dumps(v)) if isinstance(v, dict) else str(v))
+        for k, v in changed.items())
+    cpu = ev["machine"].get("cpu_model") or ev["machine"].get("host_cpu")
     cmd = f"python -m moelab.train --model {name} --card" + (
         f" --card-tokens {wt['test_tokens']}" if wt["test_tokens"] < wt["test_tokens_total"] else "")
     part = (f": its first {wt['test_tokens']:,} of {wt['test_tokens_total']:,} tokens"
@@ -449,13 +456,13 @@ real learned routers, real perplexity changes. **Not** a useful language model: 
 - {tlog['steps']} steps of {tlog['config']['batch_size']} x {tlog['config']['seq_len']} tokens
   ({tlog['tokens_seen']:,} tokens, {tlog['epochs']:.2f} epochs), AdamW lr {tlog['config']['lr']}, cosine,
   router load-balancing loss coefficient {mc.get('router_aux_loss_coef')};
-  {tlog['wall_time_s']:.0f} s on {tlog['machine']['device']} (commit {tlog['commit'][:12]}).
+  {tlog['wall_time_s']:.0f} s on {tlog['machine']['device']} (commit {tlog['commit'][:12]}): `{train_cmd}`.
 - Checkpoint = best validation loss on {val_texts}: step {tlog['best_step']}{last},
   val loss {tlog['best_val_loss']:.3f} (ppl {math.exp(tlog['best_val_loss']):.1f}); first/last validation:
   {val[0]['val_loss']:.3f} / {val[-1]['val_loss']:.3f}. Full curves in `train_log.json`.
 
 ## Evaluation
-`{cmd}` on {ev['machine']['device']} (torch {ev['machine']['torch']}), commit {ev['commit'][:12]}:
+`{cmd}` on the CPU in fp32 ({cpu}, torch {ev['machine']['torch']}), commit {ev['commit'][:12]}:
 
 | | perplexity | scored tokens |
 |---|---|---|
