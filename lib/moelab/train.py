@@ -33,7 +33,8 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass
 class TrainConfig:
-    """Defaults = the run that produced the committed checkpoints (H200, ~65-85 s per model)."""
+    """Defaults = the runs that produced the committed checkpoints on the H200, but tiny-mixtral's seed (1);
+    each model card names its exact command."""
 
     model: str = "tiny-olmoe"  # registry name (its config) or a family for a micro model
     out: str = ""  # output dir (default data/models/<model>)
