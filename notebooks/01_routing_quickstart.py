@@ -121,7 +121,8 @@ def color(label: str, kind: str) -> str:
 
 def plot_stats(stats: pd.DataFrame, title: str, native_k: int):
     """k histogram (share of tokens per k) and routed-expert compute saved against the native k."""
-    fig, (ax_h, ax_r) = figure("full", aspect=0.36, ncols=2, gridspec_kw={"width_ratios": [1.3, 1]})
+    fig, (ax_h, ax_r) = figure("full", aspect=0.36, ncols=2, layout="constrained",
+                              gridspec_kw={"width_ratios": [1.3, 1]})  # room for the two-line y labels
     k_max = max(len(h) for h in stats.k_hist) - 1
     ks = np.arange(1, k_max + 1)  # every policy keeps at least one expert
     width = 0.8 / len(stats)

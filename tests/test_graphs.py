@@ -433,6 +433,16 @@ def test_runner_validates_arguments():
         r.eager(torch.zeros(2, 8), reuse=True)
     with pytest.raises(ValueError, match="reuse='yes'"):
         r.eager(torch.zeros(2, 8), reuse="yes")
+    with pytest.raises(ValueError, match="reuse=1: must be None, True or False"):
+        r.eager(torch.zeros(2, 8), reuse=1)
+    with pytest.raises(ValueError, match="a 0-d tensor has none"):
+        GraphRunner(lambda x: x, lambda b: (torch.zeros(b),), [1, 2], device="cpu", eager_example=torch.tensor(1.0))
+    with pytest.raises(ValueError, match="no shared pool yet: capture"):
+        r.scratch_fraction_in_pool(torch.zeros(2, 8))
+    # a CPU runner is one for eager forwards: it runs step_fn as it is, without grad
+    w = torch.ones(8, requires_grad=True)
+    out = GraphRunner(lambda x: x * w, lambda b: (torch.zeros(b, 8),), [1, 2], device="cpu").eager(torch.ones(2, 8))
+    assert torch.equal(out, torch.ones(2, 8)) and not out.requires_grad
 
 
 def test_fraction_in_segments():
@@ -1024,6 +1034,30 @@ def test_primed_capture_puts_graphs_into_eager_sized_segments(how):
     assert runner.eager_growth_bytes == 0
     (x,) = make(20)
     assert torch.equal(runner(x), runner(x))
+
+
+@gpu
+@pytest.mark.gpu
+def test_priming_does_not_hold_two_eager_peaks_at_once():
+    """The priming forward first runs outside the pool (lazy state); its cached activations are given back
+    before the same forward runs in the pool, so capture's reserved peak stays near one eager peak, not two."""
+    step, make = _mlp_step(D=512, H=4096)
+    (prompt,) = make(8192)  # activations of 128 MiB: far above the decode graphs'
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_reserved()
+    with torch.no_grad():
+        step(prompt)
+    torch.cuda.synchronize()
+    eager_peak = torch.cuda.max_memory_reserved() - base
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_reserved()
+    runner = GraphRunner(step, make, [16, 32]).capture(prime=(prompt,))
+    capture_peak = torch.cuda.max_memory_reserved() - base
+    assert capture_peak < 1.5 * eager_peak, (capture_peak, eager_peak)
+    assert runner.pool_bytes()[runner.pool.id]["reserved"] >= 0.5 * eager_peak  # the primed pool holds the forward
 
 
 @gpu

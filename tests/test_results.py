@@ -110,3 +110,28 @@ def test_write_results_keeps_an_earlier_run_of_the_same_day(tmp_path, monkeypatc
     results.write_results("topic-x", [{"v": 5}], out_dir=tmp_path)
     assert json.loads((tmp_path / "archive" / f"{first.stem}-bbbbbbb-2.json").read_text())["rows"] == [{"v": 4}]
     assert sorted(d["rows"][0]["v"] for d in results.load_runs("topic-x", tmp_path)) == [2, 3, 4, 5]  # all kept
+
+
+def test_figures_and_tables_are_written_into_figures_only(tmp_path, monkeypatch):
+    """savefig / save_table take a plain stem: a folder part or an extension of its own is an error naming
+    the name, and the files land in figures/ (MOELAB_FIGURES here), byte for byte the same on a second save."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import pandas as pd
+
+    from moelab import plots
+
+    monkeypatch.setenv("MOELAB_FIGURES", str(tmp_path / "figs"))
+    fig, ax = plots.figure()
+    ax.plot([0, 1], [1, 0])
+    for bad in ("../escaped", "sub/t", "a\\b", "..", "x.png"):
+        with pytest.raises(ValueError, match="give a plain stem"):
+            plots.savefig(fig, bad)
+    for bad in ("../escaped", "sub/t", "t.csv"):
+        with pytest.raises(ValueError, match=r"table name .*give a plain stem"):
+            plots.save_table(pd.DataFrame({"a": [1]}), bad)
+    assert not (tmp_path / "escaped.csv").exists() and not (tmp_path / "figs" / "sub").exists()
+    first = {k: p.read_bytes() for k, p in plots.savefig(fig, "t").items()}
+    again = {k: p.read_bytes() for k, p in plots.savefig(fig, "t").items()}
+    assert first == again and sorted(p.name for p in (tmp_path / "figs").iterdir()) == ["t.pdf", "t.png"]

@@ -220,6 +220,45 @@ def test_cli_refuses_flags_it_would_ignore(argv, match, capsys, monkeypatch):
     assert match in capsys.readouterr().err
 
 
+def test_cli_bad_parameter_or_shard_is_a_usage_error_and_list_checks_names(toy, tmp_path, capsys, monkeypatch):
+    """A misspelt parameter or a bad --shard stops the command with a one-line usage error (exit 2), not a
+    traceback; --list refuses the misspelt parameter too, instead of listing points an engine would run."""
+    monkeypatch.setattr(sweep, "run_sweep", lambda *a, **kw: pytest.fail("ran a sweep"))
+    good = tmp_path / "good.yaml"
+    good.write_text(yaml.safe_dump({"notebook": str(toy), "parameters": {"x": [1, 2]}}))
+    typo = tmp_path / "typo.yaml"
+    typo.write_text(yaml.safe_dump({"notebook": str(toy), "parameters": {"xx": [1, 2]}}))
+    for argv, match in (([str(typo)], "parameters ['xx']: not in the parameters cell"),
+                        ([str(typo), "--list"], "parameters ['xx']: not in the parameters cell"),
+                        ([str(good), "--shard", "3/2"], "shard='3/2': need N >= 1 and 0 <= I < N"),
+                        ([str(good), "--shard", "abc"], "shard='abc': must read I/N")):
+        with pytest.raises(SystemExit) as e:
+            sweep.main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and match in err and "Traceback" not in err, (argv, err)
+
+
+def test_a_run_set_aside_by_a_killed_finish_comes_back(tmp_path):
+    """`_finish` sets the old run folder aside before moving the new one in; killed between the two renames,
+    the next look at the run moves the old one back (nothing finished is lost), and one left beside a run
+    folder that exists is deleted."""
+    final = tmp_path / "abc123"
+    aside = tmp_path / ".old-abc123-0badf00d"
+    (aside / "results").mkdir(parents=True)
+    (aside / "done").write_text("{}")
+    (aside / "results" / "metrics.json").write_text('{"y": 1}')
+    assert sweep.run_state(final) == "done"
+    assert json.loads((final / "results" / "metrics.json").read_text()) == {"y": 1} and not aside.exists()
+    (aside / "results").mkdir(parents=True)
+    assert sweep.run_state(final) == "done" and not aside.exists()
+    # an ordinary replacement leaves no folder aside
+    tmp = tmp_path / ".tmp-abc123-new"
+    tmp.mkdir()
+    (tmp / "error.json").write_text("{}")
+    sweep._finish(tmp, final)
+    assert sweep.run_state(final) == "failed" and sorted(p.name for p in tmp_path.iterdir()) == ["abc123"]
+
+
 def test_a_papermill_failure_on_a_rerun_replaces_the_old_result(tmp_path):
     """A worker whose papermill call fails outside any cell (here: a notebook nbformat cannot read) records a
     failure; it does not leave the earlier run's `done` in place, nor its own temporary folder behind."""

@@ -161,8 +161,11 @@ class _CountsUnpickler(pickle.Unpickler):
         if (module, name) not in self._ALLOWED:
             raise pickle.UnpicklingError(f"{module}.{name}: not allowed in a routing-count file")
         obj = self._ALLOWED[(module, name)]
-        if obj is None:  # numpy's scalar reconstructor, wherever this numpy keeps it
-            from numpy._core.multiarray import scalar as obj  # type: ignore[no-redef]
+        if obj is None:  # numpy's scalar reconstructor, wherever this numpy keeps it (numpy._core from 2.0)
+            try:
+                from numpy._core.multiarray import scalar as obj  # type: ignore[no-redef]
+            except ImportError:
+                from numpy.core.multiarray import scalar as obj  # type: ignore[no-redef]
         return obj
 
 

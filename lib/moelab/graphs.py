@@ -325,7 +325,7 @@ class GraphRunner:
             if pool != "shared":
                 raise ValueError("eager_example primes the shared pool: it needs pool='shared'")
             eager_example = _input_tuple(eager_example, "eager_example")
-            self._check_inputs(eager_example, eager_example[0].shape[0])
+            self._check_inputs(eager_example)
         self.eager_example = eager_example
         self.scratch = ScratchBuffers(self.device)
         self.eager_growth_bytes = 0  # segment bytes eager forwards added to the shared pool
@@ -378,7 +378,7 @@ class GraphRunner:
             prime = None
         else:
             prime = _input_tuple(prime, "prime")
-            self._check_inputs(prime, prime[0].shape[0])
+            self._check_inputs(prime)
         if prime is not None and self.pool_mode != "shared":
             raise ValueError("prime needs pool='shared': a private pool per bucket has nothing to share")
         return self._capture_guarded(release_cache, prime)
@@ -435,6 +435,10 @@ class GraphRunner:
                 raise ValueError("prime needs pool='shared': a private pool per bucket has nothing to share")
             with torch.no_grad(), torch.cuda.stream(self.stream):
                 _as_tuple(self.step_fn(*prime))  # lazy state (cuBLAS workspace) outside the pool first
+            # its activations' blocks stay cached in the ordinary pool: give them back before the same
+            # forward runs in the graph pool, or the process briefly holds two eager peaks
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
             self._eager_in(self.pool, self.stream, tuple(prime), _pool_state(self.pool.id))
             self._raise_leak()
         # the allocator's own records of the captures: which addresses the graphs really use
@@ -490,11 +494,16 @@ class GraphRunner:
                         f"{[(tuple(t.shape[1:]), t.dtype) for t in self.out_buffers]} per row)"
                     )
 
-    def _check_inputs(self, inputs: tuple, b: int) -> None:
+    def _check_inputs(self, inputs: tuple, b: int | None = None) -> None:
+        """Tensors batched along dim 0, all of batch b (default: the first one's)."""
         if not inputs or not all(isinstance(t, torch.Tensor) for t in inputs):
             raise ValueError("inputs must be one or more tensors")
+        if any(t.dim() == 0 for t in inputs):
+            raise ValueError(f"inputs of shapes {[tuple(t.shape) for t in inputs]}: each needs a batch dimension "
+                             "(dim 0), a 0-d tensor has none")
+        b = inputs[0].shape[0] if b is None else b
         for t in inputs:
-            if t.dim() == 0 or t.shape[0] != b:
+            if t.shape[0] != b:
                 raise ValueError(f"input of shape {tuple(t.shape)}: dim 0 must be the batch size {b}")
 
     def pool_ids(self) -> dict[int, tuple[int, int]]:
@@ -581,7 +590,7 @@ class GraphRunner:
         A forward that raises in the pool has its frames' locals cleared before the error goes on (they
         hold pool memory a replay would overwrite); replays refuse while anything else it made there lives.
         """
-        if reuse not in (None, True, False):
+        if not (reuse is None or reuse is True or reuse is False):
             raise ValueError(f"reuse={reuse!r}: must be None, True or False")
         if reuse is True and self.pool is None:
             raise ValueError("reuse=True: this runner has no shared pool to borrow "
@@ -590,6 +599,10 @@ class GraphRunner:
             return self._eager(inputs, reuse is not False, stream)
 
     def _eager(self, inputs: tuple, reuse: bool, stream):
+        if self.device.type != "cuda":  # a runner built for eager forwards only: no streams, no pool
+            with torch.no_grad():
+                outs = _as_tuple(self.step_fn(*inputs))
+            return outs[0] if len(outs) == 1 else outs
         pool = self.pool if (reuse and self.pool is not None) else None
         stream = stream or self.stream or torch.cuda.current_stream(self.device)
         cur = torch.cuda.current_stream(self.device)
@@ -682,7 +695,8 @@ class GraphRunner:
             all) that the eager forward's allocations covered: at most the graph pool is there to share.
         """
         if self.pool is None:
-            raise ValueError("pool='private' has no shared pool to borrow from")
+            raise ValueError("pool='private' has no shared pool to borrow from" if self.pool_mode == "private"
+                             else "no shared pool yet: capture() first")
         captured = self._captured_segments
         with trace_allocations() as allocs:
             outs = _as_tuple(self.eager(*inputs, reuse=reuse, stream=stream))

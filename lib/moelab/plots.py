@@ -63,10 +63,15 @@ def figure(width: str | float = "column", aspect: float = 0.75, **kw):
     return plt.subplots(figsize=(w, w * aspect), **kw)
 
 
+def _check_stem(name: str, what: str, example: str, exts: tuple[str, ...]) -> None:
+    """A file stem inside figures/: no folder part (no '/', '\\' or '..'), no extension of its own."""
+    if not name or "/" in name or "\\" in name or name in (".", "..") or name.endswith(exts):
+        raise ValueError(f"{what} name {name!r}: give a plain stem such as {example!r} (written into figures/)")
+
+
 def savefig(fig, name: str) -> dict:
     """Save `fig` as figures/<name>.pdf and .png (300 dpi); returns the two paths."""
-    if not name or "/" in name or name.endswith((".pdf", ".png")):
-        raise ValueError(f"figure name {name!r}: give a plain stem such as '02_pareto_tiny-olmoe'")
+    _check_stem(name, "figure", "02_pareto_tiny-olmoe", (".pdf", ".png"))
     import io
 
     out = {}
@@ -83,6 +88,7 @@ def savefig(fig, name: str) -> dict:
 
 def save_table(df, name: str, caption: str = "", float_format: str = "{:.3g}") -> dict:
     """Export a table as figures/<name>.csv and figures/<name>.tex (booktabs)."""
+    _check_stem(name, "table", "05_paper_table", (".csv", ".tex"))
     d = figures_dir()
     csv = df.to_csv(index=False).encode()
     atomic_write_bytes(d / f"{name}.csv", csv)

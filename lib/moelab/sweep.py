@@ -363,8 +363,32 @@ def _finish(tmp: Path, final: Path) -> None:
         if (final / DONE).exists() and not (tmp / DONE).exists() and _finished_during(final, tmp):
             shutil.rmtree(tmp)  # someone else finished it meanwhile; keep theirs
             return
-        shutil.rmtree(final)
+        # set the old run aside, move the new one in, then delete the old: a kill between the two renames
+        # leaves the old run under .old-*, which `run_state` moves back (a kill during a delete in place
+        # could leave a folder with `done` but only part of its results)
+        old = final.parent / f".old-{final.name}-{secrets.token_hex(4)}"
+        os.rename(final, old)
+        try:
+            os.rename(tmp, final)
+        except BaseException:
+            os.rename(old, final)
+            raise
+        shutil.rmtree(old, ignore_errors=True)
+        return
     os.rename(tmp, final)
+
+
+def _restore_set_aside(final: Path) -> None:
+    """A run folder that `_finish` set aside and was killed before it moved the new one in: move it back.
+    One left beside a run folder that exists (killed while deleting it) is deleted."""
+    for old in sorted(final.parent.glob(f".old-{final.name}-*")):
+        if final.exists():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            try:
+                os.rename(old, final)
+            except OSError:  # another sweep moved it first
+                pass
 
 
 def _finished_during(final: Path, tmp: Path) -> bool:
@@ -389,6 +413,7 @@ class RunState:
 def run_state(run_dir: Path, digest: str | None = None) -> str:
     """'done' if the run finished (with this notebook version when digest is given; 'stale' if with another),
     'failed', or 'pending'."""
+    _restore_set_aside(run_dir)
     if (run_dir / DONE).exists():
         if digest is not None:
             try:
@@ -620,6 +645,7 @@ def param_hash_points(grid: Grid) -> list[tuple[str, dict]]:
 def list_points(grid: Grid, root: Path | None = None) -> list[dict]:
     """Per point, what an outside engine needs to run it itself: its run folder and the params.json to
     write there (with the notebook's digest, so that a later ordinary sweep sees the run as current)."""
+    grid.check_parameters()
     sweep_dir = Path(root or runs_root()) / grid.name
     digest = notebook_digest(grid.notebook)
     return [{"hash": h, "run_dir": str(sweep_dir / h), "notebook": str(grid.notebook), "notebook_digest": digest,
@@ -795,12 +821,14 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--resume is for --main; a grid sweep always skips its finished points (--rerun runs them again)")
     try:
         grid = load_grid(a.grid)
+        if a.list:
+            for line in list_points(grid, a.root):
+                print(json.dumps(line, default=str))
+            return 0
+        grid.check_parameters()  # run_sweep checks these too; here a bad value is a usage error, not a traceback
+        parse_shard(a.shard)
     except ValueError as e:
         ap.error(str(e))
-    if a.list:
-        for line in list_points(grid, a.root):
-            print(json.dumps(line, default=str))
-        return 0
     rep = run_sweep(grid, root=a.root, workers=a.workers, shard=a.shard, rerun=a.rerun, collect_only=a.collect)
     print(f"{rep.name}: {rep.counts()} in {rep.directory}")
     for k, p in rep.tables.items():
