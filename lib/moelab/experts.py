@@ -24,6 +24,7 @@ Expert GEMMs (`set_gemm`):
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -71,12 +72,23 @@ def grouped_mm_supported(x: torch.Tensor, w: torch.Tensor) -> bool:
     if not hasattr(torch, "_grouped_mm") or x.dtype != w.dtype:
         return False
     if x.device.type == "cpu":
-        return x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        return x.dtype in (torch.float32, torch.bfloat16, torch.float16) and _cpu_grouped_mm_runs(x.dtype)
     if x.device.type == "cuda":
         major, _ = torch.cuda.get_device_capability(x.device)
         # CUTLASS path: bf16 on sm90+, 16-byte aligned rows
         return x.dtype == torch.bfloat16 and major >= 9 and w.shape[-1] % 8 == 0 and w.shape[-2] % 8 == 0
     return False
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_grouped_mm_runs(dtype: torch.dtype) -> bool:
+    """One tiny call, once per dtype: torch releases that have _grouped_mm without a CPU kernel raise."""
+    try:
+        torch._grouped_mm(torch.ones(2, 8, dtype=dtype), torch.ones(1, 8, 8, dtype=dtype),
+                          offs=torch.tensor([2], dtype=torch.int32))
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
 
 
 _LAYOUT_MODE = "auto"  # "auto" | "exact" | "padded"
