@@ -56,7 +56,7 @@ def main(argv=None):
             loss, tgt = losses(model, ids, args.context, args.batch)
             at = (tgt == crlf_id[0]) if len(crlf_id) == 1 else torch.zeros_like(tgt, dtype=torch.bool)
             rows.append({
-                "model": name, "lines": lines, "chars": len(text), "tokens": ids.numel(),
+                "model": name, "lines": lines, "device": str(model.device), "chars": len(text), "tokens": ids.numel(),
                 "scored_tokens": loss.numel(), "ppl": math.exp(loss.mean().item()),
                 "crlf_targets": int(at.sum()), "crlf_token_ids": crlf_id,
                 "crlf_mean_loss": loss[at].mean().item() if at.any() else None,

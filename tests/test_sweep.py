@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 from pathlib import Path
 
 import pandas as pd
@@ -209,6 +210,7 @@ def test_list_gives_an_outside_engine_what_keeps_its_runs_current(toy, tmp_path)
     (["missing-grid.yaml"], "grid 'missing-grid.yaml': no such file"),
     (["notebooks/grids/ci.yaml", "--workers", "0"], "--workers 0: must be at least 1"),
     (["notebooks/grids/ci.yaml", "--resume"], "--resume is for --main"),
+    (["notebooks/grids/ci.yaml", "--list", "--shard", "0/2", "--rerun"], "it takes only --root, not --shard, --rerun"),
 ])
 def test_cli_refuses_flags_it_would_ignore(argv, match, capsys, monkeypatch):
     """A flag the command would not honour (--main --list used to run every notebook) stops it at once."""
@@ -239,20 +241,43 @@ def test_cli_bad_parameter_or_shard_is_a_usage_error_and_list_checks_names(toy, 
 
 
 def test_a_run_set_aside_by_a_killed_finish_comes_back(tmp_path):
-    """`_finish` sets the old run folder aside before moving the new one in; killed between the two renames,
-    the next look at the run moves the old one back (nothing finished is lost), and one left beside a run
-    folder that exists is deleted."""
+    """`_finish` sets the old run folder aside (named after its attempt) before moving the new one in. Killed
+    between the two renames, the next look at the run finishes the move once that attempt's process is gone:
+    the attempt's folder moves in when it finished, else the old run moves back; nothing finished is lost. A
+    live attempt's folders are left alone, and one set aside beside a run folder that exists is deleted."""
+    import socket
+    import subprocess
+    import sys
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    host = socket.gethostname()
+
+    def folders(prefix, pid, token="0badf00d", done=True):
+        d = tmp_path / f"{prefix}abc123-{host}-{pid}-{token}"
+        (d / "results").mkdir(parents=True)
+        (d / ("done" if done else "error.json")).write_text("{}")
+        (d / "results" / "metrics.json").write_text(json.dumps({"y": prefix}))
+        return d
+
     final = tmp_path / "abc123"
-    aside = tmp_path / ".old-abc123-0badf00d"
-    (aside / "results").mkdir(parents=True)
-    (aside / "done").write_text("{}")
-    (aside / "results" / "metrics.json").write_text('{"y": 1}')
-    assert sweep.run_state(final) == "done"
-    assert json.loads((final / "results" / "metrics.json").read_text()) == {"y": 1} and not aside.exists()
-    (aside / "results").mkdir(parents=True)
-    assert sweep.run_state(final) == "done" and not aside.exists()
+    old = folders(".old-", dead.pid)  # killed before the new run moved in, which had not finished
+    assert sweep.run_state(final) == "done" and not old.exists()
+    assert json.loads((final / "results" / "metrics.json").read_text()) == {"y": ".old-"}
+    sweep.shutil.rmtree(final)
+    old, new = folders(".old-", dead.pid), folders(".tmp-", dead.pid, done=False)  # the new one had finished
+    assert sweep.run_state(final) == "failed" and not old.exists() and not new.exists()
+    assert json.loads((final / "results" / "metrics.json").read_text()) == {"y": ".tmp-"}
+    old = folders(".old-", dead.pid)  # left beside a run folder that exists
+    assert sweep.run_state(final) == "failed" and not old.exists()
+    sweep.shutil.rmtree(final)
+    live = folders(".old-", os.getpid())  # a live attempt between its renames: not this look's to finish
+    assert sweep.run_state(final) == "pending" and live.exists()
+    sweep.shutil.rmtree(live)
     # an ordinary replacement leaves no folder aside
-    tmp = tmp_path / ".tmp-abc123-new"
+    final.mkdir()
+    (final / "done").write_text("{}")
+    tmp = tmp_path / f".tmp-abc123-{host}-{os.getpid()}-12345678"
     tmp.mkdir()
     (tmp / "error.json").write_text("{}")
     sweep._finish(tmp, final)

@@ -83,10 +83,11 @@ def grouped_mm_supported(x: torch.Tensor, w: torch.Tensor) -> bool:
 @functools.lru_cache(maxsize=None)
 def _cpu_grouped_mm_runs(dtype: torch.dtype) -> bool:
     """One tiny call, once per dtype: torch releases that have _grouped_mm without a CPU kernel raise."""
+    x_PK = torch.ones(3, 16, dtype=dtype, device="cpu")
+    w_ENK = torch.ones(2, 8, 16, dtype=dtype, device="cpu")  # as `grouped_gemm` calls it: two groups, K != N
     try:
-        torch._grouped_mm(torch.ones(2, 8, dtype=dtype), torch.ones(1, 8, 8, dtype=dtype),
-                          offs=torch.tensor([2], dtype=torch.int32))
-    except (RuntimeError, NotImplementedError):
+        torch._grouped_mm(x_PK, w_ENK.transpose(1, 2), offs=torch.tensor([1, 3], dtype=torch.int32, device="cpu"))
+    except (RuntimeError, NotImplementedError, TypeError, ValueError):
         return False
     return True
 

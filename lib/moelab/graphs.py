@@ -436,8 +436,9 @@ class GraphRunner:
             with torch.no_grad(), torch.cuda.stream(self.stream):
                 _as_tuple(self.step_fn(*prime))  # lazy state (cuBLAS workspace) outside the pool first
             # its activations' blocks stay cached in the ordinary pool: give them back before the same
-            # forward runs in the graph pool, or the process briefly holds two eager peaks
-            torch.cuda.synchronize(self.device)
+            # forward runs in the graph pool, or the process briefly holds two eager peaks (process-wide,
+            # as the empty_cache() that torch.cuda.graph() itself calls on entry)
+            self.stream.synchronize()
             torch.cuda.empty_cache()
             self._eager_in(self.pool, self.stream, tuple(prime), _pool_state(self.pool.id))
             self._raise_leak()
@@ -593,8 +594,9 @@ class GraphRunner:
         if not (reuse is None or reuse is True or reuse is False):
             raise ValueError(f"reuse={reuse!r}: must be None, True or False")
         if reuse is True and self.pool is None:
-            raise ValueError("reuse=True: this runner has no shared pool to borrow "
-                             f"({'pool=private' if self.pool_mode == 'private' else 'capture() first'})")
+            why = ("pool=private" if self.pool_mode == "private" else "capture() first" if self.device.type == "cuda"
+                   else f"a runner on {self.device} runs eager forwards only")
+            raise ValueError(f"reuse=True: this runner has no shared pool to borrow ({why})")
         with self._lock.hold("an eager forward"):
             return self._eager(inputs, reuse is not False, stream)
 

@@ -363,15 +363,16 @@ def _finish(tmp: Path, final: Path) -> None:
         if (final / DONE).exists() and not (tmp / DONE).exists() and _finished_during(final, tmp):
             shutil.rmtree(tmp)  # someone else finished it meanwhile; keep theirs
             return
-        # set the old run aside, move the new one in, then delete the old: a kill between the two renames
-        # leaves the old run under .old-*, which `run_state` moves back (a kill during a delete in place
-        # could leave a folder with `done` but only part of its results)
-        old = final.parent / f".old-{final.name}-{secrets.token_hex(4)}"
+        # set the old run aside, move the new one in, then delete the old: a sweep killed between the two
+        # renames leaves both, named after this attempt, and `run_state` finishes the move once this attempt's
+        # process is gone (a kill during a delete in place could leave a folder with `done` but part of its results)
+        old = final.parent / (".old-" + tmp.name[len(".tmp-"):])
         os.rename(final, old)
         try:
             os.rename(tmp, final)
         except BaseException:
-            os.rename(old, final)
+            if old.exists() and not final.exists():
+                os.rename(old, final)
             raise
         shutil.rmtree(old, ignore_errors=True)
         return
@@ -379,16 +380,24 @@ def _finish(tmp: Path, final: Path) -> None:
 
 
 def _restore_set_aside(final: Path) -> None:
-    """A run folder that `_finish` set aside and was killed before it moved the new one in: move it back.
-    One left beside a run folder that exists (killed while deleting it) is deleted."""
+    """Finish the move of a `_finish` that was killed between its two renames (its attempt's process gone):
+    the attempt's own folder moves in if it finished (done or error), else the run set aside moves back.
+    A set-aside folder beside a run folder that exists is deleted; a live attempt's is left alone."""
     for old in sorted(final.parent.glob(f".old-{final.name}-*")):
+        if not _dead_attempt(old, None):
+            continue
         if final.exists():
             shutil.rmtree(old, ignore_errors=True)
-        else:
-            try:
+            continue
+        attempt = final.parent / (".tmp-" + old.name[len(".old-"):])
+        try:
+            if (attempt / DONE).exists() or (attempt / ERROR).exists():
+                os.rename(attempt, final)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
                 os.rename(old, final)
-            except OSError:  # another sweep moved it first
-                pass
+        except OSError:  # another sweep finished the move first
+            pass
 
 
 def _finished_during(final: Path, tmp: Path) -> bool:
@@ -429,14 +438,16 @@ def run_state(run_dir: Path, digest: str | None = None) -> str:
 
 
 def _dead_attempt(folder: Path, timeout_s: float | None) -> bool:
-    """Whether an attempt folder `.tmp-<hash>-<host>-<pid>-<token>` was left by an attempt that is over.
+    """Whether an attempt folder `.tmp-<hash>-<host>-<pid>-<token>` (or the run it set aside, `.old-...`) was
+    left by an attempt that is over.
 
     This host's: its process is gone (Linux / macOS; on Windows, where probing a process can end it, never).
     Another host's (a shared file system): only when it started longer ago than the grid's timeout_s, past
     which its own runner would have killed it; without a timeout it may still run, so it is left."""
     host = socket.gethostname()
-    h = folder.name[len(".tmp-"):].split("-", 1)[0]
-    mine = folder.name[len(f".tmp-{h}-{host}-"):] if folder.name.startswith(f".tmp-{h}-{host}-") else ""
+    prefix = folder.name[:5]  # ".tmp-" or ".old-"
+    h = folder.name[len(prefix):].split("-", 1)[0]
+    mine = folder.name[len(f"{prefix}{h}-{host}-"):] if folder.name.startswith(f"{prefix}{h}-{host}-") else ""
     pid, _, token = mine.partition("-")
     if pid.isdigit() and len(token) == 8 and all(c in "0123456789abcdef" for c in token):
         # this host's (the token's shape keeps a host `node` from claiming `node-2`'s folders)
@@ -819,6 +830,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("give a grid file or --main")
     if a.resume:
         ap.error("--resume is for --main; a grid sweep always skips its finished points (--rerun runs them again)")
+    if a.list:
+        clash = [f"--{k}" for k in ("collect", "shard", "workers", "rerun") if getattr(a, k)]
+        if clash:
+            ap.error(f"--list prints every point and runs nothing; it takes only --root, not {', '.join(clash)}")
     try:
         grid = load_grid(a.grid)
         if a.list:
