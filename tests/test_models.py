@@ -100,6 +100,10 @@ def test_model_card_reports_balanced_routers_on_unseen_text(name):
     ev = json.loads((models.model_dir(name) / "eval.json").read_text())["router"]
     assert ev["texts"] == list(heldout_texts()) and ev["tokens"] >= 16384
     assert min(ev["load_entropy"]) >= 0.8, ev["load_entropy"]
+    # and the card says how balanced the routers are on the evaluation text, which picked nothing
+    test = json.loads((models.model_dir(name) / "eval.json").read_text())["router_test"]
+    assert test["tokens"] >= 16384 and len(test["load_entropy"]) == len(ev["load_entropy"])
+    assert " / ".join(f"{x:.3f}" for x in test["load_entropy"]) in (models.model_dir(name) / "README.md").read_text()
 
 
 def test_load_errors(tmp_path):

@@ -329,6 +329,7 @@ def evaluate(name_or_path, eval_tokens: int | None = None, stats_tokens: int = 3
     if short:
         raise ValueError(f"held-out slices {short} (tokens) are shorter than one window of {L}")
     test_ids = encode(tok, eval_text())
+    test_router_ids = test_ids[:stats_tokens]
     test_total = len(test_ids)
     if eval_tokens:
         test_ids = test_ids[:eval_tokens]
@@ -336,6 +337,8 @@ def evaluate(name_or_path, eval_tokens: int | None = None, stats_tokens: int = 3
     ppl.update(test_tokens=len(test_ids), test_tokens_total=test_total)
     uni = unigram_perplexity(tok, _stream(tok, training_texts()).tolist(), test_ids)
     stats = models.router_stats(model, torch.cat(list(slices.values())), max_tokens=stats_tokens)
+    # the same on the evaluation text (never trained on, never used to pick a checkpoint): does the balance hold?
+    test_stats = models.router_stats(model, torch.as_tensor(test_router_ids), max_tokens=stats_tokens)
     stats["text"] = f"up to the first {per_text} tokens of each of heldout_texts() {list(held)}"
     stats["texts"] = list(held)
     stats["tokens_each"] = {name: ids.numel() - 1 for name, ids in slices.items()}
@@ -346,7 +349,7 @@ def evaluate(name_or_path, eval_tokens: int | None = None, stats_tokens: int = 3
             heldout[name] = validation_loss(model, val_LS, 8, model.device, None)
         scored[name] = val_LS.shape[0] * (L - 1)  # a window's first token has no prediction
     model.eval()
-    return {"wikitext2_test": ppl, "unigram": uni, "router": stats, "heldout_loss": heldout,
+    return {"wikitext2_test": ppl, "unigram": uni, "router": stats, "router_test": test_stats, "heldout_loss": heldout,
             "heldout_scored_tokens": scored, "heldout_window": L, "heldout_tokens_each": per_text,
             "params": models.n_params(model), "moe": models.moe_info(model), "machine": machine(),
             "commit": commit()}
@@ -407,6 +410,12 @@ def _card(name: str, path: Path, ev: dict, tlog: dict) -> str:
         + " | ".join(f"{v:.3f}" for v in q[l]) + " |"
         for l in range(len(q))
     )
+    rt = ev.get("router_test")
+    test_line = (f"\nOn the first {rt['tokens']:,} tokens of WikiText-2 test (the evaluation text, never trained on "
+                 "and never used to pick a checkpoint) the load entropy per layer is "
+                 + " / ".join(f"{x:.3f}" for x in rt["load_entropy"])
+                 + (f"; under 0.8 in {sum(x < 0.8 for x in rt['load_entropy'])} of {len(rt['load_entropy'])} layers"
+                    if min(rt["load_entropy"]) < 0.8 else "") + ".\n") if rt else ""
     size_mb = sum(f.stat().st_size for f in path.glob("*.safetensors")) / 1e6
     val = tlog["val_curve"]
     vt = tlog.get("validation_texts")
@@ -491,7 +500,7 @@ per-token router entropy / log({moe['num_experts']}) at quantiles 5/25/50/75/95%
 | layer | load entropy | rarely used | q05 | q25 | q50 | q75 | q95 |
 |---|---|---|---|---|---|---|---|
 {rows}
-"""
+{test_line}"""
 
 
 def write_card(name_or_path: str, eval_tokens: int | None = None, reuse: bool = False) -> Path:
