@@ -174,3 +174,9 @@ def test_graph_pool_summary_recomputed_from_the_committed_arms_matches_the_file(
         assert new.keys() == old.keys()
         for key, value in old.items():
             assert new[key] == pytest.approx(value, nan_ok=True) if isinstance(value, float) else new[key] == value, key
+    # a reuse arm whose eager forward fell back to the ordinary allocator, or left bytes outside the pool,
+    # meets no memory target whatever its peak (the published bug's failure mode)
+    model = committed[0]["model"]
+    for field, value in (("eager_fallbacks", 1), ("scratch_fraction_in_pool", 0.5)):
+        bad = [dict(r, **{field: value}) if (r["model"], r["arm"]) == (model, "shared+reuse") else r for r in arms]
+        assert graph_pool.summarise(bad)[0]["memory_target_met"] is False
