@@ -133,3 +133,41 @@ def test_train_tokens_are_the_first_of_the_whole_stream():
     assert full.numel() > n_a + 30
     for n in (5, n_a, n_a + 30):
         assert torch.equal(_train_ids(tok, texts, n), full[:n])
+
+
+def test_per_layer_balance_loss_sees_what_the_pooled_loss_misses():
+    """transformers' balancing loss pools the expert loads over layers: two layers each sending every token to
+    two of four experts (different ones) sit at its minimum k. Taken per layer the same routers score 2k; with
+    one layer both losses agree."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    from moelab.train import balance_loss
+
+    T, E, k = 64, 4, 1
+    big = torch.full((T, E), -20.0)
+    l0, l1 = big.clone(), big.clone()
+    l0[: T // 2, 0] = l0[T // 2 :, 1] = 20.0  # layer 0: experts 0 and 1, half the tokens each
+    l1[: T // 2, 2] = l1[T // 2 :, 3] = 20.0  # layer 1: experts 2 and 3
+    pooled = float(load_balancing_loss_func((l0, l1), E, k))
+    assert pooled == pytest.approx(k, abs=1e-6)  # looks perfectly balanced
+    assert float(balance_loss((l0, l1), E, k)) == pytest.approx(2 * k, abs=1e-6)
+    torch.manual_seed(0)
+    r = torch.randn(T, E)
+    assert float(balance_loss((r,), E, 2)) == pytest.approx(float(load_balancing_loss_func((r,), E, 2)), rel=1e-5)
+    uniform = torch.zeros(T, E)
+    uniform[torch.arange(T), torch.arange(T) % E] = 1e-3  # each expert top-1 for a quarter of the tokens
+    assert float(balance_loss((uniform, uniform), E, 1)) == pytest.approx(1.0, abs=1e-3)
+
+
+def test_per_layer_balance_trains(tmp_path):
+    """balance='per-layer' swaps only the router loss: the first step's next-token loss is the model's own."""
+    log = train(_cfg(tmp_path / "pl", balance="per-layer", max_steps=4, eval_every=4))
+    assert log["config"]["balance"] == "per-layer"
+    auxes = [p["aux_loss"] for p in log["loss_curve"]]
+    assert all(2 - 1e-3 < a < 8 for a in auxes)  # k = 2 when every layer is balanced, E = 8 when collapsed
+    losses = [p["loss"] for p in log["loss_curve"]]
+    assert losses[-1] < losses[0]
+    ref = train(_cfg(tmp_path / "ref", max_steps=1, eval_every=1))
+    assert losses[0] == pytest.approx(ref["loss_curve"][0]["loss"], rel=1e-5)
+    with pytest.raises(ValueError, match="balance='pooled': must be 'model' or 'per-layer'"):
+        train(_cfg(tmp_path / "bad", balance="pooled"))

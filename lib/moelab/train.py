@@ -1,4 +1,4 @@
-"""Train an embedded MoE model: a plain loop with the model's own router load-balancing loss.
+"""Train an embedded MoE model: a plain loop with a router load-balancing loss (the model's own, or per layer).
 
 `python -m moelab.train --model tiny-olmoe --out data/models/tiny-olmoe` trains on
 `moelab.data.training_texts()` (never WikiText-2 test), validates on `heldout_texts()` every
@@ -54,6 +54,7 @@ class TrainConfig:
     eval_tokens: int = 65536  # held-out tokens per validation (an equal share from each held-out text)
     train_tokens: int = 0  # use only the first N training tokens (0: all), e.g. for CPU tests
     seed: int = 0
+    balance: str = "model"  # router loss: 'model' (transformers' own: loads pooled over layers) or 'per-layer'
     device: str = ""  # default: cuda if available
     amp: str = "bf16"  # autocast dtype on CUDA: bf16 or none
     log_every: int = 10
@@ -130,26 +131,58 @@ def _save_resume(model, opt, state: dict, out: Path) -> None:
     tmp.rename(d)
 
 
-def _forward_backward(model, x, amp_dtype, device):
+def balance_loss(router_logits, num_experts: int, k: int) -> torch.Tensor:
+    """Switch-style load-balancing loss taken per layer and averaged: mean over layers of E * sum_e f_e * P_e
+    (f: share of the top-k selections, times k; P: mean router probability); k when every layer is balanced.
+
+    transformers' `load_balancing_loss_func` pools f and P over all layers before the product, so one layer's
+    overused expert e can be offset by another layer's underused expert e (different experts, same index):
+    its minimum does not make each layer balanced. This one does.
+    """
+    layers = [r for r in router_logits if r is not None]
+    if not layers:
+        raise ValueError("no router logits: the model must return them (output_router_logits=True)")
+    total = 0.0
+    for logits in layers:
+        p_TE = torch.softmax(logits.float().reshape(-1, num_experts), dim=-1)
+        top_TK = p_TE.topk(k, dim=-1).indices
+        f_E = torch.zeros(num_experts, device=p_TE.device).scatter_add_(
+            0, top_TK.flatten(), torch.ones(top_TK.numel(), device=p_TE.device)) / p_TE.shape[0]
+        total = total + num_experts * (f_E * p_TE.mean(0)).sum()
+    return total / len(layers)
+
+
+def _forward_backward(model, x, amp_dtype, device, balance: str = "model"):
+    """One forward and backward; returns (loss, router loss) with loss = next-token loss + coef * router loss."""
     with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-        outp = model(input_ids=x, labels=x, use_cache=False)
-    outp.loss.backward()
-    return outp
+        if balance == "model":  # the model adds router_aux_loss_coef * its pooled loss to its own loss
+            outp = model(input_ids=x, labels=x, use_cache=False)
+            loss, aux = outp.loss, outp.aux_loss
+        else:
+            outp = model(input_ids=x, use_cache=False, output_router_logits=True)
+            logits = outp.logits
+            lm = torch.nn.functional.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]),
+                                                   x[:, 1:].reshape(-1))
+            info = models.moe_info(model)
+            aux = balance_loss(outp.router_logits, info["num_experts"], info["native_k"])
+            loss = lm + float(model.config.router_aux_loss_coef) * aux
+    loss.backward()
+    return loss, aux
 
 
-def _first_step(model, x, amp_dtype, device):
+def _first_step(model, x, amp_dtype, device, balance: str = "model"):
     """The first step, falling back to the eager experts loop if this torch's grouped_mm cannot run here
     (fp32 expert weights under bf16 autocast are not supported by every torch/GPU pair)."""
     impl = getattr(model.config, "_experts_implementation", None)
     if impl in (None, "eager"):
-        return _forward_backward(model, x, amp_dtype, device)
+        return _forward_backward(model, x, amp_dtype, device, balance)
     try:
-        return _forward_backward(model, x, amp_dtype, device)
+        return _forward_backward(model, x, amp_dtype, device, balance)
     except (RuntimeError, NotImplementedError) as e:
         log.warning("experts implementation %r failed on %s (%s); falling back to 'eager'", impl, device, e)
         model.zero_grad(set_to_none=True)
         model.config._experts_implementation = "eager"
-        return _forward_backward(model, x, amp_dtype, device)
+        return _forward_backward(model, x, amp_dtype, device, balance)
 
 
 def train(cfg: TrainConfig) -> dict:
@@ -163,6 +196,8 @@ def train(cfg: TrainConfig) -> dict:
                          "need seq_len >= 8, batch_size >= 1, max_steps >= 1")
     if cfg.amp not in ("bf16", "none"):
         raise ValueError(f"amp={cfg.amp!r}: must be 'bf16' or 'none'")
+    if cfg.balance not in ("model", "per-layer"):
+        raise ValueError(f"balance={cfg.balance!r}: must be 'model' or 'per-layer'")
     for name in ("eval_every", "log_every", "eval_tokens"):
         v = getattr(cfg, name)
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -244,17 +279,16 @@ def train(cfg: TrainConfig) -> dict:
             group["lr"] = _lr(cfg, step)
         opt.zero_grad(set_to_none=True)
         if state["step"] == start_step:  # first step of this invocation: check the experts kernel works here
-            outp = _first_step(model, x, amp_dtype, device)
+            loss, aux_t = _first_step(model, x, amp_dtype, device, cfg.balance)
         else:
-            outp = _forward_backward(model, x, amp_dtype, device)
-        loss = outp.loss
+            loss, aux_t = _forward_backward(model, x, amp_dtype, device, cfg.balance)
         gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
         state["step"] = step + 1
         state["tokens_seen"] += x.numel()
         bar.update(1)
         if state["step"] % cfg.log_every == 0 or state["step"] == 1:
-            aux = float(outp.aux_loss.detach()) if outp.aux_loss is not None else 0.0
+            aux = float(aux_t.detach()) if aux_t is not None else 0.0
             lm = loss.item() - coef * aux
             state["loss_curve"].append({"step": state["step"], "tokens": state["tokens_seen"], "loss": lm,
                                         "aux_loss": aux, "lr": _lr(cfg, step), "grad_norm": float(gnorm),
@@ -447,6 +481,8 @@ token is not scored):
     train_cmd = f"python -m moelab.train --model {tlog['config']['model']}" + "".join(
         f" --{k.replace('_', '-')} " + shlex.quote(json.dumps(v) if isinstance(v, dict) else str(v))
         for k, v in changed.items())
+    balance = ("taken per layer (`moelab.train.balance_loss`)" if tlog["config"].get("balance") == "per-layer"
+               else "transformers' own (expert loads pooled over the layers)")
     cpu = ev["machine"].get("cpu_model") or ev["machine"].get("host_cpu")
     cmd = f"python -m moelab.train --model {name} --card" + (
         f" --card-tokens {wt['test_tokens']}" if wt["test_tokens"] < wt["test_tokens_total"] else "")
@@ -476,7 +512,7 @@ real learned routers, real perplexity changes. **Not** a useful language model: 
   {tlog['train_tokens']:,} tokens. WikiText-2 test is never trained on.
 - {tlog['steps']} steps of {tlog['config']['batch_size']} x {tlog['config']['seq_len']} tokens
   ({tlog['tokens_seen']:,} tokens, {tlog['epochs']:.2f} epochs), AdamW lr {tlog['config']['lr']}, cosine,
-  router load-balancing loss coefficient {mc.get('router_aux_loss_coef')};
+  router load-balancing loss coefficient {mc.get('router_aux_loss_coef')}, {balance};
   {tlog['wall_time_s']:.0f} s on {tlog['machine']['device']}: `{train_cmd}` at commit {tlog['commit'][:12]}.
 - Checkpoint = best validation loss on {val_texts}: step {tlog['best_step']}{last},
   val loss {tlog['best_val_loss']:.3f} (ppl {math.exp(tlog['best_val_loss']):.1f}); first/last validation:
@@ -559,4 +595,4 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-__all__ = ["TrainConfig", "train", "validation_loss", "evaluate", "write_card", "main"]
+__all__ = ["TrainConfig", "train", "balance_loss", "validation_loss", "evaluate", "write_card", "main"]

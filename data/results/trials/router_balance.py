@@ -10,6 +10,8 @@ held-out loss among those whose lowest layer reaches --min-entropy.
 
     python data/results/trials/router_balance.py --work /tmp/rb --out-dir $OUT \
         --candidates tiny-mixtral:0.05,0.1,0.2 tiny-qwen-moe:0.03,0.05,0.1
+
+`--train-args "--balance per-layer"` trains with the balancing loss taken per layer (`moelab.train.balance_loss`).
 """
 
 from __future__ import annotations
@@ -80,8 +82,10 @@ def main() -> None:
         ent = ev["router"]["load_entropy"]
         rows.append({"model": model, "router_aux_loss_coef": tlog["model_config"].get("router_aux_loss_coef"),
                      "checkpoint": "committed" if c == "committed" else "candidate",
-                     "seed": tlog["config"]["seed"],
+                     "seed": tlog["config"]["seed"], "balance": tlog["config"].get("balance", "model"),
                      "load_entropy": ent, "min_load_entropy": min(ent),
+                     # reported, never used to pick: the evaluation text's first tokens
+                     "test_load_entropy": (ev.get("router_test") or {}).get("load_entropy"),
                      "heldout_loss": ev.get("heldout_loss"), "test_ppl_slice": ev["wikitext2_test"]["ppl"],
                      "best_val_loss": tlog["best_val_loss"], "best_step": tlog["best_step"],
                      "train_wall_s": tlog["wall_time_s"], "train_commit": tlog.get("commit"), "folder": folder.name})
@@ -97,7 +101,8 @@ def main() -> None:
     path = write_results("router-balance", rows, notes=notes, out_dir=a.out_dir, extra={"picks": picks})
     print(json.dumps({"picks": picks, "results": str(path)}))
     for r in rows:
-        print(r["folder"], [round(x, 3) for x in r["load_entropy"]], r["heldout_loss"], round(r["test_ppl_slice"], 1))
+        print(r["folder"], [round(x, 3) for x in r["load_entropy"]], r["heldout_loss"], round(r["test_ppl_slice"], 1),
+              "test:", [round(x, 3) for x in r["test_load_entropy"] or []])
 
 
 if __name__ == "__main__":
