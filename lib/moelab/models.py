@@ -47,7 +47,7 @@ TINY = {
     "tiny-mixtral": (
         "mixtral",
         dict(_SHARED, num_key_value_heads=2, intermediate_size=256, num_local_experts=8, num_experts_per_tok=2,
-             router_aux_loss_coef=0.1),
+             router_aux_loss_coef=0.05),  # trained with --balance per-layer
     ),
     "tiny-qwen-moe": (
         "qwen2_moe",

@@ -33,8 +33,8 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass
 class TrainConfig:
-    """Defaults = the runs that produced the committed checkpoints on the H200, but for tiny-mixtral's seed (1)
-    and tiny-olmoe's time budget (120 s, not reached); each model card names its exact command."""
+    """Defaults = the runs that produced the committed checkpoints on the H200, but for tiny-mixtral's seed (1) and
+    balance ('per-layer') and tiny-olmoe's time budget (120 s, not reached); each model card names its exact command."""
 
     model: str = "tiny-olmoe"  # registry name (its config) or a family for a micro model
     out: str = ""  # output dir (default data/models/<model>)
