@@ -95,6 +95,15 @@ def test_routers_not_collapsed(name, heldout_ids):
 
 @needs_ckpt
 @pytest.mark.parametrize("name", list(EXPECTED))
+def test_routers_not_collapsed_on_the_evaluation_text(name, tok):
+    """The balance also holds on WikiText-2 test (8k tokens), text that neither trained nor picked a checkpoint."""
+    model, _ = models.load(name)
+    st = models.router_stats(model, encode(tok, eval_text()[:80_000])[:8192], max_tokens=8192)
+    assert st["tokens"] == 8192 and min(st["load_entropy"]) >= 0.8, st["load_entropy"]
+
+
+@needs_ckpt
+@pytest.mark.parametrize("name", list(EXPECTED))
 def test_model_card_reports_balanced_routers_on_unseen_text(name):
     """The card's router table (eval.json) is measured on text no model trained on, and every layer is >= 0.8."""
     ev = json.loads((models.model_dir(name) / "eval.json").read_text())["router"]
@@ -103,6 +112,7 @@ def test_model_card_reports_balanced_routers_on_unseen_text(name):
     # and the card says how balanced the routers are on the evaluation text, which picked nothing
     test = json.loads((models.model_dir(name) / "eval.json").read_text())["router_test"]
     assert test["tokens"] >= 16384 and len(test["load_entropy"]) == len(ev["load_entropy"])
+    assert min(test["load_entropy"]) >= 0.8, test["load_entropy"]
     assert " / ".join(f"{x:.3f}" for x in test["load_entropy"]) in (models.model_dir(name) / "README.md").read_text()
 
 
