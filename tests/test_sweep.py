@@ -284,6 +284,36 @@ def test_a_run_set_aside_by_a_killed_finish_comes_back(tmp_path):
     assert sweep.run_state(final) == "failed" and sorted(p.name for p in tmp_path.iterdir()) == ["abc123"]
 
 
+def test_a_timeout_is_a_failure_unless_the_run_had_already_written_done(tmp_path):
+    """A run past timeout_s is killed and recorded as a Timeout failure. One killed after its `done` was written
+    (here the notebook writes it itself and then hangs, standing in for a worker stopped while it moves its
+    finished run into place) is finished: `done` and no error, reported ok, nothing left beside it."""
+    import nbformat
+
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    params = nbformat.v4.new_code_cell("x: int = 0  # 1: write done first")
+    params.metadata["tags"] = ["parameters"]
+    nb.cells = [params, nbformat.v4.new_code_cell(
+        "import json, os, pathlib, time\n"
+        "if x == 1:\n"
+        "    pathlib.Path(os.environ['MOELAB_RUN_DIR'], 'done').write_text(json.dumps({'status': 'ok'}))\n"
+        "time.sleep(300)")]
+    path = tmp_path / "hang.ipynb"
+    nbformat.write(nb, str(path))
+    g = sweep.Grid(notebook=path, name="hang", parameters={"x": [1, 2]}, timeout_s=20, workers=2)
+    rep = sweep.run_sweep(g, root=tmp_path / "runs", progress=False)
+    by_x = {r.params["x"]: r for r in rep.runs}
+    assert by_x[2].status == "failed" and by_x[2].error["ename"] == "Timeout"
+    assert (rep.directory / by_x[2].hash / "error.json").exists()
+    assert not (rep.directory / by_x[2].hash / "done").exists()
+    assert by_x[1].status == "ok", by_x[1].error
+    assert (rep.directory / by_x[1].hash / "done").exists()
+    assert not (rep.directory / by_x[1].hash / "error.json").exists()
+    assert sweep.run_state(rep.directory / by_x[1].hash) == "done"
+    assert not [p for p in rep.directory.iterdir() if p.name.startswith((".tmp-", ".old-"))]
+
+
 def test_a_papermill_failure_on_a_rerun_replaces_the_old_result(tmp_path):
     """A worker whose papermill call fails outside any cell (here: a notebook nbformat cannot read) records a
     failure; it does not leave the earlier run's `done` in place, nor its own temporary folder behind."""

@@ -502,6 +502,7 @@ def _launch(notebook: Path, params: dict, final: Path, figures: str, gpu: str | 
     env["MOELAB_SWEEP_PARENT"] = str(os.getpid())
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "lib"), env.get("PYTHONPATH")]))
     cmd = [sys.executable, "-m", "moelab.sweep", "--worker", str(tmp)]
+    timed_out = None
     with open(tmp / WORKER_LOG, "wb") as logf:  # travels with the folder when it is renamed
         proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=logf, stderr=subprocess.STDOUT)
         try:
@@ -509,18 +510,20 @@ def _launch(notebook: Path, params: dict, final: Path, figures: str, gpu: str | 
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, 9)  # the worker's session: papermill and its kernel
             proc.wait()
-            err = {"cell_index": None, "ename": "Timeout", "evalue": f"run exceeded timeout_s={timeout_s}"}
-            if tmp.exists():
-                write_json(tmp / ERROR, err)
-                _finish(tmp, final)
-            return RunState(h, params, "failed", err)
-    if proc.returncode not in (0, 1) or not final.exists() or tmp.exists():  # tmp left: the worker never finished
+            timed_out = {"cell_index": None, "ename": "Timeout", "evalue": f"run exceeded timeout_s={timeout_s}"}
+    aside = final.parent / (".old-" + tmp.name[len(".tmp-"):])  # where the worker's `_finish` sets the old run aside
+    if tmp.exists() and (tmp / DONE).exists():
+        _finish(tmp, final)  # the notebook finished; the worker was stopped while it moved the run into place
+        shutil.rmtree(aside, ignore_errors=True)
+    elif tmp.exists() or not final.exists() or (timed_out is None and proc.returncode not in (0, 1)):
+        # tmp left: the worker never finished (a timeout, a crash); with tmp gone the worker moved its run in
         where = tmp if tmp.exists() else final
         tail = (where / WORKER_LOG).read_text(errors="replace")[-2000:] if (where / WORKER_LOG).exists() else ""
-        err = {"cell_index": None, "ename": f"WorkerExit{proc.returncode}", "evalue": tail}
+        err = timed_out or {"cell_index": None, "ename": f"WorkerExit{proc.returncode}", "evalue": tail}
         if tmp.exists():
             write_json(tmp / ERROR, err)
             _finish(tmp, final)
+            shutil.rmtree(aside, ignore_errors=True)
         return RunState(h, params, "failed", err)
     if (final / DONE).exists():
         return RunState(h, params, "ok", elapsed_s=json.loads((final / DONE).read_text()).get("elapsed_s"))
