@@ -802,7 +802,7 @@ GEMM_CONFIGS = {  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, GROUP_M); gate_up
 }
 # the last gate_up / down entries (since 2026-12-01): deeper pipelines, 5-6 stages of weight tiles in flight (about
 # 200 KB of shared memory): the expert weights stream from HBM once per GEMM (OLMoE-like gate_up: 512 MB). In their
-# first run (data/results/trials/experts-tune-20261201-c56b190.json, H200) OLMoE-like down 64x256 with 5 stages took
+# first run (data/results/trials/experts-tune-20261201-c56b190.json.xz, H200) OLMoE-like down 64x256 with 5 stages took
 # 241 / 160 us (native / adaptive) against 268 / 176 for the 128x256 4-stage pick of grouped.TUNED; the picks of that
 # run were not adopted (data/results/trials/README.md).
 
