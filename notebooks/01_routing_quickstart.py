@@ -18,7 +18,7 @@
 # Router logits `[T, E]` go through each routing policy of `moelab.routing` and come out as a
 # `RoutingPlan`: which experts every token keeps, with what weight. From the plan we count the
 # (token, expert) pairs the expert GEMMs must compute, the k histogram, and the compute saved
-# **against the model's native top-k** (`moelab.compute.plan_stats`).
+# **against the model's native top-k** (`moelab.compute.policy_stats`).
 #
 # Policies: `TopK` at the native k and one lower, `EntropyAdaptiveK` (low router entropy -> fewer
 # experts), `TopP` (smallest set reaching a probability mass) and `RatioSkip` (keep expert i while
@@ -57,9 +57,9 @@ import pandas as pd
 import torch
 
 from moelab import results
-from moelab.compute import plan_stats
+from moelab.compute import policy_stats
 from moelab.data import COUNT_LAYERS, DOMAINS, load_routing_counts, normalised_entropy
-from moelab.plots import POLICY_COLORS, figure, save_table, savefig
+from moelab.plots import figure, plot_policy_stats, save_table, savefig
 from moelab.routing import EntropyAdaptiveK, RatioSkip, TopK, TopP, route
 
 _ = torch.manual_seed(seed)
@@ -95,60 +95,17 @@ def make_policies(calib_entropy_T: torch.Tensor, native_k: int, k_values, quanti
     return out
 
 
-def compare(logits_TE: torch.Tensor, policies: dict, native_k: int, renormalize: bool) -> pd.DataFrame:
-    """One row per policy: kept pairs, mean k, the k histogram, the reduction against the native k, and the
-    mean weight a token's kept experts get in all (1 with renormalize; else the probability mass kept)."""
-    rows = []
-    for label, policy in policies.items():
-        plan = route(logits_TE, policy, renormalize=renormalize)
-        rows.append({"policy": label, "kind": type(policy).__name__, **plan_stats(plan, native_k),
-                     "mean_weight_sum": float(plan.weights.sum(-1).mean()) if plan.num_tokens else float("nan")})
-    return pd.DataFrame(rows)
-
-
 entropy_T = entropy_of(logits_TE)
 policies = make_policies(entropy_T, native_k, adaptive_k_values, adaptive_quantiles)  # same tokens: a demo
-stats = compare(logits_TE, policies, native_k, renormalize)
+stats = policy_stats(logits_TE, policies, native_k, renormalize)
 print(f"router entropy (nats, max log E = {np.log(num_experts):.2f}): quantiles 10/50/90% =",
       np.round(np.quantile(entropy_T.numpy(), [0.1, 0.5, 0.9]), 3))
 stats[["policy", "tokens", "kept_pairs", "native_pairs", "mean_k", "expert_reduction", "mean_weight_sum"]]
 
 
 # %%
-def color(label: str, kind: str) -> str:
-    return POLICY_COLORS["native"] if "native" in label else POLICY_COLORS.get(kind, "grey")
-
-
-def plot_stats(stats: pd.DataFrame, title: str, native_k: int):
-    """k histogram (share of tokens per k) and routed-expert compute saved against the native k."""
-    fig, (ax_h, ax_r) = figure("full", aspect=0.36, ncols=2, layout="constrained",
-                              gridspec_kw={"width_ratios": [1.3, 1]})  # room for the two-line y labels
-    k_max = max(len(h) for h in stats.k_hist) - 1
-    ks = np.arange(1, k_max + 1)  # every policy keeps at least one expert
-    width = 0.8 / len(stats)
-    for i, row in enumerate(stats.itertuples()):
-        share = np.zeros(k_max + 1)
-        share[: len(row.k_hist)] = np.asarray(row.k_hist) / max(row.tokens, 1)
-        ax_h.bar(ks + (i - (len(stats) - 1) / 2) * width, share[1:], width,
-                 label=row.policy, color=color(row.policy, row.kind))
-    ax_h.set(xlabel="experts kept per token (k)", ylabel="share of tokens", xticks=ks)
-    ax_h.legend(frameon=False, fontsize=6, ncol=3, loc="upper left", bbox_to_anchor=(0.0, -0.22))
-    y = np.arange(len(stats))
-    ax_r.barh(y, 100 * stats.expert_reduction, color=[color(r.policy, r.kind) for r in stats.itertuples()])
-    labels = [f"mean k {m:.2f}" for m in stats.mean_k]
-    if "forward_reduction" in stats:  # whole-forward FLOPs saved, from the model's shapes
-        labels = [f"{lb}\nforward saved {100 * f:.1f}%" for lb, f in zip(labels, stats.forward_reduction)]
-    ax_r.set(yticks=y, yticklabels=labels,
-             xlabel=f"routed-expert FLOPs saved vs native k={native_k} (%)")
-    ax_r.axvline(0, color="black", lw=0.6)
-    ax_r.invert_yaxis()
-    ax_r.tick_params(axis="y", labelsize=6)
-    fig.suptitle(title, fontsize=9)
-    return fig
-
-
 name = f"01_quickstart_random_E{num_experts}_k{native_k}"
-fig = plot_stats(stats, f"Random logits: T={tokens}, E={num_experts}, native top-{native_k}", native_k)
+fig = plot_policy_stats(stats, f"Random logits: T={tokens}, E={num_experts}, native top-{native_k}", native_k)
 paths = savefig(fig, name)
 results.save("policy_stats_random", stats.assign(k_hist=stats.k_hist.map(str)))
 results.save("summary_random", {row.policy: row.expert_reduction for row in stats.itertuples()})
@@ -191,10 +148,10 @@ if model:
     rows = []
     for layer, logits_le in eval_logits.items():
         pols = make_policies(entropy_of(calib_logits[layer]), m_native_k, m_k_values, m_quantiles)
-        rows.append(compare(logits_le, pols, m_native_k, m_renorm).assign(layer=layer))
+        rows.append(policy_stats(logits_le, pols, m_native_k, m_renorm).assign(layer=layer))
     per_layer = pd.concat(rows, ignore_index=True)
     recorded = pool_layers(per_layer, m_native_k, ModelShapes.from_config(lm.config), context=ctx // 2)
-    fig = plot_stats(recorded, f"{model}: router logits on WikiText-2 test, {eval_tokens} tokens x "
+    fig = plot_policy_stats(recorded, f"{model}: router logits on WikiText-2 test, {eval_tokens} tokens x "
                      f"{len(eval_logits)} layers (E={info['num_experts']}, native top-{m_native_k})", m_native_k)
     savefig(fig, f"01_quickstart_recorded_{Path(model).name}")
     results.save("policy_stats_recorded", recorded.assign(k_hist=recorded.k_hist.map(str), model=model))
@@ -267,7 +224,7 @@ if interactive:
                "EntropyAdaptiveK": EntropyAdaptiveK((x_kv[0], x_kv[-1]), (threshold,)),
                f"TopP p={p:.2f}": TopP(p, k_max=x_k),
                f"RatioSkip beta={beta:.2f}": RatioSkip(beta, k_max=x_k)}
-        fig = plot_stats(compare(x_TE, pol, x_k, x_renorm), f"explorer ({source})", x_k)
+        fig = plot_policy_stats(policy_stats(x_TE, pol, x_k, x_renorm), f"explorer ({source})", x_k)
         plt.show()
         plt.close(fig)
 

@@ -27,6 +27,27 @@ def test_plan_stats_histogram():
     assert plan_stats(route(logits, TopK(2), renormalize=True), 2)["expert_reduction"] == 0
 
 
+def test_policy_stats_rows_route_the_same_logits():
+    """One row per policy; each row is that policy's plan on the shared logits, counted against the native k;
+    the kept weights sum to 1 with renormalize and to the kept probability mass without."""
+    from moelab.compute import policy_stats
+    from moelab.routing import TopP
+
+    logits = torch.randn(64, 8) * 2
+    pols = {"TopK k=2 (native)": TopK(2), "TopK k=1": TopK(1), "ada": EntropyAdaptiveK((1, 2), (1.2,)),
+            "top-p": TopP(0.5, k_max=2)}
+    df = policy_stats(logits, pols, native_k=2, renormalize=False).set_index("policy")
+    assert list(df.index) == list(pols) and df.loc["ada", "kind"] == "EntropyAdaptiveK"
+    for label, pol in pols.items():
+        plan = route(logits, pol, renormalize=False)
+        assert df.loc[label, "kept_pairs"] == int(plan.k.sum()) and df.loc[label, "native_pairs"] == 128
+        assert df.loc[label, "mean_weight_sum"] == pytest.approx(float(plan.weights.sum(-1).mean()))
+    assert df.loc["TopK k=2 (native)", "expert_reduction"] == 0 and df.loc["TopK k=1", "expert_reduction"] == 0.5
+    assert df.loc["TopK k=1", "mean_weight_sum"] < df.loc["TopK k=2 (native)", "mean_weight_sum"] < 1
+    renorm = policy_stats(logits, pols, native_k=2, renormalize=True)
+    assert renorm.mean_weight_sum.tolist() == pytest.approx([1.0] * 4)
+
+
 @pytest.mark.parametrize(
     "cfg, moe_layers, shared",
     [

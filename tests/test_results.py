@@ -135,3 +135,30 @@ def test_figures_and_tables_are_written_into_figures_only(tmp_path, monkeypatch)
     first = {k: p.read_bytes() for k, p in plots.savefig(fig, "t").items()}
     again = {k: p.read_bytes() for k, p in plots.savefig(fig, "t").items()}
     assert first == again and sorted(p.name for p in (tmp_path / "figs").iterdir()) == ["t.pdf", "t.png"]
+
+
+def test_policy_figure_draws_each_policy_share_and_saving():
+    """plot_policy_stats: per policy one bar per k with that k's share of tokens, and one bar of the routed
+    FLOPs saved (percent) in the policy's colour, the native top-k in black."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+    import torch
+
+    from moelab.compute import policy_stats
+    from moelab.plots import POLICY_COLORS, plot_policy_stats
+    from moelab.routing import EntropyAdaptiveK, TopK
+
+    pols = {"TopK k=2 (native)": TopK(2), "ada": EntropyAdaptiveK((1, 2), (1.2,))}
+    stats = policy_stats(torch.randn(50, 8) * 2, pols, native_k=2, renormalize=True)
+    fig = plot_policy_stats(stats, "t", 2)
+    ax_h, ax_r = fig.axes
+    heights = np.array([p.get_height() for p in ax_h.patches]).reshape(2, 2)  # [policy, k = 1..2]
+    want = np.array([np.asarray(h[1:]) / 50 for h in stats.k_hist])
+    assert np.allclose(heights, want) and np.allclose(heights.sum(1), 1)
+    assert [p.get_width() for p in ax_r.patches] == pytest.approx(list(100 * stats.expert_reduction))
+    colours = [matplotlib.colors.to_hex(p.get_facecolor()).lower() for p in ax_r.patches]
+    assert colours == [POLICY_COLORS["native"].lower(), POLICY_COLORS["EntropyAdaptiveK"].lower()]
+    plt.close(fig)

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from moelab.routing import RoutingPlan
+from moelab.routing import RoutingPlan, route
 
 
 def plan_stats(plan: RoutingPlan, native_k: int) -> dict:
@@ -28,6 +28,19 @@ def plan_stats(plan: RoutingPlan, native_k: int) -> dict:
         "k_hist": hist,  # k_hist[j] = tokens that kept j experts
         "expert_reduction": expert_reduction(mean_k, native_k),
     }
+
+
+def policy_stats(logits_TE: torch.Tensor, policies: dict, native_k: int, renormalize: bool):
+    """One DataFrame row per policy ({label: policy}) routing the same logits: kind, plan_stats' keys, and the
+    mean weight a token's kept experts get in all (1 with renormalize; else the probability mass kept)."""
+    import pandas as pd
+
+    rows = []
+    for label, policy in policies.items():
+        plan = route(logits_TE, policy, renormalize=renormalize)
+        rows.append({"policy": label, "kind": type(policy).__name__, **plan_stats(plan, native_k),
+                     "mean_weight_sum": float(plan.weights.sum(-1).mean()) if plan.num_tokens else float("nan")})
+    return pd.DataFrame(rows)
 
 
 def pool_layers(per_layer, native_k: int, shapes: "ModelShapes | None" = None, context: int | None = None):

@@ -96,3 +96,38 @@ def save_table(df, name: str, caption: str = "", float_format: str = "{:.3g}") -
     tex = body if not caption else f"% {caption}\n{body}"
     atomic_write_bytes(d / f"{name}.tex", (tex + "\n").encode())
     return {"csv": d / f"{name}.csv", "tex": d / f"{name}.tex"}
+
+
+def policy_color(label: str, kind: str) -> str:
+    """A policy's colour: black for the native top-k, else its kind's (POLICY_COLORS)."""
+    return POLICY_COLORS["native"] if "native" in label else POLICY_COLORS.get(kind, "grey")
+
+
+def plot_policy_stats(stats, title: str, native_k: int):
+    """Two panels from `compute.policy_stats` / `pool_layers` rows: the share of tokens per kept k, and the
+    routed-expert FLOPs saved against the native k (with the whole-forward saving where a row has one)."""
+    import numpy as np
+
+    fig, (ax_h, ax_r) = figure("full", aspect=0.36, ncols=2, layout="constrained",
+                              gridspec_kw={"width_ratios": [1.3, 1]})  # room for the two-line y labels
+    k_max = max(len(h) for h in stats.k_hist) - 1
+    ks = np.arange(1, k_max + 1)  # every policy keeps at least one expert
+    width = 0.8 / len(stats)
+    for i, row in enumerate(stats.itertuples()):
+        share = np.zeros(k_max + 1)
+        share[: len(row.k_hist)] = np.asarray(row.k_hist) / max(row.tokens, 1)
+        ax_h.bar(ks + (i - (len(stats) - 1) / 2) * width, share[1:], width,
+                 label=row.policy, color=policy_color(row.policy, row.kind))
+    ax_h.set(xlabel="experts kept per token (k)", ylabel="share of tokens", xticks=ks)
+    ax_h.legend(frameon=False, fontsize=6, ncol=3, loc="upper left", bbox_to_anchor=(0.0, -0.22))
+    y = np.arange(len(stats))
+    ax_r.barh(y, 100 * stats.expert_reduction, color=[policy_color(r.policy, r.kind) for r in stats.itertuples()])
+    labels = [f"mean k {m:.2f}" for m in stats.mean_k]
+    if "forward_reduction" in stats:  # whole-forward FLOPs saved, from the model's shapes
+        labels = [f"{lb}\nforward saved {100 * f:.1f}%" for lb, f in zip(labels, stats.forward_reduction)]
+    ax_r.set(yticks=y, yticklabels=labels, xlabel=f"routed-expert FLOPs saved vs native k={native_k} (%)")
+    ax_r.axvline(0, color="black", lw=0.6)
+    ax_r.invert_yaxis()
+    ax_r.tick_params(axis="y", labelsize=6)
+    fig.suptitle(title, fontsize=9)
+    return fig
