@@ -380,6 +380,51 @@ def test_a_sweep_leaves_other_attempts_folders_alone(toy, tmp_path):
     assert json.loads((run / "params.json").read_text())["notebook_digest"] == sweep.notebook_digest(toy)
 
 
+def test_another_hosts_attempt_is_over_when_its_heartbeat_stops(toy, tmp_path, monkeypatch):
+    """A runner touches its attempt's heartbeat while the worker runs and removes it after. Another host's
+    attempt folder (or the run it set aside) is cleaned once its heartbeat is older than HEARTBEAT_STALE_S,
+    also without a timeout; a fresh heartbeat keeps it even past the timeout; one without a heartbeat
+    (an older moelab's) stays without a timeout."""
+    import os
+    import time
+
+    g = sweep.Grid(notebook=toy, name="beats", parameters={"x": [1]}, fixed={"sleep_s": 1.5})
+    ((h, _),) = sweep.param_hash_points(g)
+    d = tmp_path / "beats"
+    d.mkdir()
+    old = time.time() - sweep.HEARTBEAT_STALE_S - 60
+    fresh, silent, stale = (d / f".tmp-{h}-elsewhere-{n}-0badc0de" for n in (77, 78, 79))
+    aside, aside_attempt = d / f".old-{h}-elsewhere-80-0badc0de", d / f".tmp-{h}-elsewhere-80-0badc0de"
+    for f in (fresh, silent, stale, aside, aside_attempt):
+        f.mkdir()
+        (f / "params.json").write_text(json.dumps({"started_epoch": old}))
+    for f in (fresh, stale, aside_attempt):
+        (f / sweep.HEARTBEAT).touch()
+    for f in (stale, aside_attempt):
+        os.utime(f / sweep.HEARTBEAT, (old, old))
+    (d / h).mkdir()  # a failed earlier run: the set-aside copy beside it is an interrupted move's leftover
+    (d / h / sweep.ERROR).write_text("{}")
+
+    beats = []
+    orig = sweep._beat
+
+    def beat(folder):  # the real touch, and when it came
+        orig(folder)
+        beats.append((time.monotonic(), (folder / sweep.HEARTBEAT).exists()))
+
+    monkeypatch.setattr(sweep, "HEARTBEAT_S", 0.2)
+    monkeypatch.setattr(sweep, "_beat", beat)
+    rep = sweep.run_sweep(g, root=tmp_path, progress=False)
+    assert [r.status for r in rep.runs] == ["ok"]
+    assert fresh.exists() and silent.exists()
+    assert not stale.exists() and not aside.exists() and not aside_attempt.exists()
+    touched = [ok for _, ok in beats]  # touched through the run, then gone with the folder the worker moved
+    assert sum(touched) >= 4 and touched == sorted(touched, reverse=True)
+    assert not (d / h / sweep.HEARTBEAT).exists() and (d / h / sweep.DONE).exists()
+    # past a timeout, a fresh heartbeat still keeps another host's attempt; without one it is over
+    assert not sweep._dead_attempt(fresh, 1) and sweep._dead_attempt(silent, 1)
+
+
 def test_an_edit_during_a_sweep_marks_the_runs_before_it_stale(toy, tmp_path, monkeypatch):
     """The tables are collected against the notebook as it is at the end: a run that started before an edit
     made during the sweep is 'stale', one that started after it is current."""

@@ -73,6 +73,9 @@ PARAMS = "params.json"
 NOTEBOOK_OUT = "notebook.ipynb"
 SOURCE = "source.ipynb"  # the notebook as it was when the run started (its digest is in params.json)
 WORKER_LOG = "worker.log"
+HEARTBEAT = "heartbeat"  # an attempt's runner touches it every HEARTBEAT_S while its worker runs
+HEARTBEAT_S = 30.0
+HEARTBEAT_STALE_S = 600.0  # another host's attempt whose heartbeat is older than this is over (clock skew allowed)
 FIGURES_MODES = ("run", "repo")
 MAIN_TIME_BUDGET_S = 15 * 60
 
@@ -442,8 +445,10 @@ def _dead_attempt(folder: Path, timeout_s: float | None) -> bool:
     left by an attempt that is over.
 
     This host's: its process is gone (Linux / macOS; on Windows, where probing a process can end it, never).
-    Another host's (a shared file system): only when it started longer ago than the grid's timeout_s, past
-    which its own runner would have killed it; without a timeout it may still run, so it is left."""
+    Another host's (a shared file system): when its runner's heartbeat is older than HEARTBEAT_STALE_S (it
+    touches the file every HEARTBEAT_S while its worker runs); an attempt without one (an older moelab's)
+    only when it started longer ago than the grid's timeout_s, past which its own runner would have killed
+    it, and without a timeout never: it may still run."""
     host = socket.gethostname()
     prefix = folder.name[:5]  # ".tmp-" or ".old-"
     h = folder.name[len(prefix):].split("-", 1)[0]
@@ -460,6 +465,9 @@ def _dead_attempt(folder: Path, timeout_s: float | None) -> bool:
         except OSError:  # EPERM: alive, another user's
             return False
         return False
+    age = _heartbeat_age(folder, prefix)
+    if age is not None:
+        return age > HEARTBEAT_STALE_S
     if timeout_s is None:
         return False
     try:
@@ -470,6 +478,29 @@ def _dead_attempt(folder: Path, timeout_s: float | None) -> bool:
         except OSError:  # gone meanwhile (its attempt finished, or another sweep removed it)
             return False
     return time.time() - started > timeout_s + 60
+
+
+def _heartbeat_age(folder: Path, prefix: str) -> float | None:
+    """Seconds since an attempt's runner last touched its heartbeat; None if it has none. A set-aside run
+    (`.old-...`) has its attempt's: in the attempt's folder, or in the run folder it was moved to."""
+    where = [folder / HEARTBEAT]
+    if prefix == ".old-":
+        rest = folder.name[len(prefix):]
+        where = [folder.parent / (".tmp-" + rest) / HEARTBEAT, folder.parent / rest.split("-", 1)[0] / HEARTBEAT]
+    for f in where:
+        try:
+            return time.time() - f.stat().st_mtime
+        except OSError:
+            continue
+    return None
+
+
+def _beat(folder: Path) -> None:
+    """Touch an attempt's heartbeat (see _dead_attempt); its folder may have moved into place meanwhile."""
+    try:
+        (folder / HEARTBEAT).touch()
+    except OSError:
+        pass
 
 
 def _launch(notebook: Path, params: dict, final: Path, figures: str, gpu: str | None,
@@ -504,14 +535,25 @@ def _launch(notebook: Path, params: dict, final: Path, figures: str, gpu: str | 
     cmd = [sys.executable, "-m", "moelab.sweep", "--worker", str(tmp)]
     timed_out = None
     with open(tmp / WORKER_LOG, "wb") as logf:  # travels with the folder when it is renamed
+        _beat(tmp)
         proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=logf, stderr=subprocess.STDOUT)
-        try:
-            proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)  # the worker's session: papermill and its kernel
-            proc.wait()
-            timed_out = {"cell_index": None, "ename": "Timeout", "evalue": f"run exceeded timeout_s={timeout_s}"}
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            left = HEARTBEAT_S if deadline is None else min(HEARTBEAT_S, max(0.0, deadline - time.monotonic()))
+            try:
+                proc.wait(timeout=left)
+                break
+            except subprocess.TimeoutExpired:
+                if deadline is not None and time.monotonic() >= deadline:
+                    os.killpg(proc.pid, 9)  # the worker's session: papermill and its kernel
+                    proc.wait()
+                    timed_out = {"cell_index": None, "ename": "Timeout",
+                                 "evalue": f"run exceeded timeout_s={timeout_s}"}
+                    break
+                _beat(tmp)  # still running: other hosts leave this attempt's folder alone
     aside = final.parent / (".old-" + tmp.name[len(".tmp-"):])  # where the worker's `_finish` sets the old run aside
+    # the worker has ended: its heartbeat goes (with the folder, if the worker moved its run into place)
+    (tmp / HEARTBEAT if tmp.exists() else final / HEARTBEAT).unlink(missing_ok=True)
     if tmp.exists() and (tmp / DONE).exists():
         _finish(tmp, final)  # the notebook finished; the worker was stopped while it moved the run into place
         shutil.rmtree(aside, ignore_errors=True)
