@@ -1,5 +1,7 @@
 """Compute accounting counts against the model's native k, never against k_max."""
 
+import math
+
 import pytest
 import torch
 from transformers import MixtralConfig, OlmoeConfig, Qwen2MoeConfig
@@ -72,6 +74,27 @@ def test_shapes_from_config_and_whole_forward(cfg, moe_layers, shared):
     assert whole == pytest.approx(0.5 * expert_part)
     with pytest.raises(ValueError, match="one per MoE layer"):
         s.forward_flops([1.0] * (moe_layers + 1), 256)
+
+
+def test_shapes_of_a_hybrid_model_leave_the_whole_forward_unmodelled():
+    """Linear-attention layers (Qwen3-Next, MiniMax) are not modelled: the whole-forward share is NaN and the
+    FLOP count refuses, naming the layers; softmax-only configs (sliding windows too) are modelled."""
+    from moelab.models import tiny_random
+
+    for fam, linear in (("qwen3_next", 1), ("minimax", 1), ("mixtral", 0)):
+        try:
+            cfg = tiny_random(fam).config
+        except ValueError:  # a transformers without the family
+            continue
+        s = ModelShapes.from_config(cfg)
+        assert s.linear_attention_layers == linear and s.models_forward == (linear == 0)
+        assert s.expert_flops() == 2.0 * 3 * s.hidden * s.expert_ffn  # the routed experts are counted all the same
+        if linear:
+            assert math.isnan(s.forward_reduction(s.native_k / 2, context=64))
+            with pytest.raises(ValueError, match="1 of 2 layers mix tokens without softmax attention"):
+                s.forward_flops(float(s.native_k), 64)
+        else:
+            assert 0 < s.forward_reduction(s.native_k / 2, context=64) < 0.5
 
 
 def test_pool_layers_sums_pairs_and_histograms_per_policy():

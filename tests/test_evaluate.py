@@ -83,3 +83,25 @@ def test_estimates(model, ids):
                              progress=False)
     assert len(conf) == 3 and set(conf.columns) >= {"est_mean_k", "mean_k", "est_error"}
     assert (conf["est_error"].abs() < 0.5).all()
+
+
+def test_a_hybrid_model_with_512_experts_evaluates_with_its_routing_changed():
+    """Qwen3-Next (512 experts: routed by the torch reference, above the kernel's 256; linear-attention layers):
+    perplexity is measured with the routing changed, the routed-expert reduction is that of the kept pairs, and
+    the whole-forward share, not modelled there, is NaN rather than a wrong number."""
+    import math
+
+    try:
+        m = tiny_random("qwen3_next")
+    except ValueError:
+        pytest.skip("this transformers has no Qwen3-Next")
+    for layer in moe_layers(m):
+        torch.nn.init.normal_(layer.block.gate.weight, std=0.5)
+    ids = torch.randint(0, 256, (96,), generator=torch.Generator().manual_seed(1))
+    base = evaluate(m, None, ids, context=32, stride=32, progress=False)
+    native = evaluate(m, TopK(10), ids, context=32, stride=32, progress=False)
+    assert native.summary["ppl"] == pytest.approx(base.summary["ppl"], rel=1e-5)
+    half = evaluate(m, TopK(5), ids, context=32, stride=32, progress=False, baseline_ppl=base.summary["ppl"])
+    assert half.summary["expert_reduction"] == pytest.approx(0.5) and half.summary["mean_k"] == 5.0
+    assert half.summary["ppl"] != pytest.approx(base.summary["ppl"], rel=1e-6)
+    assert math.isnan(half.summary["forward_reduction"])

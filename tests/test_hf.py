@@ -14,8 +14,9 @@ from transformers import (
     Qwen3MoeForCausalLM,
 )
 
+from moelab import models
 from moelab.hf import moe_layers, native_policy, patched, record_router
-from moelab.routing import EntropyAdaptiveK, RatioSkip, TopK, TopP
+from moelab.routing import KERNEL_MAX_EXPERTS, EntropyAdaptiveK, RatioSkip, TopK, TopP
 
 COMMON = dict(vocab_size=101, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=128)
@@ -38,14 +39,24 @@ def tiny(family: str):
     elif family == "olmoe":
         m = OlmoeForCausalLM(OlmoeConfig(**COMMON, intermediate_size=24, num_experts=16, num_experts_per_tok=8,
                                          norm_topk_prob=False))
-    else:
-        raise ValueError(family)
+    else:  # the newer families at their real expert counts (moelab.models._RANDOM); hybrids mix linear attention
+        m = models.tiny_random(family)
     for layer in moe_layers(m):  # routers some classes initialise to zero: give them real spread
         torch.nn.init.normal_(layer.block.gate.weight, std=0.5)
     return m.eval()
 
 
-FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"]
+def _have(family: str) -> bool:
+    import transformers
+
+    return hasattr(transformers, models.FAMILIES[family][1])
+
+
+# the four classic families, then the newer ones where the installed transformers has them
+FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"] + [
+    pytest.param(f, marks=pytest.mark.skipif(not _have(f), reason=f"this transformers has no {f}"))
+    for f in ("minimax", "qwen3_next", "qwen3_5_moe", "flex_olmo")
+]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -74,11 +85,47 @@ def test_native_topk_reproduces_logits(model):
 
 
 def test_conventions():
-    conv = {f: [(layer.native_k, layer.renormalize) for layer in moe_layers(tiny(f))] for f in FAMILIES}
+    classic = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"]
+    conv = {f: [(layer.native_k, layer.renormalize) for layer in moe_layers(tiny(f))] for f in classic}
     assert conv["mixtral"] == [(2, True)] * 3
     assert conv["qwen2_moe"] == [(4, False)] * 2  # layer 1 is dense (mlp_only_layers)
     assert conv["qwen3_moe"] == [(3, True)] * 3
     assert conv["olmoe"] == [(8, False)] * 3
+    # the newer ones: (E, k, renormalise) as their real checkpoints have them; the config and the blocks agree
+    want = {"minimax": (32, 2, True), "qwen3_next": (512, 10, True), "qwen3_5_moe": (256, 8, True),
+            "flex_olmo": (7, 5, False)}
+    for f, (E, k, renorm) in want.items():
+        if not _have(f):
+            continue
+        m = tiny(f)
+        assert [(lay.num_experts, lay.native_k, lay.renormalize) for lay in moe_layers(m)] == [(E, k, renorm)] * 2
+        info = models.moe_info(m)
+        assert (info["num_experts"], info["native_k"], info["renormalize"], info["family"]) == (E, k, renorm, f)
+
+
+@pytest.mark.skipif(not hasattr(__import__("transformers"), "Qwen3VLMoeTextModel"), reason="no Qwen3-VL-MoE here")
+@torch.no_grad()
+def test_qwen3_vl_moe_text_model_reproduces_itself():
+    """Qwen3-VL-MoE's text model (its router always renormalises; the config has no switch): the family is read
+    from the text config, and its own top-k through moelab gives the same hidden states."""
+    import transformers
+
+    cfg = transformers.Qwen3VLMoeTextConfig(vocab_size=101, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                            num_key_value_heads=2, moe_intermediate_size=16, intermediate_size=32,
+                                            num_experts=128, num_experts_per_tok=8, head_dim=8)
+    torch.manual_seed(0)
+    m = transformers.Qwen3VLMoeTextModel(cfg).eval()
+    layers = moe_layers(m)
+    for layer in layers:
+        torch.nn.init.normal_(layer.block.gate.weight, std=0.5)
+    assert [(lay.family, lay.native_k, lay.renormalize) for lay in layers] == [("qwen3_vl_moe", 8, True)] * 2
+    assert models.moe_info(m)["family"] == "qwen3_vl_moe"
+    x = ids()
+    ref = m(input_ids=x).last_hidden_state
+    with patched(m, [native_policy(layer) for layer in layers]) as p:
+        out = m(input_ids=x).last_hidden_state
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert p.mean_k() == {0: 8.0, 1: 8.0}
 
 
 @torch.no_grad()
@@ -142,8 +189,9 @@ def test_bad_policies_raise(model):
     with pytest.raises(ValueError, match="one per MoE layer"):
         with patched(model, [TopK(1)] * (n + 1)):
             pass
-    with pytest.raises(ValueError, match="k_max=99"):
-        with patched(model, TopK(99)):
+    too_many = moe_layers(model)[0].num_experts + 1
+    with pytest.raises(ValueError, match=f"k_max={too_many} exceeds its num_experts={too_many - 1}"):
+        with patched(model, TopK(too_many)):
             pass
     with pytest.raises(ValueError, match="record="):
         with patched(model, TopK(1), record="yes"):
@@ -211,15 +259,17 @@ def test_patched_bf16_takes_the_fused_experts_cuda(family, monkeypatch):
     calls = []
     real = gk.fused_experts
     monkeypatch.setattr(gk, "fused_experts", lambda *a, **k: calls.append(1) or real(*a, **k))
+    # above 256 experts (Qwen3-Next) the Triton kernels do not apply: torch routes, CUTLASS / the loop computes
+    fusing = [layer for layer in moe_layers(m) if layer.num_experts <= KERNEL_MAX_EXPERTS]
     with patched(m, [native_policy(layer) for layer in moe_layers(m)]):
         fused = m(input_ids=x).logits.float()
-        assert len(calls) == len(moe_layers(m))
+        assert len(calls) == len(fusing)
         ex.set_gemm("loop")
         try:
             unfused = m(input_ids=x).logits.float()
         finally:
             ex.set_gemm("auto")
-    assert len(calls) == len(moe_layers(m))
+    assert len(calls) == len(fusing)
     torch.testing.assert_close(fused, unfused, rtol=3e-2, atol=3e-2)
 
 

@@ -91,6 +91,13 @@ class ModelShapes:
     dense_ffn: int = 0
     shared_ffn: int = 0  # shared expert intermediate size (Qwen2-MoE), 0 if none
     glu: bool = True  # gate/up/down expert MLPs (3 matrices) vs up/down (2)
+    linear_attention_layers: int = 0  # layers whose token mixer is not softmax attention (Qwen3-Next, MiniMax)
+
+    @property
+    def models_forward(self) -> bool:
+        """Whether the whole forward's FLOPs are modelled: softmax attention (full or sliding) in every layer.
+        The routed-expert counts never depend on it."""
+        return self.linear_attention_layers == 0
 
     @classmethod
     def from_config(cls, cfg) -> "ModelShapes":
@@ -108,6 +115,8 @@ class ModelShapes:
         step = g("decoder_sparse_step", default=1)
         dense_ids = set(g("mlp_only_layers", default=[]) or [])
         first_dense = g("first_k_dense_replace", default=0)
+        layer_types = g("layer_types", default=None) or []
+        linear = sum(1 for t in layer_types if t not in ("full_attention", "sliding_attention"))
         if step and step > 1 or dense_ids or first_dense:
             moe_layers = sum(
                 1
@@ -127,6 +136,7 @@ class ModelShapes:
             vocab=cfg.vocab_size,
             dense_ffn=g("intermediate_size", default=0),
             shared_ffn=g("shared_expert_intermediate_size", default=0),
+            linear_attention_layers=linear,
         )
 
     def to_dict(self) -> dict:
@@ -139,6 +149,9 @@ class ModelShapes:
 
     def fixed_flops(self, context: int) -> float:
         """Everything but the routed experts, per token, at an average attended context length."""
+        if not self.models_forward:
+            raise ValueError(f"{self.linear_attention_layers} of {self.num_layers} layers mix tokens without softmax "
+                             "attention (linear attention): their FLOPs are not modelled, only the routed experts'")
         D, hd = self.hidden, self.head_dim
         attn_proj = 2.0 * D * hd * (2 * self.num_heads + 2 * self.num_kv_heads)
         attn_scores = 2.0 * 2 * context * self.num_heads * hd
@@ -160,6 +173,9 @@ class ModelShapes:
         return self.fixed_flops(context) + self.expert_flops() * float(sum(mean_k_per_layer))
 
     def forward_reduction(self, mean_k_per_layer, context: int) -> float:
-        """Fraction of whole-forward FLOPs saved against the native k in every MoE layer."""
+        """Fraction of whole-forward FLOPs saved against the native k in every MoE layer; NaN where the
+        forward is not modelled (`models_forward`: linear-attention layers)."""
+        if not self.models_forward:
+            return float("nan")
         native = self.forward_flops(float(self.native_k), context)
         return 1.0 - self.forward_flops(mean_k_per_layer, context) / native

@@ -8,10 +8,12 @@ charge of everything else (Qwen2-MoE's shared expert and its sigmoid gate), and 
 buffer or module is touched, so leaving the context restores the model exactly.
 
 Supported blocks (gate = softmax top-k router over [E, D] logits; experts = concatenated gate/up,
-no bias, not transposed): Mixtral, Qwen2-MoE (Qwen1.5-MoE), Qwen3-MoE, OLMoE. Not covered by the same
-mechanism, and refused with a ValueError: DeepSeek-V3 (sigmoid scores, group-limited choice, bias
-correction: the softmax-entropy policies do not apply as such) and GPT-OSS (interleaved, transposed,
-biased experts with a clamped activation).
+no bias, not transposed): Mixtral, MiniMax, Qwen2-MoE (Qwen1.5-MoE), Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE,
+Qwen3-VL-MoE's text model, OLMoE, FlexOlmo. Each is checked to reproduce its model with its own top-k
+(tests/test_hf.py, for the families the installed transformers has). Not covered by the same
+mechanism, and refused with a ValueError: DeepSeek-V3 and Ernie 4.5 (scores corrected by a bias before
+the choice; DeepSeek-V3 also sigmoid scores and group-limited choice: the softmax-entropy policies do
+not apply as such) and GPT-OSS (interleaved, transposed, biased experts with a clamped activation).
 
 Big models: load them with `device_map="auto"` (accelerate) so that layers spread over the GPUs;
 each block's plan is made on its router's device and consumed by its experts on the same device, so
@@ -29,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from moelab.experts import run_experts
-from moelab.models import check_ids, input_device, model_context
+from moelab.models import ALWAYS_RENORMALIZE, check_ids, input_device, model_context
 from moelab.routing import EntropyAdaptiveK, Policy, RatioSkip, TopK, TopP, route
 
 __all__ = ["MoELayer", "moe_layers", "patched", "record_router", "router_logits", "Patch", "RoutingRecord",
@@ -37,15 +39,22 @@ __all__ = ["MoELayer", "moe_layers", "patched", "record_router", "router_logits"
 
 log = logging.getLogger(__name__)
 
-# block class name -> family; the four share one block structure (gate -> experts)
+# block class name -> family; all share one block structure (gate -> experts) and one router: softmax in fp32,
+# top-k, the kept weights renormalised always (models.ALWAYS_RENORMALIZE) or as config.norm_topk_prob says
 SUPPORTED_BLOCKS = {
     "MixtralSparseMoeBlock": "mixtral",
+    "MiniMaxSparseMoeBlock": "minimax",
     "Qwen2MoeSparseMoeBlock": "qwen2_moe",
     "Qwen3MoeSparseMoeBlock": "qwen3_moe",
+    "Qwen3NextSparseMoeBlock": "qwen3_next",
+    "Qwen3_5MoeSparseMoeBlock": "qwen3_5_moe",
+    "Qwen3VLMoeTextSparseMoeBlock": "qwen3_vl_moe",
     "OlmoeSparseMoeBlock": "olmoe",
+    "FlexOlmoSparseMoeBlock": "flex_olmo",
 }
 UNSUPPORTED_BLOCKS = {
     "DeepseekV3MoE": "sigmoid router with group-limited choice and score correction",
+    "Ernie4_5_MoeSparseMoeBlock": "experts chosen on bias-corrected scores (moe_statics)",
     "GptOssMLP": "interleaved, transposed experts with biases and a clamped activation",
 }
 _POLICIES = (TopK, EntropyAdaptiveK, TopP, RatioSkip)
@@ -82,8 +91,7 @@ def moe_layers(model) -> list[MoELayer]:
         gate, experts = mod.gate, mod.experts
         _check_experts(name, experts)
         family = SUPPORTED_BLOCKS[cls]
-        # Mixtral always renormalises; the others follow config.norm_topk_prob
-        renorm = True if family == "mixtral" else bool(gate.norm_topk_prob)
+        renorm = True if family in ALWAYS_RENORMALIZE else bool(gate.norm_topk_prob)
         out.append(MoELayer(len(out), name, mod, family, int(gate.num_experts), int(gate.top_k), renorm))
     if not out:
         raise ValueError(

@@ -22,13 +22,20 @@ from moelab.data import data_dir
 
 log = logging.getLogger(__name__)
 
-# family (config.model_type) -> (config class, causal-LM class), names from transformers 5
+# family (config.model_type, of the text model) -> (config class, causal-LM class), names from transformers 5
 FAMILIES = {
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+    "minimax": ("MiniMaxConfig", "MiniMaxForCausalLM"),
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM"),
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM"),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM"),
+    "flex_olmo": ("FlexOlmoConfig", "FlexOlmoForCausalLM"),
 }
+# families whose router always renormalises its top-k weights (no norm_topk_prob switch); the others follow
+# config.norm_topk_prob
+ALWAYS_RENORMALIZE = frozenset({"mixtral", "minimax", "qwen3_5_moe", "qwen3_vl_moe"})
 
 _SHARED = dict(  # every embedded model: one tokenizer, one width, one depth
     vocab_size=8192,
@@ -71,6 +78,21 @@ _RANDOM = {
     "qwen3_moe": dict(num_experts=16, num_experts_per_tok=4, moe_intermediate_size=16, intermediate_size=32,
                       norm_topk_prob=True, head_dim=16),
     "olmoe": dict(num_experts=64, num_experts_per_tok=8, intermediate_size=16, norm_topk_prob=False),
+    # MiniMax-Text-01 (32 experts, top-2) with its lightning (linear) attention in every other layer
+    "minimax": dict(num_local_experts=32, num_experts_per_tok=2, intermediate_size=16, head_dim=16,
+                    layer_types=["linear_attention", "full_attention"]),
+    # Qwen3-Next-80B-A3B: 512 experts (above the routing kernel's 256: routed in torch), top-10, shared expert,
+    # gated DeltaNet (linear attention) in three of four layers
+    "qwen3_next": dict(num_experts=512, num_experts_per_tok=10, moe_intermediate_size=16, intermediate_size=32,
+                       shared_expert_intermediate_size=32, norm_topk_prob=True, head_dim=16,
+                       linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                       linear_value_head_dim=16, layer_types=["linear_attention", "full_attention"]),
+    # Qwen3.5-35B-A3B's text model: 256 experts, top-8, shared expert, gated DeltaNet layers
+    "qwen3_5_moe": dict(num_experts=256, num_experts_per_tok=8, moe_intermediate_size=16,
+                        shared_expert_intermediate_size=32, head_dim=16, linear_num_key_heads=2,
+                        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                        layer_types=["linear_attention", "full_attention"]),
+    "flex_olmo": dict(num_experts=7, num_experts_per_tok=5, intermediate_size=16, norm_topk_prob=False),
 }
 
 
@@ -80,6 +102,8 @@ def _classes(family: str):
     if family not in FAMILIES:
         raise ValueError(f"family={family!r}: not a supported MoE family; choose one of {sorted(FAMILIES)}")
     cfg_name, model_name = FAMILIES[family]
+    if not hasattr(transformers, model_name):
+        raise ValueError(f"family={family!r}: this transformers ({transformers.__version__}) has no {model_name}")
     return getattr(transformers, cfg_name), getattr(transformers, model_name)
 
 
@@ -128,10 +152,11 @@ def build(name_or_family: str, seed: int = 0, **overrides):
 
 
 def tiny_random(family: str, seed: int = 0, **overrides):
-    """A tiny random-initialised model of a family (mixtral, qwen2_moe, qwen3_moe, olmoe), for tests.
+    """A tiny random-initialised model of a family (`FAMILIES`), for tests.
 
     Keeps the real model's expert count, k and renormalisation (qwen3_moe: 16 experts to stay small);
-    width 64, 2 layers, vocab 256. Any config field can be overridden.
+    width 64, 2 layers (hybrid families: one linear-attention layer, one softmax), vocab 256. Any config
+    field can be overridden.
     """
     if family not in FAMILIES:
         raise ValueError(f"family={family!r}: not a supported MoE family; choose one of {sorted(FAMILIES)}")
@@ -152,6 +177,8 @@ def moe_info(model_or_config) -> dict:
     if hasattr(cfg, "get_text_config"):
         cfg = cfg.get_text_config()
     family = getattr(cfg, "model_type", None)
+    if isinstance(family, str) and family.endswith("_text"):  # a multimodal model's text part: its family's
+        family = family[: -len("_text")]
     E = _num_experts(cfg)
     k = getattr(cfg, "num_experts_per_tok", None)
     if E is None or not isinstance(k, int):
@@ -159,8 +186,8 @@ def moe_info(model_or_config) -> dict:
             f"model_type={family!r}: not an MoE model (no num_experts/num_local_experts and num_experts_per_tok "
             f"in its config)"
         )
-    if family == "mixtral":
-        renorm = True  # Mixtral always renormalises its top-k weights
+    if family in ALWAYS_RENORMALIZE:
+        renorm = True
     else:
         renorm = bool(getattr(cfg, "norm_topk_prob", False))
     info = {"num_experts": E, "native_k": k, "renormalize": renorm, "family": family}

@@ -124,7 +124,8 @@ def plot_policy_stats(stats, title: str, native_k: int):
     ax_r.barh(y, 100 * stats.expert_reduction, color=[policy_color(r.policy, r.kind) for r in stats.itertuples()])
     labels = [f"mean k {m:.2f}" for m in stats.mean_k]
     if "forward_reduction" in stats:  # whole-forward FLOPs saved, from the model's shapes
-        labels = [f"{lb}\nforward saved {100 * f:.1f}%" for lb, f in zip(labels, stats.forward_reduction)]
+        labels = [f"{lb}\nforward saved {100 * f:.1f}%" if np.isfinite(f) else lb
+                  for lb, f in zip(labels, stats.forward_reduction)]
     ax_r.set(yticks=y, yticklabels=labels, xlabel=f"routed-expert FLOPs saved vs native k={native_k} (%)")
     ax_r.axvline(0, color="black", lw=0.6)
     ax_r.invert_yaxis()

@@ -1,8 +1,8 @@
 """Routing policies: router logits [T, E] -> RoutingPlan.
 
 This is the torch reference. `moelab.kernels.routing` computes the same plan in one Triton launch;
-`route()` dispatches to it on CUDA (see `set_backend`). Everything downstream (experts, accounting,
-statistics, kernels) speaks `RoutingPlan` and nothing else.
+`route()` dispatches to it on CUDA for up to 256 experts (see `set_backend`). Everything downstream
+(experts, accounting, statistics, kernels) speaks `RoutingPlan` and nothing else.
 
 Conventions shared by every policy and by the kernel:
 - softmax over all E experts in fp32, whatever the logits' dtype;
@@ -34,6 +34,7 @@ __all__ = [
     "route_torch",
     "set_backend",
     "get_backend",
+    "KERNEL_MAX_EXPERTS",
 ]
 
 
@@ -287,11 +288,13 @@ def route_torch(logits: torch.Tensor, policy: Policy, renormalize: bool) -> Rout
     return RoutingPlan(ids_TK, weights_TK.float(), k_T, entropy_T.float(), E)
 
 
-_BACKEND = "auto"  # "auto": Triton kernel on CUDA, torch elsewhere; "torch"; "triton"
+_BACKEND = "auto"  # "auto": Triton kernel on CUDA (up to KERNEL_MAX_EXPERTS), torch elsewhere; "torch"; "triton"
+KERNEL_MAX_EXPERTS = 256  # the Triton kernel holds a token's logits in one tile row; wider routers route in torch
 
 
 def set_backend(name: str) -> None:
-    """Force the routing backend: 'auto', 'torch' or 'triton' (the Triton kernel, e.g. interpreted)."""
+    """Force the routing backend: 'auto' (the Triton kernel on CUDA for E <= KERNEL_MAX_EXPERTS, else the torch
+    reference), 'torch' or 'triton' (the Triton kernel, e.g. interpreted)."""
     global _BACKEND
     if name not in ("auto", "torch", "triton"):
         raise ValueError(f"backend={name!r}: must be 'auto', 'torch' or 'triton'")
@@ -310,7 +313,7 @@ def _use_kernel(logits: torch.Tensor) -> bool:
 
         check_kernel_input(logits, "set_backend('triton')")
         return True
-    return logits.is_cuda
+    return logits.is_cuda and logits.shape[1] <= KERNEL_MAX_EXPERTS
 
 
 def route(

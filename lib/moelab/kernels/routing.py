@@ -35,11 +35,11 @@ import triton
 import triton.language as tl
 
 from moelab.kernels import Launcher, cdiv, on_device_of, pow2
-from moelab.routing import EntropyAdaptiveK, Policy, RatioSkip, RoutingPlan, TopK, TopP
+from moelab.routing import KERNEL_MAX_EXPERTS, EntropyAdaptiveK, Policy, RatioSkip, RoutingPlan, TopK, TopP
 
 __all__ = ["route_triton", "RoutingStats", "launch_config", "MAX_K_VALUES", "MAX_EXPERTS"]
 
-MAX_EXPERTS = 256  # one tile row holds all of a token's logits
+MAX_EXPERTS = KERNEL_MAX_EXPERTS  # one tile row holds all of a token's logits
 MAX_K_VALUES = 8  # EntropyAdaptiveK levels passed as scalars (no device tensor built per call)
 
 _TOPK, _ADAPTIVE, _TOPP, _RATIO = 0, 1, 2, 3
