@@ -85,6 +85,9 @@ def test_native_topk_reproduces_logits(model):
 
 
 def test_conventions():
+    from moelab.hf import SUPPORTED_BLOCKS
+
+    assert set(SUPPORTED_BLOCKS.values()) == models.ADAPTED  # models.load warns for exactly the others
     classic = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"]
     conv = {f: [(layer.native_k, layer.renormalize) for layer in moe_layers(tiny(f))] for f in classic}
     assert conv["mixtral"] == [(2, True)] * 3

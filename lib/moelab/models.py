@@ -33,6 +33,9 @@ FAMILIES = {
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM"),
     "flex_olmo": ("FlexOlmoConfig", "FlexOlmoForCausalLM"),
 }
+# families `hf.patched` has an adapter for: those above, and Qwen3-VL-MoE's text model (loaded with its vision
+# tower: no causal-LM class of its own here)
+ADAPTED = frozenset(FAMILIES) | {"qwen3_vl_moe"}
 # families whose router always renormalises its top-k weights (no norm_topk_prob switch); the others follow
 # config.norm_topk_prob
 ALWAYS_RENORMALIZE = frozenset({"mixtral", "minimax", "qwen3_5_moe", "qwen3_vl_moe"})
@@ -291,8 +294,8 @@ def load(name_or_path: str | Path, device=None, dtype=None, device_map=None):
         info = moe_info(cfg)
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from None
-    if info["family"] not in FAMILIES:
-        log.warning("%s: family %r is not one moelab has an adapter for (%s)", path, info["family"], sorted(FAMILIES))
+    if info["family"] not in ADAPTED:
+        log.warning("%s: family %r is not one moelab has an adapter for (%s)", path, info["family"], sorted(ADAPTED))
     if not ((path / "tokenizer.json").exists() or (path / "tokenizer_config.json").exists()):  # before any weights
         raise FileNotFoundError(f"{path}: no tokenizer files (tokenizer.json, tokenizer_config.json) beside the model")
     device = map_device(device_map) if device_map is not None else pick_device(device)
