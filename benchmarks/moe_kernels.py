@@ -6,7 +6,8 @@ re-implementation of the proposed TensorRT-LLM AdaptiveKMoeRoutingMethod (with a
 host-syncing statistics) and plain softmax + top-k. Eager time (host loop, Python launch included)
 and GPU time per call inside a CUDA graph (inputs rotated past the L2 so large T reads HBM). Host
 (topic `routing-host`): where the eager call's host time goes. `memory_floor`: a kernel that only reads
-the logits and writes a plan of the same size, a reference for what moving those bytes costs.
+the logits and writes a plan of the same size, a reference for what moving those bytes costs. Topic
+`routing-wide`: the same for 256- and 512-expert routers (Qwen3.5, Qwen3-Next), at the untuned launch.
 
 MoE layer (topic `moe-layer`), bf16, Mixtral-like / OLMoE-like / Qwen1.5-MoE-like: moelab's layer
 (router GEMM, Triton routing, padded layout, expert GEMMs as 'auto' picks them; `_triton` / `_cutlass`:
@@ -17,7 +18,7 @@ ours also inside a CUDA graph. CUTLASS tiles (topic `cutlass-tiles`): torch._gro
 with its 128 x 256 tiles against its 64 x 128 ones, which it only picks at <= 128 rows per group (forced
 here by empty groups between the experts).
 
-    PYTHONPATH=lib python benchmarks/moe_kernels.py [--quick] [--parts tune,routing,host,tune-gemm,layer,cutlass-tiles]
+    PYTHONPATH=lib python benchmarks/moe_kernels.py [--quick] [--parts tune,routing,routing-wide,host,tune-gemm,layer,cutlass-tiles]
         [--tokens ...]
 """
 
@@ -51,6 +52,9 @@ LAYERS = {
     "qwen15": (2048, 1408, 60, 4, False, 5632),
 }
 ROUTING_SHAPES = [("mixtral", 8, 2, True), ("qwen15", 60, 4, False), ("olmoe", 64, 8, False), ("e128", 128, 8, False)]
+# wider routers (--parts routing-wide, its own results topic): Qwen3.5-35B-A3B (256 experts, top-8) and
+# Qwen3-Next-80B-A3B / Qwen3.5-397B-A17B (512 experts, top-10), both renormalising; no tuned launch there: DEFAULT
+WIDE_ROUTING_SHAPES = [("qwen35", 256, 8, True), ("qwen3next", 512, 10, True)]
 
 
 # ------------------------------------------------------------------ baselines (torch, not in lib)
@@ -399,9 +403,9 @@ def bench_host(tokens=(16, 4096), rounds=7):
     return rows
 
 
-def bench_routing(tokens, bw_gbs, l2_bytes, quick, save):
+def bench_routing(tokens, bw_gbs, l2_bytes, quick, save, shapes=ROUTING_SHAPES):
     rows = []
-    for name, E, k, renorm in ROUTING_SHAPES[2:] if quick else ROUTING_SHAPES:
+    for name, E, k, renorm in shapes[2:] if quick and len(shapes) > 2 else shapes:
         rows += bench_routing_one(name, E, k, renorm, tokens, bw_gbs, l2_bytes)
         save(rows)  # after every shape: a run cut short keeps what it measured
     return rows
@@ -926,7 +930,7 @@ def tuned_experts_table(rows) -> dict:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--parts", default="routing,layer",
-                    help="comma list of: tune, routing, host, tune-gemm, layer, cutlass-tiles")
+                    help="comma list of: tune, routing, routing-wide, host, tune-gemm, layer, cutlass-tiles")
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="comma list of T")
     ap.add_argument("--quick", action="store_true", help="fewer shapes (a first check)")
     ap.add_argument("--tune-shapes", default=",".join(LAYERS),
@@ -978,6 +982,12 @@ def main():
                  "its host_probe_us per row.")
         save = functools.partial(_save, "routing-kernel", notes, common)
         print("wrote", save(bench_routing(tokens, bw, l2, args.quick, save)))
+    if "routing-wide" in parts:  # the same timing for 256- and 512-expert routers (untuned launch)
+        notes = ("as routing-kernel, for WIDE_ROUTING_SHAPES (E = 256 top-8, E = 512 top-10, renormalised): the "
+                 "routing kernel with the device's DEFAULT launch (no tuned entry at these E), beside the same "
+                 "baselines. bf16 router logits, random normal; eager_us and graph_us as there.")
+        save = functools.partial(_save, "routing-wide", notes, common)
+        print("wrote", save(bench_routing(tokens, bw, l2, args.quick, save, WIDE_ROUTING_SHAPES)))
     if "host" in parts:
         notes = ("host time per eager call (host loop, synchronised at the end; methods timed in turn over 7 rounds, "
                  "median, after 0.25 s of untimed rounds since 2026-11-30 14:00; since 2026-12-01 13:30 the 0.25 s "

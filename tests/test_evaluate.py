@@ -86,7 +86,7 @@ def test_estimates(model, ids):
 
 
 def test_a_hybrid_model_with_512_experts_evaluates_with_its_routing_changed():
-    """Qwen3-Next (512 experts: routed by the torch reference, above the kernel's 256; linear-attention layers):
+    """Qwen3-Next (512 experts, top-10, linear-attention layers):
     perplexity is measured with the routing changed, the routed-expert reduction is that of the kept pairs, and
     the whole-forward share, not modelled there, is NaN rather than a wrong number."""
     import math

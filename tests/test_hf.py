@@ -16,7 +16,7 @@ from transformers import (
 
 from moelab import models
 from moelab.hf import moe_layers, native_policy, patched, record_router
-from moelab.routing import KERNEL_MAX_EXPERTS, EntropyAdaptiveK, RatioSkip, TopK, TopP
+from moelab.routing import EntropyAdaptiveK, RatioSkip, TopK, TopP
 
 COMMON = dict(vocab_size=101, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=128)
@@ -262,8 +262,8 @@ def test_patched_bf16_takes_the_fused_experts_cuda(family, monkeypatch):
     calls = []
     real = gk.fused_experts
     monkeypatch.setattr(gk, "fused_experts", lambda *a, **k: calls.append(1) or real(*a, **k))
-    # above 256 experts (Qwen3-Next) the Triton kernels do not apply: torch routes, CUTLASS / the loop computes
-    fusing = [layer for layer in moe_layers(m) if layer.num_experts <= KERNEL_MAX_EXPERTS]
+    # above 256 experts (Qwen3-Next's 512) the fused Triton experts do not apply: CUTLASS or the loop computes
+    fusing = [layer for layer in moe_layers(m) if layer.num_experts <= gk.MAX_EXPERTS]
     with patched(m, [native_policy(layer) for layer in moe_layers(m)]):
         fused = m(input_ids=x).logits.float()
         assert len(calls) == len(fusing)

@@ -84,7 +84,7 @@ _RANDOM = {
     # MiniMax-Text-01 (32 experts, top-2) with its lightning (linear) attention in every other layer
     "minimax": dict(num_local_experts=32, num_experts_per_tok=2, intermediate_size=16, head_dim=16,
                     layer_types=["linear_attention", "full_attention"]),
-    # Qwen3-Next-80B-A3B: 512 experts (above the routing kernel's 256: routed in torch), top-10, shared expert,
+    # Qwen3-Next-80B-A3B: 512 experts (above the fused Triton experts' 256: CUTLASS), top-10, shared expert,
     # gated DeltaNet (linear attention) in three of four layers
     "qwen3_next": dict(num_experts=512, num_experts_per_tok=10, moe_intermediate_size=16, intermediate_size=32,
                        shared_expert_intermediate_size=32, norm_topk_prob=True, head_dim=16,

@@ -1,7 +1,7 @@
 """Routing policies: router logits [T, E] -> RoutingPlan.
 
 This is the torch reference. `moelab.kernels.routing` computes the same plan in one Triton launch;
-`route()` dispatches to it on CUDA for up to 256 experts (see `set_backend`). Everything downstream
+`route()` dispatches to it on CUDA for up to 512 experts (see `set_backend`). Everything downstream
 (experts, accounting, statistics, kernels) speaks `RoutingPlan` and nothing else.
 
 Conventions shared by every policy and by the kernel:
@@ -35,6 +35,7 @@ __all__ = [
     "set_backend",
     "get_backend",
     "KERNEL_MAX_EXPERTS",
+    "KERNEL_MAX_K",
 ]
 
 
@@ -289,12 +290,13 @@ def route_torch(logits: torch.Tensor, policy: Policy, renormalize: bool) -> Rout
 
 
 _BACKEND = "auto"  # "auto": Triton kernel on CUDA (up to KERNEL_MAX_EXPERTS), torch elsewhere; "torch"; "triton"
-KERNEL_MAX_EXPERTS = 256  # the Triton kernel holds a token's logits in one tile row; wider routers route in torch
+KERNEL_MAX_EXPERTS = 512  # the Triton kernel holds a token's logits in one tile row; wider routers route in torch
+KERNEL_MAX_K = 256  # its k values travel as bytes; more slots route in torch
 
 
 def set_backend(name: str) -> None:
-    """Force the routing backend: 'auto' (the Triton kernel on CUDA for E <= KERNEL_MAX_EXPERTS, else the torch
-    reference), 'torch' or 'triton' (the Triton kernel, e.g. interpreted)."""
+    """Force the routing backend: 'auto' (the Triton kernel on CUDA for E <= KERNEL_MAX_EXPERTS and k_max <=
+    KERNEL_MAX_K, else the torch reference), 'torch' or 'triton' (the Triton kernel, e.g. interpreted)."""
     global _BACKEND
     if name not in ("auto", "torch", "triton"):
         raise ValueError(f"backend={name!r}: must be 'auto', 'torch' or 'triton'")
@@ -305,7 +307,7 @@ def get_backend() -> str:
     return _BACKEND
 
 
-def _use_kernel(logits: torch.Tensor) -> bool:
+def _use_kernel(logits: torch.Tensor, policy: Policy) -> bool:
     if _BACKEND == "torch":
         return False
     if _BACKEND == "triton":
@@ -313,7 +315,7 @@ def _use_kernel(logits: torch.Tensor) -> bool:
 
         check_kernel_input(logits, "set_backend('triton')")
         return True
-    return logits.is_cuda and logits.shape[1] <= KERNEL_MAX_EXPERTS
+    return logits.is_cuda and logits.shape[1] <= KERNEL_MAX_EXPERTS and policy.k_max <= KERNEL_MAX_K
 
 
 def route(
@@ -333,7 +335,7 @@ def route(
     """
     check_logits(logits, policy, num_experts, finite=check)
     renorm = resolve_renormalize(policy, renormalize)
-    if _use_kernel(logits):
+    if _use_kernel(logits, policy):
         from moelab.kernels.routing import route_triton
 
         return route_triton(logits, policy, renorm)

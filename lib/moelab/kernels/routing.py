@@ -35,7 +35,16 @@ import triton
 import triton.language as tl
 
 from moelab.kernels import Launcher, cdiv, on_device_of, pow2
-from moelab.routing import KERNEL_MAX_EXPERTS, EntropyAdaptiveK, Policy, RatioSkip, RoutingPlan, TopK, TopP
+from moelab.routing import (
+    KERNEL_MAX_EXPERTS,
+    KERNEL_MAX_K,
+    EntropyAdaptiveK,
+    Policy,
+    RatioSkip,
+    RoutingPlan,
+    TopK,
+    TopP,
+)
 
 __all__ = ["route_triton", "RoutingStats", "launch_config", "MAX_K_VALUES", "MAX_EXPERTS"]
 
@@ -831,6 +840,9 @@ def route_triton(
                          "route with moelab.routing.set_backend('torch')")
     if not 1 <= K <= E:
         raise ValueError(f"k_max={K}: must be in [1, E={E}]")
+    if K > KERNEL_MAX_K:
+        raise ValueError(f"k_max={K}: the Triton routing kernel takes at most {KERNEL_MAX_K} slots (k values travel "
+                         "as bytes); route with moelab.routing.set_backend('torch')")
     if stats is not None and (stats.k_hist.dim() != 2 or stats.k_hist.shape[1] != K + 1):
         raise ValueError(f"stats.k_hist of shape {tuple(stats.k_hist.shape)}: need [slots, k_max + 1 = {K + 1}]")
     if stats is not None and not (stats.k_hist.device == stats.entropy_sum.device == stats.tokens.device
