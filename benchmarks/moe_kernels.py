@@ -18,7 +18,8 @@ ours also inside a CUDA graph. CUTLASS tiles (topic `cutlass-tiles`): torch._gro
 with its 128 x 256 tiles against its 64 x 128 ones, which it only picks at <= 128 rows per group (forced
 here by empty groups between the experts).
 
-    PYTHONPATH=lib python benchmarks/moe_kernels.py [--quick] [--parts tune,routing,routing-wide,host,tune-gemm,layer,cutlass-tiles]
+    PYTHONPATH=lib python benchmarks/moe_kernels.py [--quick]
+        [--parts tune,routing,routing-wide,host,tune-gemm,layer,cutlass-tiles]
         [--tokens ...]
 """
 
