@@ -739,14 +739,15 @@ def tune_configs(E, k, T, selects="all"):
     return out
 
 
-def tune_routing(bw_gbs, selects="all"):
+def tune_routing(bw_gbs, selects="all", shapes=None):
     """GPU time in a graph of the native top-k kernel per launch configuration (select, warps, tile, split);
-    with selects='rowwise' also the table's current pick (the row says which configuration that was)."""
+    with selects='rowwise' also the table's current pick (the row says which configuration that was).
+    shapes: {E: k} to tune (default TUNE_SHAPES)."""
     from moelab.kernels import routing as kr
 
     rows = []
     keep = dict(kr.LAUNCH)
-    for E, k in TUNE_SHAPES.items():
+    for E, k in (shapes or TUNE_SHAPES).items():
         for T in TUNE_TOKENS:
             inputs = [torch.randn(T, E, device="cuda").to(torch.bfloat16) for _ in range(8)]
             configs = tune_configs(E, k, T, selects)
@@ -937,6 +938,10 @@ def main():
     ap.add_argument("--tune-shapes", default=",".join(LAYERS),
                     help=f"tune-gemm: comma list of layer shapes to tune ({', '.join(LAYERS)}); the others keep their "
                          "entry in grouped.TUNED")
+    ap.add_argument("--tune-routing-shapes", default="",
+                    help="tune: comma list of E:k to tune (default the routing shapes' "
+                         f"{','.join(f'{e}:{k}' for e, k in TUNE_SHAPES.items())}); other shapes write topic "
+                         "routing-tune-wide, e.g. 256:8,512:10 for the routing-wide shapes")
     ap.add_argument("--tune-selects", default="all", choices=("all", "rowwise"),
                     help="tune: every selection, or the row kernel against the table's current pick")
     ap.add_argument("--batches", type=int, default=BATCHES,
@@ -956,18 +961,20 @@ def main():
     REPIN["on"] = not args.no_pin
     common = {"copy_bandwidth_gbs": bw, "l2_bytes": l2, "host": host}
     if "tune" in parts:
-        rows = tune_routing(bw, args.tune_selects)
+        tune_shapes = {int(e): int(k) for e, k in (p.split(":") for p in args.tune_routing_shapes.split(",") if p)}
+        rows = tune_routing(bw, args.tune_selects, tune_shapes or None)
         table = tuned_table(rows)
         notes = ("native top-k Triton routing, GPU time per call in a CUDA graph (inputs rotated over 8 tensors), "
                  "per launch configuration: select (top-k method), tile (logits per program), warps. tuned_table: "
                  "the fastest per BLOCK_E and T, as moelab.kernels.routing.TUNED takes it.")
         extra = {**common, "tuned_table": {str(k): v for k, v in table.items()}}  # keys "(BLOCK_E, BLOCK_K)"
-        path = write_results("routing-tune", rows, extra=extra, notes=notes)
+        path = write_results("routing-tune-wide" if tune_shapes else "routing-tune", rows, extra=extra, notes=notes)
         print("wrote", path)
         print("TUNED table:", table)
         from moelab.kernels import routing as kr
 
-        kr.TUNED[torch.cuda.get_device_name(0)] = table  # the routing part below runs with it
+        name = torch.cuda.get_device_name(0)  # the routing parts below run with it (a partial tune: merged in)
+        kr.TUNED[name] = {**kr.TUNED.get(name, {}), **table} if tune_shapes else table
         kr.clear_launch_caches()
     if "routing" in parts:
         notes = ("bf16 router logits, random normal. eager_us: host loop per call, Python launch included, all methods "
