@@ -301,7 +301,8 @@ def test_a_timeout_is_a_failure_unless_the_run_had_already_written_done(tmp_path
         "time.sleep(300)")]
     path = tmp_path / "hang.ipynb"
     nbformat.write(nb, str(path))
-    g = sweep.Grid(notebook=path, name="hang", parameters={"x": [1, 2]}, timeout_s=20, workers=2)
+    # 45 s: room for a kernel start on a busy 2-core machine (20 s was once too little there)
+    g = sweep.Grid(notebook=path, name="hang", parameters={"x": [1, 2]}, timeout_s=45, workers=2)
     rep = sweep.run_sweep(g, root=tmp_path / "runs", progress=False)
     by_x = {r.params["x"]: r for r in rep.runs}
     assert by_x[2].status == "failed" and by_x[2].error["ename"] == "Timeout"
