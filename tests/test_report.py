@@ -166,6 +166,28 @@ def test_committed_experts_tune_picks_what_grouped_tuned_holds():
         assert set(g["tuned_config"]) == {want}
 
 
+def test_wide_router_launches_are_the_committed_tuning_runs_fastest():
+    """For the 256- and 512-expert routers, moelab.kernels.routing.TUNED holds, at every tuned T, the fastest
+    launch of the committed routing-tune-wide run (one E per key: least regret is the fastest), and the
+    committed routing-wide run used those launches (its command tuned them in the same process)."""
+    import pandas as pd
+
+    from moelab.kernels import pow2
+    from moelab.kernels import routing as kr
+
+    doc = results.load_results("routing-tune-wide")
+    rows = pd.DataFrame(doc["rows"])
+    assert set(zip(rows.E, rows.k)) == {(256, 8), (512, 10)}
+    table = kr.TUNED["NVIDIA H200"]
+    for (E, k, T), g in rows.groupby(["E", "k", "T"]):
+        best = g.loc[g.graph_us.idxmin()]
+        entry = next(cfg for upto, cfg in table[(pow2(E), pow2(k))] if T <= upto)
+        assert (entry["select"], entry["warps"], entry["tile"], entry["split"]) == (
+            best.select, best.warps, best.tile, best.split), (E, T)
+    wide = results.load_results("routing-wide")
+    assert "--tune-routing-shapes 256:8,512:10" in wide["command"] and wide["commit"] == doc["commit"]
+
+
 def test_layer_targets_limit_and_rounds():
     """Adaptive over native at T = 4096 against 1.1 x kept/native; with interleaved rounds, the lowest, median
     and highest same-round ratio beside the ratio of medians."""

@@ -76,6 +76,13 @@ TUNED: dict[str, dict[tuple[int, int], list]] = {
                   (2**62, _rows(2, 2048, 2, "rowsort"))],
         (128, 8): [(512, _rows(4, 2048, 8)), (4096, _rows(4, 2048, 8, "rowsort")),
                    (2**62, _rows(4, 8192, 2, "rowsort"))],
+        # wider routers: tuned_table() on data/results/routing-tune-wide-20261203.json (at fe22635, `--parts
+        # tune,routing-wide --tune-routing-shapes 256:8,512:10`): Qwen3.5's 256 experts, top-8, and Qwen3-Next's
+        # 512, top-10 (beyond the row kernels' k <= 8: a tile selection)
+        (256, 8): [(512, _rows(2, 2048, 8, "rowsort")), (4096, _rows(4, 4096, 8, "rowsort")),
+                   (2**62, _rows(2, 8192, 2, "rowsort"))],
+        (512, 16): [(512, {"select": "bitonic", "warps": 4, "tile": 1024, "split": 1}),
+                    (2**62, {"select": "split", "warps": 4, "tile": 2048, "split": 1})],
     },
 }
 LAUNCH = {"select": None, "warps": None, "tile": None, "split": None}
