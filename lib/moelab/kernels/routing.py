@@ -81,8 +81,7 @@ TUNED: dict[str, dict[tuple[int, int], list]] = {
         # 512, top-10 (beyond the row kernels' k <= 8: a tile selection)
         (256, 8): [(512, _rows(2, 2048, 8, "rowsort")), (4096, _rows(4, 4096, 8, "rowsort")),
                    (2**62, _rows(2, 8192, 2, "rowsort"))],
-        (512, 16): [(512, {"select": "bitonic", "warps": 4, "tile": 1024, "split": 1}),
-                    (2**62, {"select": "split", "warps": 4, "tile": 2048, "split": 1})],
+        (512, 16): [(512, _rows(4, 1024, 1, "bitonic")), (2**62, _rows(4, 2048, 1, "split"))],
     },
 }
 LAUNCH = {"select": None, "warps": None, "tile": None, "split": None}
