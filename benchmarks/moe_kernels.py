@@ -728,14 +728,15 @@ def tune_configs(E, k, T, selects="all"):
         out = [(sel, tile, warps, 1) for sel in ("rounds", "bitonic", "split")
                for tile in ((512, 1024, 2048) if T >= 4096 else (1024,)) for warps in (4, 8)]
     be = triton.next_power_of_2(E)
-    if kr._select(k, "rowwise", be, 2) == 3:
-        # 'rowsort' (chunks of eight keys sorted and merged) differs from 'rowwise' only for 5 <= k <= 8
-        for sel in ("rowwise", "rowsort") if 5 <= k <= 8 else ("rowwise",):
-            for split in (1, 2, 4, 8):
-                for warps in (2, 4):
-                    rows = 32 * warps // split  # one row piece per thread
-                    if split <= be // 8 or split == 1:
-                        out.append((sel, rows * be, warps, split))
+    # 'rowsort' (chunks of eight keys sorted and merged) differs from 'rowwise' only for 5 <= k <= 8, and
+    # alone takes 8 < k <= 16
+    sels = [sel for sel in ("rowwise", "rowsort") if kr._select(k, sel, be, 2) == 3 and (sel == "rowwise" or k >= 5)]
+    for sel in sels:
+        for split in (1, 2, 4, 8, 16) if be >= 512 else (1, 2, 4, 8):
+            for warps in (2, 4):
+                rows = 32 * warps // split  # one row piece per thread
+                if split <= be // 8 or split == 1:
+                    out.append((sel, rows * be, warps, split))
     return out
 
 

@@ -343,6 +343,29 @@ def test_rows16_split_rows(split, sel, monkeypatch):
                 assert_same_plan(logits.to(dtype).to(DEV), pol, E % 2 == 0)
 
 
+@pytest.mark.parametrize("split", [1, 2, 4, 16])
+def test_rows16_wide_k(split, monkeypatch):
+    """8 < k <= 16 on 16-bit logits ('rowsort'): each piece keeps its best eight and next eight, chunks merge
+    into both and the pieces merge pairwise; the same plan as the reference, with exact ties, masked columns
+    and pieces with no column (E = 40 in 4 or 16 pieces). A row stride that is no multiple of eight logits
+    takes the tile kernel instead."""
+    monkeypatch.setitem(kr.LAUNCH, "select", "rowsort")
+    monkeypatch.setitem(kr.LAUNCH, "split", split)
+    rng = torch.Generator().manual_seed(split)
+    for E, K in [(16, 9), (40, 12), (64, 16), (24, 10)]:
+        for dtype in (torch.bfloat16, torch.float16):
+            logits = torch.randn(13, E, generator=rng) * 3
+            logits[::3] = logits[::3].round()  # exact ties
+            x = logits.to(dtype).to(DEV)
+            launch = kr._shape_launch(13, E, K, -1, tuple(kr.LAUNCH.values()), 2, E)
+            assert launch[0] is kr._launch_rows16 and launch[2]["SORT"], (E, K, launch)
+            for pol in (TopK(K), TopP(0.7, k_max=K, k_min=1), EntropyAdaptiveK((2, K // 2, K), (1.5, 2.5))):
+                assert_same_plan(x, pol, E % 16 == 0)
+    x = (torch.randn(5, 60, generator=rng) * 3).to(torch.bfloat16).to(DEV)
+    assert "SELECT" in kr._shape_launch(5, 60, 12, -1, tuple(kr.LAUNCH.values()), 2, 60)[2]
+    assert_same_plan(x, TopK(12), True)
+
+
 @pytest.fixture
 def unroll_at(monkeypatch):
     """Sets the fp32 row kernel's unrolling threshold (ROWS_UNROLL_T) for a test; the launches derived from
@@ -539,7 +562,8 @@ def test_gpu_random_shapes_in_full(select):
 @pytest.mark.gpu
 @pytest.mark.parametrize("E,K,split,sel", [(8, 2, 1, "rowwise"), (60, 4, 4, "rowwise"), (64, 8, 2, "rowwise"),
                                          (128, 8, 4, "rowwise"), (256, 8, 8, "rowwise"), (64, 8, 2, "rowsort"),
-                                         (128, 8, 8, "rowsort"), (128, 6, 1, "rowsort")])
+                                         (128, 8, 8, "rowsort"), (128, 6, 1, "rowsort"), (512, 10, 8, "rowsort"),
+                                         (512, 10, 16, "rowsort"), (256, 16, 4, "rowsort")])
 def test_gpu_rowwise_at_the_tuned_shapes(E, K, split, sel, monkeypatch):
     """The one-row-per-thread selection compiled, at the shapes the tuned table gives it (few compiles: the
     random-shapes test above covers it too, but compiles a kernel per E, k and policy)."""

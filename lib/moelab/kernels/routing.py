@@ -336,6 +336,7 @@ def _route_kernel(
 # used for K <= 8 and BLOCK_E <= 64. bf16 / fp16 logits take the 32-bit-key kernel further below.
 MAX_ROWWISE_K = 8
 MAX_ROWWISE_E = 64
+MAX_ROWSORT_K = 16  # 16-bit logits, 'rowsort': the best eight and the next eight in registers (`_top16`)
 # fp32 row kernel: chunk loops unrolled up to this T (and always for BLOCK_E <= 16): decode-sized batches,
 # which graphs replay and where a call lasts one row's chain of loads. H200, graph time per call, E = 60 / 64
 # at T = 1-64: unrolled 3.9-5.6 / 6.5-9.2 us, loops 7.5-11.3 / 10.0-12.7 us (data/results/trials/fp32_rows.py,
@@ -521,6 +522,27 @@ def _keys_tile(v0, v1, v2, v3, v4, v5, v6, v7, slots, K: tl.constexpr, BLOCK_T: 
     return keys
 
 
+@triton.jit
+def _keys_tile_next(keys, l0, l1, l2, l3, l4, l5, l6, l7, slots, K: tl.constexpr):
+    """Slots 8 to K - 1 of the key tile from the next eight registers (8 < K <= 16)."""
+    keys = _slot(keys, l0, 8, slots)
+    if K > 9:
+        keys = _slot(keys, l1, 9, slots)
+    if K > 10:
+        keys = _slot(keys, l2, 10, slots)
+    if K > 11:
+        keys = _slot(keys, l3, 11, slots)
+    if K > 12:
+        keys = _slot(keys, l4, 12, slots)
+    if K > 13:
+        keys = _slot(keys, l5, 13, slots)
+    if K > 14:
+        keys = _slot(keys, l6, 14, slots)
+    if K > 15:
+        keys = _slot(keys, l7, 15, slots)
+    return keys
+
+
 # ------------------------------------------------------------------ rows, 16-bit logits
 # For bf16 / fp16 logits a whole rank key fits in 32 bits: the logit's 16 bits (mapped so that signed
 # integer order is the float order, -0 = +0) above the reversed column. Softmax is monotone, so ranking
@@ -556,12 +578,13 @@ def _unkey16(keys, dtype: tl.constexpr, BF16: tl.constexpr):
 
 @triton.jit
 def _chunk16(
-    x16, ok, rev, m, s, t, v0, v1, v2, v3, v4, v5, v6, v7,
+    x16, ok, rev, m, s, t, v0, v1, v2, v3, v4, v5, v6, v7, l0, l1, l2, l3, l4, l5, l6, l7,
     K: tl.constexpr, R: tl.constexpr, CH: tl.constexpr, FIRST: tl.constexpr, MASKED: tl.constexpr,
     SORT: tl.constexpr, BF16: tl.constexpr,
 ):
     """One chunk [R, CH] of 16-bit logits (R row pieces): keys inserted (SORT, CH = 8: the chunk's eight
-    keys sorted and merged, 19 + 20 compare-exchanges instead of 8 insertions of 2 K - 1 min/max each);
+    keys sorted and merged, 19 + 20 compare-exchanges instead of 8 insertions of 2 K - 1 min/max each;
+    for 8 < K <= 16 merged into the best eight v and the next eight l, `_top16`);
     online max m, sum s of e^d and t
     of d e^d with d = x - m, relative to the running max (all columns masked: m = -inf, s = t = 0).
     d is formed before scaling (x log2(e) - m log2(e) rounds m log2(e): weights 1e-6 off at |m| ~ 20)."""
@@ -580,7 +603,11 @@ def _chunk16(
         k4, k5 = tl.split(b0)
         k6, k7 = tl.split(b1)
         k0, k1, k2, k3, k4, k5, k6, k7 = _sort8(k0, k1, k2, k3, k4, k5, k6, k7)
-        v0, v1, v2, v3, v4, v5, v6, v7 = _top8(v0, v1, v2, v3, v4, v5, v6, v7, k0, k1, k2, k3, k4, k5, k6, k7)
+        if K > 8:
+            v0, v1, v2, v3, v4, v5, v6, v7, l0, l1, l2, l3, l4, l5, l6, l7 = _top16(
+                v0, v1, v2, v3, v4, v5, v6, v7, l0, l1, l2, l3, l4, l5, l6, l7, k0, k1, k2, k3, k4, k5, k6, k7)
+        else:
+            v0, v1, v2, v3, v4, v5, v6, v7 = _top8(v0, v1, v2, v3, v4, v5, v6, v7, k0, k1, k2, k3, k4, k5, k6, k7)
     else:
         v0, v1, v2, v3, v4, v5, v6, v7 = _ins_chunk(key, v0, v1, v2, v3, v4, v5, v6, v7, K, R, CH)
     m_new = tl.maximum(m, tl.max(x, axis=1))
@@ -599,7 +626,7 @@ def _chunk16(
         a = tl.exp2(sh * LOG2E)
         t = a * (t + sh * s) + ed
         s = a * s + tl.sum(e, axis=1)
-    return m_new, s, t, v0, v1, v2, v3, v4, v5, v6, v7
+    return m_new, s, t, v0, v1, v2, v3, v4, v5, v6, v7, l0, l1, l2, l3, l4, l5, l6, l7
 
 
 @triton.jit
@@ -619,6 +646,44 @@ def _top8(a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7):
     c4, c5 = _cx(c4, c5)
     c6, c7 = _cx(c6, c7)
     return c0, c1, c2, c3, c4, c5, c6, c7
+
+
+@triton.jit
+def _bitonic8(c0, c1, c2, c3, c4, c5, c6, c7):
+    """A bitonic sequence of eight keys in descending order (12 compare-exchanges; `_top8`'s stages, which
+    keep their own interleaving with the pairwise max: the k <= 8 kernels compile as before)."""
+    c0, c4 = _cx(c0, c4)
+    c1, c5 = _cx(c1, c5)
+    c2, c6 = _cx(c2, c6)
+    c3, c7 = _cx(c3, c7)
+    c0, c2 = _cx(c0, c2)
+    c1, c3 = _cx(c1, c3)
+    c4, c6 = _cx(c4, c6)
+    c5, c7 = _cx(c5, c7)
+    c0, c1 = _cx(c0, c1)
+    c2, c3 = _cx(c2, c3)
+    c4, c5 = _cx(c4, c5)
+    c6, c7 = _cx(c6, c7)
+    return c0, c1, c2, c3, c4, c5, c6, c7
+
+
+@triton.jit
+def _top16(a0, a1, a2, a3, a4, a5, a6, a7, l0, l1, l2, l3, l4, l5, l6, l7, b0, b1, b2, b3, b4, b5, b6, b7):
+    """The best sixteen of a descending list (best eight a, next eight l) and eight descending keys b, as
+    (best eight, next eight): a and b's pairwise max and min against the reversed b are bitonic and hold
+    their best and worst eight; the next eight are the best of those worst eight and l. 72 operations."""
+    c0, d0 = _cx(a0, b7)
+    c1, d1 = _cx(a1, b6)
+    c2, d2 = _cx(a2, b5)
+    c3, d3 = _cx(a3, b4)
+    c4, d4 = _cx(a4, b3)
+    c5, d5 = _cx(a5, b2)
+    c6, d6 = _cx(a6, b1)
+    c7, d7 = _cx(a7, b0)
+    c0, c1, c2, c3, c4, c5, c6, c7 = _bitonic8(c0, c1, c2, c3, c4, c5, c6, c7)
+    d0, d1, d2, d3, d4, d5, d6, d7 = _bitonic8(d0, d1, d2, d3, d4, d5, d6, d7)
+    l0, l1, l2, l3, l4, l5, l6, l7 = _top8(l0, l1, l2, l3, l4, l5, l6, l7, d0, d1, d2, d3, d4, d5, d6, d7)
+    return c0, c1, c2, c3, c4, c5, c6, c7, l0, l1, l2, l3, l4, l5, l6, l7
 
 
 @triton.jit
@@ -659,6 +724,17 @@ def _merge16(m1, s1, t1, a0, a1, a2, a3, a4, a5, a6, a7, m2, s2, t2, b0, b1, b2,
     t = tl.where(s1 > 0, e1 * (t1 + sh1 * s1), 0.0) + tl.where(s2 > 0, e2 * (t2 + sh2 * s2), 0.0)
     c0, c1, c2, c3, c4, c5, c6, c7 = _top8(a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7)
     return m, s, t, c0, c1, c2, c3, c4, c5, c6, c7
+
+
+@triton.jit
+def _merge16_wide(m1, s1, t1, a0, a1, a2, a3, a4, a5, a6, a7, l0, l1, l2, l3, l4, l5, l6, l7,
+                  m2, s2, t2, b0, b1, b2, b3, b4, b5, b6, b7, n0, n1, n2, n3, n4, n5, n6, n7):
+    """`_merge16` for 8 < K <= 16: each state's sixteen best keys as its best eight and next eight."""
+    m, s, t, l0, l1, l2, l3, l4, l5, l6, l7 = _merge16(
+        m1, s1, t1, l0, l1, l2, l3, l4, l5, l6, l7, m2, s2, t2, n0, n1, n2, n3, n4, n5, n6, n7)
+    a0, a1, a2, a3, a4, a5, a6, a7, l0, l1, l2, l3, l4, l5, l6, l7 = _top16(
+        a0, a1, a2, a3, a4, a5, a6, a7, l0, l1, l2, l3, l4, l5, l6, l7, b0, b1, b2, b3, b4, b5, b6, b7)
+    return m, s, t, a0, a1, a2, a3, a4, a5, a6, a7, l0, l1, l2, l3, l4, l5, l6, l7
 
 
 @triton.jit
@@ -709,25 +785,42 @@ def _route_rows16_kernel(
     v5 = v0
     v6 = v0
     v7 = v0
+    l0 = v0  # the next eight keys (8 < K <= 16); for K <= 8 carried through unchanged, and compiled away
+    l1 = v0
+    l2 = v0
+    l3 = v0
+    l4 = v0
+    l5 = v0
+    l6 = v0
+    l7 = v0
     # the first chunk starts the online sums; the others go through a loop that is not unrolled
     # (unrolled, compile time grew with E: 15 s at E = 128 and 90 s at 256 with Triton 3.6). Loading one or
     # two chunks ahead was measured too (routing-tune-20261130.json, 'pre'): no faster, the integer
     # pipe is the limit (min/max and key bit operations issue at half the fp32 rate).
     ok = col0 < EC
     x16 = _load16(ptrs, rmask, ok, MASKED)
-    m, s, t, v0, v1, v2, v3, v4, v5, v6, v7 = _chunk16(
-        x16, ok, RB - col0, m, s, t, v0, v1, v2, v3, v4, v5, v6, v7, K, R, CH, True, MASKED, SORT, BF16)
+    m, s, t, v0, v1, v2, v3, v4, v5, v6, v7, l0, l1, l2, l3, l4, l5, l6, l7 = _chunk16(
+        x16, ok, RB - col0, m, s, t, v0, v1, v2, v3, v4, v5, v6, v7, l0, l1, l2, l3, l4, l5, l6, l7,
+        K, R, CH, True, MASKED, SORT, BF16)
     for c in tl.range(1, CPC):
         ok = (col0 + c * CH) < EC
         x16 = _load16(ptrs + c * CH, rmask, ok, MASKED)
-        m, s, t, v0, v1, v2, v3, v4, v5, v6, v7 = _chunk16(
-            x16, ok, RB - c * CH - col0, m, s, t, v0, v1, v2, v3, v4, v5, v6, v7, K, R, CH, False, MASKED, SORT, BF16)
-    if SPLIT > 1:
-        m, s, t, v0, v1, v2, v3, v4, v5, v6, v7 = tl.reduce(
-            (tl.reshape(m, [BLOCK_T, SPLIT]), tl.reshape(s, [BLOCK_T, SPLIT]), tl.reshape(t, [BLOCK_T, SPLIT]),
-             tl.reshape(v0, [BLOCK_T, SPLIT]), tl.reshape(v1, [BLOCK_T, SPLIT]), tl.reshape(v2, [BLOCK_T, SPLIT]),
-             tl.reshape(v3, [BLOCK_T, SPLIT]), tl.reshape(v4, [BLOCK_T, SPLIT]), tl.reshape(v5, [BLOCK_T, SPLIT]),
-             tl.reshape(v6, [BLOCK_T, SPLIT]), tl.reshape(v7, [BLOCK_T, SPLIT])), 1, _merge16)
+        m, s, t, v0, v1, v2, v3, v4, v5, v6, v7, l0, l1, l2, l3, l4, l5, l6, l7 = _chunk16(
+            x16, ok, RB - c * CH - col0, m, s, t, v0, v1, v2, v3, v4, v5, v6, v7, l0, l1, l2, l3, l4, l5, l6, l7,
+            K, R, CH, False, MASKED, SORT, BF16)
+    if SPLIT > 1:  # [R] row pieces -> [BLOCK_T, SPLIT], merged along the pieces
+        B: tl.constexpr = BLOCK_T
+        S: tl.constexpr = SPLIT
+        sums = (tl.reshape(m, [B, S]), tl.reshape(s, [B, S]), tl.reshape(t, [B, S]))
+        best = (tl.reshape(v0, [B, S]), tl.reshape(v1, [B, S]), tl.reshape(v2, [B, S]), tl.reshape(v3, [B, S]),
+                tl.reshape(v4, [B, S]), tl.reshape(v5, [B, S]), tl.reshape(v6, [B, S]), tl.reshape(v7, [B, S]))
+        if K > 8:
+            nxt = (tl.reshape(l0, [B, S]), tl.reshape(l1, [B, S]), tl.reshape(l2, [B, S]), tl.reshape(l3, [B, S]),
+                   tl.reshape(l4, [B, S]), tl.reshape(l5, [B, S]), tl.reshape(l6, [B, S]), tl.reshape(l7, [B, S]))
+            m, s, t, v0, v1, v2, v3, v4, v5, v6, v7, l0, l1, l2, l3, l4, l5, l6, l7 = tl.reduce(
+                sums + best + nxt, 1, _merge16_wide)
+        else:
+            m, s, t, v0, v1, v2, v3, v4, v5, v6, v7 = tl.reduce(sums + best, 1, _merge16)
     rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = rows < T
     lse = tl.log(s)
@@ -735,6 +828,8 @@ def _route_rows16_kernel(
 
     slots = tl.arange(0, BLOCK_K)[None, :]
     keys = _keys_tile(v0, v1, v2, v3, v4, v5, v6, v7, slots, K, BLOCK_T, BLOCK_K)
+    if K > 8:
+        keys = _keys_tile_next(keys, l0, l1, l2, l3, l4, l5, l6, l7, slots, K)
     x_tile = _unkey16(keys, logits_ptr.dtype.element_ty, BF16)
     p_tile = tl.exp((x_tile.to(tl.float32) - m[:, None]) - lse[:, None])  # the other selections' formula
     ids_tile = tl.where(slots < K, RB - (keys & 0xFFFF), -1)
@@ -797,11 +892,14 @@ def _select(K: int, sel: str, block_e: int = 0, elsize: int = 4) -> int:
     of one is a plain max); 2 'split': K rounds of an fp32 max, then the lowest index holding it;
     3 'rowwise': one row per thread, keys inserted into K sorted registers (K <= 8, and for fp32 logits
     BLOCK_E <= 64; else 'rounds'); 'rowsort': the same kernel, and for 16-bit logits in 8-key chunks
-    with 5 <= K <= 8 each chunk's keys are sorted and merged instead of inserted one by one."""
+    with 5 <= K <= 8 each chunk's keys are sorted and merged instead of inserted one by one, which also
+    takes 8 < K <= 16 (MAX_ROWSORT_K; the chunks need 16-byte aligned rows, else 'rounds')."""
     if sel not in SELECTS:
         raise ValueError(f"select={sel!r}: must be one of {SELECTS}")
     if sel == "bitonic" and K >= 2 and hasattr(tl, "topk"):
         return 1
+    if sel == "rowsort" and elsize == 2 and MAX_ROWWISE_K < K <= MAX_ROWSORT_K:
+        return 3
     if sel in ("rowwise", "rowsort"):
         return 3 if K <= MAX_ROWWISE_K and (elsize == 2 or block_e <= MAX_ROWWISE_E) else 0
     return 2 if sel == "split" else 0
@@ -926,14 +1024,16 @@ def _shape_launch(T: int, E: int, K: int, cuda: int, overrides: tuple, elsize: i
     select = _select(K, cfg["select"], block_e, elsize)
     meta = dict(K=K, BLOCK_K=pow2(K), BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K1=pow2(K + 1))
     launch = _launch
+    ch = min(block_e, 16 // elsize, (stride & -stride) or 16)
+    if select == 3 and K > MAX_ROWWISE_K and ch != 8:  # K > 8 merges whole 8-key chunks only
+        select = 0
     if select == 3:  # one 16-byte load per row (and split) and chunk
-        ch = min(block_e, 16 // elsize, (stride & -stride) or 16)
         meta.update(CH=ch, EC=E, SC=stride)
         launch = _launch_rows
         if elsize == 2:
             launch = _launch_rows16
             meta["SPLIT"] = max(1, min(cfg["split"], block_e // ch))
-            meta["SORT"] = cfg["select"] == "rowsort" and ch == 8 and pow2(K) == 8
+            meta["SORT"] = cfg["select"] == "rowsort" and ch == 8 and pow2(K) in (8, 16)
         else:  # the int64-key row kernel (fp32, and fp64 logits where a caller passes them)
             meta["UNROLL"] = T <= ROWS_UNROLL_T or block_e <= 16
             # its whole tile at every T (rows past T are masked; T not specialised on either): a decode
