@@ -159,9 +159,10 @@ if abl_doc is not None and abl_doc.get("profile"):
 # %% [markdown]
 # ## 1c · Wider routers: 256 and 512 experts
 # Qwen3.5-35B-A3B routes over 256 experts (top-8); Qwen3-Next-80B-A3B and Qwen3.5-397B-A17B over 512 (top-10),
-# where the row kernels (k <= 8) do not apply. `benchmarks/moe_kernels.py --parts routing-wide` times the same
-# methods at these shapes (`routing-wide-*.json`; its command line says whether their launch was tuned in
-# the same run). The targets were set for E <= 128; they are drawn for scale.
+# where the row kernel keeps each row piece's best eight and next eight keys (8 < k <= 16).
+# `benchmarks/moe_kernels.py --parts routing-wide` times the same methods at these shapes (`routing-wide-*.json`;
+# its command line says whether their launch was tuned in the same run). The targets were set for E <= 128;
+# they are drawn for scale.
 
 # %%
 wide_doc = results.load_optional("routing-wide", rdir)
