@@ -7,7 +7,8 @@ selections find the k_max largest: on tiles of tokens x experts, k_max rounds of
 (probability bits, reversed index) keys, a bitonic tl.topk of those keys, or k_max rounds of an fp32
 max and the lowest index holding it; or with rows in threads ('rowwise'), each key inserted into k_max
 sorted registers (bf16 / fp16 logits: 32-bit (logit, reversed index) keys, one pass, a row split over
-up to 8 threads; 'rowsort': chunks of eight keys sorted and merged). Which is fastest depends on E,
+up to 16 threads; 'rowsort': chunks of eight keys sorted and merged, also for 8 < k_max <= 16 into a
+best eight and a next eight). Which is fastest depends on E,
 k_max and T (TUNED, per device). k_max and the launch shape are compile-time constants; so is the policy
 kind, except in the fp32 row kernel ('rowwise' / 'rowsort' with fp32 logits, k_max <= 8, BLOCK_E <= 64: on
 the H200 the embedded fp32 models' path, but for E <= 8 at T <= 16), where one compiled kernel serves every kind.
