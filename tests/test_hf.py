@@ -299,6 +299,38 @@ def test_router_logits_reads_every_layer_in_causal_chunks(model):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on the GPU machine)")
+@pytest.mark.parametrize("family", FAMILIES)
+@torch.no_grad()
+def test_patched_decode_step_in_cuda_graphs(family):
+    """Every family's decode step (`hf_decode_step`, bf16) with adaptive routing captures in CUDA graphs, the
+    hybrids' linear-attention layers included, and its replays give the eager step's logits at each batch
+    bucket; the adaptive plan changes them from the model's own routing."""
+    from moelab.graphs import GraphRunner, hf_decode_step
+
+    m = tiny(family).to("cuda", torch.bfloat16)
+    layers = moe_layers(m)
+    vocab = m.config.get_text_config().vocab_size
+    step = hf_decode_step(m, "logits")
+    make = lambda b: (torch.randint(0, vocab, (b, 3), device="cuda"),)  # noqa: E731
+    x = {b: torch.randint(0, vocab, (b, 3), generator=torch.Generator().manual_seed(b)).cuda() for b in (1, 4)}
+    own = {b: step(x[b]) for b in x}
+    with record_router(m) as rec:  # each layer's median entropy: half the tokens keep k // 2 experts
+        step(torch.cat([x[1], x[4]]))
+    pols = [EntropyAdaptiveK((layer.native_k // 2, layer.native_k), (float(rec.entropy(i).float().median()),))
+            for i, layer in enumerate(layers)]
+    with patched(m, pols, check=False) as p:
+        runner = GraphRunner(step, make, [1, 4], warmup=2).capture()
+        assert p.uncounted and p.uncounted % len(layers) == 0  # captured forwards of every layer: not counted
+        for b in x:
+            ref = step(x[b])
+            torch.testing.assert_close(runner(x[b]), ref)
+            assert not torch.equal(ref, own[b])
+        k = p.mean_k()
+    assert all(min(pol.k_values) <= k[i] <= max(pol.k_values) for i, pol in enumerate(pols))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on the GPU machine)")
 @torch.no_grad()
 def test_captured_patched_forwards_are_not_counted_and_record_refuses_capture():
     """Replays route as patched but write nothing into the Patch (its counters are freed while graphs live on):
