@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from moelab.graphs import (
+    HOST_FACTORY_FAMILIES,
     GraphRunner,
     bucket_for,
     capture_order,
@@ -482,6 +483,11 @@ def test_hf_decode_step_returns_greedy_ids_of_the_last_position():
     torch.testing.assert_close(got_logits, full)
     with pytest.raises(ValueError, match="output='probs'"):
         hf_decode_step(model, "probs")
+    # under torch.device(ids' device): the same logits (MiniMax's step takes it by default: its lightning
+    # attention builds a state with torch.zeros on the host, which a capture refuses to copy)
+    with torch.no_grad():
+        torch.testing.assert_close(hf_decode_step(model, "logits", on_device=True)(ids), full)
+    assert HOST_FACTORY_FAMILIES == {"minimax"}
 
 
 def test_entropy_adaptive_choose_k_is_the_table_lookup_without_a_k_tensor():

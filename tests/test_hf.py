@@ -305,7 +305,7 @@ def test_patched_decode_step_in_cuda_graphs(family):
     """Every family's decode step (`hf_decode_step`, bf16) with adaptive routing captures in CUDA graphs, the
     hybrids' linear-attention layers included, and its replays give the eager step's logits at each batch
     bucket; the adaptive plan changes them from the model's own routing."""
-    from moelab.graphs import GraphRunner, hf_decode_step
+    from moelab.graphs import HOST_FACTORY_FAMILIES, GraphRunner, hf_decode_step
 
     m = tiny(family).to("cuda", torch.bfloat16)
     layers = moe_layers(m)
@@ -327,6 +327,9 @@ def test_patched_decode_step_in_cuda_graphs(family):
             assert not torch.equal(ref, own[b])
         k = p.mean_k()
     assert all(min(pol.k_values) <= k[i] <= max(pol.k_values) for i, pol in enumerate(pols))
+    if family in HOST_FACTORY_FAMILIES:  # why its step runs under torch.device: without, the capture fails
+        with pytest.raises(RuntimeError, match="during CUDA graph capture"):
+            GraphRunner(hf_decode_step(m, "logits", on_device=False), make, [1], warmup=1).capture()
 
 
 @pytest.mark.gpu

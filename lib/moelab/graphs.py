@@ -58,6 +58,7 @@ __all__ = [
     "merge_ranges",
     "fraction_on_ranges",
     "hf_decode_step",
+    "HOST_FACTORY_FAMILIES",
     "prefer_graph_pool",
     "ScratchLiveError",
     "PoolLockTimeout",
@@ -114,17 +115,29 @@ def capture_order(buckets: Sequence[int]) -> list[int]:
     return sorted(check_buckets(buckets), reverse=True)
 
 
-def hf_decode_step(model, output: str = "ids") -> Callable:
+# families whose forward builds a tensor on the host and copies it over (MiniMax's lightning attention:
+# torch.zeros(...).to(values) for its state without a cache), which a CUDA-graph capture refuses
+HOST_FACTORY_FAMILIES = frozenset({"minimax"})
+
+
+def hf_decode_step(model, output: str = "ids", on_device: bool | None = None) -> Callable:
     """step(ids_BL) of a transformers causal LM: last position only, greedy ids [B] or logits [B, V].
 
     One forward without KV cache. output_router_logits=False: the trained configs keep it on from
     training, and the router aux loss it adds syncs with the host (bincount), which capture refuses.
+    on_device: run the forward under `torch.device(<the ids' device>)`, so that factory calls without a
+    device land there instead of on the host (None: for HOST_FACTORY_FAMILIES only; elsewhere the
+    function mode would only add host time to eager steps).
     """
     if output not in ("ids", "logits"):
         raise ValueError(f"output={output!r}: must be 'ids' (greedy next tokens) or 'logits' (last position)")
+    if on_device is None:
+        on_device = getattr(model.config.get_text_config(), "model_type", None) in HOST_FACTORY_FAMILIES
 
     def step(ids_BL):
-        logits_BV = model(input_ids=ids_BL, use_cache=False, logits_to_keep=1, output_router_logits=False).logits[:, -1]
+        with torch.device(ids_BL.device) if on_device else contextlib.nullcontext():
+            out = model(input_ids=ids_BL, use_cache=False, logits_to_keep=1, output_router_logits=False)
+        logits_BV = out.logits[:, -1]
         return logits_BV.argmax(-1) if output == "ids" else logits_BV
 
     return step
