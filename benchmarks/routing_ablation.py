@@ -35,14 +35,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from moe_kernels import copy_bandwidth_gbs, graph_us, memory_floor  # noqa: E402
 
 KERNEL = Path(__file__).resolve().parents[1] / "lib" / "moelab" / "kernels" / "routing.py"
-SELECTION = (
-    "        k0, k1, k2, k3, k4, k5, k6, k7 = _sort8(k0, k1, k2, k3, k4, k5, k6, k7)\n"
-    "        v0, v1, v2, v3, v4, v5, v6, v7 = _top8(v0, v1, v2, v3, v4, v5, v6, v7, k0, k1, k2, k3, k4, k5, k6, k7)",
-    "        v0 = tl.maximum(v0, tl.maximum(tl.maximum(tl.maximum(k0, k1), tl.maximum(k2, k3)),\n"
-    "                                       tl.maximum(tl.maximum(k4, k5), tl.maximum(k6, k7))))",
-)
+SELECTION = [  # the k <= 8 chunk step; a K > 8 kernel would merge the unsorted keys (not ablated: k = 8 here)
+    ("        k0, k1, k2, k3, k4, k5, k6, k7 = _sort8(k0, k1, k2, k3, k4, k5, k6, k7)\n", ""),
+    ("            v0, v1, v2, v3, v4, v5, v6, v7 = _top8("
+     "v0, v1, v2, v3, v4, v5, v6, v7, k0, k1, k2, k3, k4, k5, k6, k7)",
+     "            v0 = tl.maximum(v0, tl.maximum(tl.maximum(tl.maximum(k0, k1), tl.maximum(k2, k3)),\n"
+     "                                           tl.maximum(tl.maximum(k4, k5), tl.maximum(k6, k7))))"),
+]
 EXP = [("e = tl.exp2(d * LOG2E)", "e = d"), ("a = tl.exp2(sh * LOG2E)", "a = sh")]
-VARIANTS = {"full": [], "no_selection": [SELECTION], "no_exp": EXP, "neither": [SELECTION, *EXP]}
+VARIANTS = {"full": [], "no_selection": SELECTION, "no_exp": EXP, "neither": [*SELECTION, *EXP]}
 MINMAX = ("VIMNMX", "VIMNMX3", "IMNMX", "FMNMX")  # integer / float min and max (the selection's compare-exchanges)
 # per-SM limits of compute capability 9.0 (CUDA C programming guide, Technical Specifications)
 SM90 = {"regs": 65536, "threads": 2048, "blocks": 32, "smem": 233472, "reg_unit": 256, "smem_per_block": 1024}
