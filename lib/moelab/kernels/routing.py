@@ -673,7 +673,8 @@ def _bitonic8(c0, c1, c2, c3, c4, c5, c6, c7):
 def _top16(a0, a1, a2, a3, a4, a5, a6, a7, l0, l1, l2, l3, l4, l5, l6, l7, b0, b1, b2, b3, b4, b5, b6, b7):
     """The best sixteen of a descending list (best eight a, next eight l) and eight descending keys b, as
     (best eight, next eight): a and b's pairwise max and min against the reversed b are bitonic and hold
-    their best and worst eight; the next eight are the best of those worst eight and l. 72 operations."""
+    their best and worst eight; the next eight are the best of those worst eight and l. 52 compare-exchanges
+    or maxes (a chunk's step: 19 + 52, against 19 + 20 at K <= 8)."""
     c0, d0 = _cx(a0, b7)
     c1, d1 = _cx(a1, b6)
     c2, d2 = _cx(a2, b5)
