@@ -607,7 +607,7 @@ def _chunk16(
         k0, k1, k2, k3, k4, k5, k6, k7 = _sort8(k0, k1, k2, k3, k4, k5, k6, k7)
         if K > 8:
             v0, v1, v2, v3, v4, v5, v6, v7, l0, l1, l2, l3, l4, l5, l6, l7 = _top16(
-                v0, v1, v2, v3, v4, v5, v6, v7, l0, l1, l2, l3, l4, l5, l6, l7, k0, k1, k2, k3, k4, k5, k6, k7)
+                v0, v1, v2, v3, v4, v5, v6, v7, l0, l1, l2, l3, l4, l5, l6, l7, k0, k1, k2, k3, k4, k5, k6, k7, K)
         else:
             v0, v1, v2, v3, v4, v5, v6, v7 = _top8(v0, v1, v2, v3, v4, v5, v6, v7, k0, k1, k2, k3, k4, k5, k6, k7)
     else:
@@ -670,11 +670,14 @@ def _bitonic8(c0, c1, c2, c3, c4, c5, c6, c7):
 
 
 @triton.jit
-def _top16(a0, a1, a2, a3, a4, a5, a6, a7, l0, l1, l2, l3, l4, l5, l6, l7, b0, b1, b2, b3, b4, b5, b6, b7):
-    """The best sixteen of a descending list (best eight a, next eight l) and eight descending keys b, as
-    (best eight, next eight): a and b's pairwise max and min against the reversed b are bitonic and hold
-    their best and worst eight; the next eight are the best of those worst eight and l. 52 compare-exchanges
-    or maxes (a chunk's step: 19 + 52, against 19 + 20 at K <= 8)."""
+def _top16(a0, a1, a2, a3, a4, a5, a6, a7, l0, l1, l2, l3, l4, l5, l6, l7, b0, b1, b2, b3, b4, b5, b6, b7,
+           K: tl.constexpr):
+    """The best K (8 < K <= 16) of a descending list (best eight a, next K - 8 in l) and eight descending keys
+    b, as (best eight, next eight): a and b's pairwise max and min against the reversed b are bitonic and hold
+    their best and worst eight; the next K - 8 are the best of those worst eight and l. For K - 8 < 4 the worst
+    eight are inserted into l one by one (8 (2 (K - 8) - 1) min / max), else sorted and merged (12 + 20
+    compare-exchanges or maxes). A chunk's step at K = 10: 19 + 8 + 12 + 12 (in compare-exchanges), against
+    19 + 20 at K <= 8."""
     c0, d0 = _cx(a0, b7)
     c1, d1 = _cx(a1, b6)
     c2, d2 = _cx(a2, b5)
@@ -684,8 +687,18 @@ def _top16(a0, a1, a2, a3, a4, a5, a6, a7, l0, l1, l2, l3, l4, l5, l6, l7, b0, b
     c6, d6 = _cx(a6, b1)
     c7, d7 = _cx(a7, b0)
     c0, c1, c2, c3, c4, c5, c6, c7 = _bitonic8(c0, c1, c2, c3, c4, c5, c6, c7)
-    d0, d1, d2, d3, d4, d5, d6, d7 = _bitonic8(d0, d1, d2, d3, d4, d5, d6, d7)
-    l0, l1, l2, l3, l4, l5, l6, l7 = _top8(l0, l1, l2, l3, l4, l5, l6, l7, d0, d1, d2, d3, d4, d5, d6, d7)
+    if K - 8 < 4:
+        l0, l1, l2, l3, l4, l5, l6, l7 = _ins(d0, l0, l1, l2, l3, l4, l5, l6, l7, K - 8)
+        l0, l1, l2, l3, l4, l5, l6, l7 = _ins(d1, l0, l1, l2, l3, l4, l5, l6, l7, K - 8)
+        l0, l1, l2, l3, l4, l5, l6, l7 = _ins(d2, l0, l1, l2, l3, l4, l5, l6, l7, K - 8)
+        l0, l1, l2, l3, l4, l5, l6, l7 = _ins(d3, l0, l1, l2, l3, l4, l5, l6, l7, K - 8)
+        l0, l1, l2, l3, l4, l5, l6, l7 = _ins(d4, l0, l1, l2, l3, l4, l5, l6, l7, K - 8)
+        l0, l1, l2, l3, l4, l5, l6, l7 = _ins(d5, l0, l1, l2, l3, l4, l5, l6, l7, K - 8)
+        l0, l1, l2, l3, l4, l5, l6, l7 = _ins(d6, l0, l1, l2, l3, l4, l5, l6, l7, K - 8)
+        l0, l1, l2, l3, l4, l5, l6, l7 = _ins(d7, l0, l1, l2, l3, l4, l5, l6, l7, K - 8)
+    else:
+        d0, d1, d2, d3, d4, d5, d6, d7 = _bitonic8(d0, d1, d2, d3, d4, d5, d6, d7)
+        l0, l1, l2, l3, l4, l5, l6, l7 = _top8(l0, l1, l2, l3, l4, l5, l6, l7, d0, d1, d2, d3, d4, d5, d6, d7)
     return c0, c1, c2, c3, c4, c5, c6, c7, l0, l1, l2, l3, l4, l5, l6, l7
 
 
@@ -732,11 +745,12 @@ def _merge16(m1, s1, t1, a0, a1, a2, a3, a4, a5, a6, a7, m2, s2, t2, b0, b1, b2,
 @triton.jit
 def _merge16_wide(m1, s1, t1, a0, a1, a2, a3, a4, a5, a6, a7, l0, l1, l2, l3, l4, l5, l6, l7,
                   m2, s2, t2, b0, b1, b2, b3, b4, b5, b6, b7, n0, n1, n2, n3, n4, n5, n6, n7):
-    """`_merge16` for 8 < K <= 16: each state's sixteen best keys as its best eight and next eight."""
+    """`_merge16` for 8 < K <= 16: each state's best keys as its best eight and next eight (all sixteen kept:
+    a combine function takes no K; slots a piece never filled hold keys below every real one)."""
     m, s, t, l0, l1, l2, l3, l4, l5, l6, l7 = _merge16(
         m1, s1, t1, l0, l1, l2, l3, l4, l5, l6, l7, m2, s2, t2, n0, n1, n2, n3, n4, n5, n6, n7)
     a0, a1, a2, a3, a4, a5, a6, a7, l0, l1, l2, l3, l4, l5, l6, l7 = _top16(
-        a0, a1, a2, a3, a4, a5, a6, a7, l0, l1, l2, l3, l4, l5, l6, l7, b0, b1, b2, b3, b4, b5, b6, b7)
+        a0, a1, a2, a3, a4, a5, a6, a7, l0, l1, l2, l3, l4, l5, l6, l7, b0, b1, b2, b3, b4, b5, b6, b7, 16)
     return m, s, t, a0, a1, a2, a3, a4, a5, a6, a7, l0, l1, l2, l3, l4, l5, l6, l7
 
 
