@@ -359,8 +359,11 @@ def test_rows16_wide_k(split, monkeypatch):
             x = logits.to(dtype).to(DEV)
             launch = kr._shape_launch(13, E, K, -1, tuple(kr.LAUNCH.values()), 2, E)
             assert launch[0] is kr._launch_rows16 and launch[2]["SORT"], (E, K, launch)
-            for pol in (TopK(K), TopP(0.7, k_max=K, k_min=1), EntropyAdaptiveK((2, K // 2, K), (1.5, 2.5))):
+            for pol in (TopK(K), TopP(0.7, k_max=K, k_min=1)):
                 assert_same_plan(x, pol, E % 16 == 0)
+            stats = RoutingStats.zeros(K, DEV)  # with device statistics: the histogram of the plan's own k
+            _, got = assert_same_plan(x, EntropyAdaptiveK((2, K // 2, K), (1.5, 2.5)), E % 16 == 0, stats)
+            assert stats.summary()["k_hist"] == torch.bincount(got.k.long(), minlength=K + 1).tolist()
     x = (torch.randn(5, 60, generator=rng) * 3).to(torch.bfloat16).to(DEV)
     assert "SELECT" in kr._shape_launch(5, 60, 12, -1, tuple(kr.LAUNCH.values()), 2, 60)[2]
     assert_same_plan(x, TopK(12), True)
