@@ -1,5 +1,6 @@
 """Compute accounting counts against the model's native k, never against k_max."""
 
+import inspect
 import math
 
 import pytest
@@ -76,25 +77,103 @@ def test_shapes_from_config_and_whole_forward(cfg, moe_layers, shared):
         s.forward_flops([1.0] * (moe_layers + 1), 256)
 
 
-def test_shapes_of_a_hybrid_model_leave_the_whole_forward_unmodelled():
-    """Linear-attention layers (Qwen3-Next, MiniMax) are not modelled: the whole-forward share is NaN and the
-    FLOP count refuses, naming the layers; softmax-only configs (sliding windows too) are modelled."""
+def _counted(model, ids, **kw):
+    """FLOPs torch's FlopCounterMode counts in one forward (matrix products and convolutions), and per module."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with torch.no_grad(), FlopCounterMode(display=False) as fc:
+        out = model(ids, **kw)
+    per_module = {name: {str(op): n for op, n in d.items()} for name, d in fc.get_flop_counts().items()}
+    return fc.get_total_flops(), per_module, out
+
+
+def _eager(family, **overrides):
+    """A tiny random model whose attention and experts run as plain matrix products the counter sees (it does not
+    count torch._grouped_mm), with the model's own top-k routing: native_k pairs per token."""
     from moelab.models import tiny_random
 
-    for fam, linear in (("qwen3_next", 1), ("minimax", 1), ("mixtral", 0)):
-        try:
-            cfg = tiny_random(fam).config
-        except ValueError:  # a transformers without the family
-            continue
-        s = ModelShapes.from_config(cfg)
-        assert s.linear_attention_layers == linear and s.models_forward == (linear == 0)
-        assert s.expert_flops() == 2.0 * 3 * s.hidden * s.expert_ffn  # the routed experts are counted all the same
-        if linear:
-            assert math.isnan(s.forward_reduction(s.native_k / 2, context=64))
-            with pytest.raises(ValueError, match="1 of 2 layers mix tokens without softmax attention"):
-                s.forward_flops(float(s.native_k), 64)
-        else:
-            assert 0 < s.forward_reduction(s.native_k / 2, context=64) < 0.5
+    try:
+        m = tiny_random(family, **overrides)
+    except ValueError:  # a transformers without the family
+        pytest.skip(f"no {family} in this transformers")
+    m.set_attn_implementation("eager")
+    m.set_experts_implementation("eager")
+    return m
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "flex_olmo"])
+def test_whole_forward_flops_equal_what_torch_counts(family):
+    """ModelShapes' FLOP model is exact for softmax-attention models: a prefill of L tokens with the native top-k
+    counts L * forward_flops(native_k, context=L) matrix-product FLOPs (eager attention computes all L x L
+    scores), dense layers, shared experts and their gates included."""
+    torch.manual_seed(0)
+    m = _eager(family)
+    s = ModelShapes.from_config(m.config)
+    L = 24
+    got, _, _ = _counted(m, torch.randint(0, m.config.vocab_size, (1, L)))
+    assert got == pytest.approx(L * s.forward_flops(float(s.native_k), context=L), rel=1e-12)
+    if family == "qwen2_moe":  # the same with a dense first layer
+        m = _eager(family, mlp_only_layers=[0])
+        s = ModelShapes.from_config(m.config)
+        assert s.moe_layers == 1
+        got, _, _ = _counted(m, torch.randint(0, m.config.vocab_size, (1, L)))
+        assert got == pytest.approx(L * s.forward_flops(float(s.native_k), context=L), rel=1e-12)
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_moe", "minimax"])
+def test_hybrid_forward_flops_match_torch_counts(family):
+    """Hybrid models (one linear-attention layer, one softmax): every counted matrix product outside the linear
+    mixer's core is modelled exactly (projections, the gated query, the MoE blocks, the LM head); the short
+    convolution counts L + K - 1 outputs in the reference kernel (padded both sides, then cut); the core's
+    chunked prefill products are the kernel's own, and the recurrent form the model counts is what a decode
+    step runs (MiniMax's decode step is matrix products: counted exactly)."""
+    torch.manual_seed(0)
+    m = _eager(family)
+    cfg = m.config.get_text_config() if hasattr(m.config, "get_text_config") else m.config
+    s = ModelShapes.from_config(cfg)
+    assert s.linear_attention_layers == 1 and s.models_forward and s.linear_mixer is not None
+    assert s.query_gate == (family != "minimax")
+    L = 24
+    ids = torch.randint(0, cfg.vocab_size, (1, L))
+    got, per_module, out = _counted(m, ids, use_cache=True)
+    (i,) = [j for j, t in enumerate(cfg.layer_types) if t == "linear_attention"]
+    layer = m.model.layers[i]
+    attr = "linear_attn" if hasattr(layer, "linear_attn") else "self_attn"
+    prefix = f"{type(m).__name__}.model.layers.{i}.{attr}"
+    mixer = getattr(layer, attr)
+    linear_children = [n for n, c in mixer.named_children() if isinstance(c, torch.nn.Linear)]
+    proj = sum(sum(per_module.get(f"{prefix}.{n}", {}).values()) for n in linear_children)
+    conv = per_module[prefix].get("aten.convolution", 0)
+    assert proj == pytest.approx(L * s.linear_mixer.proj, rel=1e-12)
+    K = getattr(cfg, "linear_conv_kernel_dim", 0)
+    assert conv == pytest.approx((L + K - 1) * s.linear_mixer.conv, rel=1e-12)
+    core = sum(per_module[prefix].values()) - proj - conv
+    assert core > 0
+    modelled = L * s.forward_flops(float(s.native_k), context=L)
+    assert got - core - conv == pytest.approx(modelled - L * (s.linear_mixer.core + s.linear_mixer.conv), rel=1e-12)
+    if family == "minimax":  # one decode step after the prefill: the recurrent form, all matrix products
+        nxt = torch.randint(0, cfg.vocab_size, (1, 1))
+        name = "cache" if "cache" in inspect.signature(m.forward).parameters else "past_key_values"  # 5.2x / 5.17
+        cache = out["cache"] if "cache" in out else out["past_key_values"]
+        got, _, _ = _counted(m, nxt, use_cache=True, **{name: cache})
+        assert got == pytest.approx(s.forward_flops(float(s.native_k), context=L + 1), rel=1e-12)
+    # halving k saves half the routed-expert FLOPs, and less of the whole forward
+    assert 0 < s.forward_reduction(s.native_k / 2, context=64) < 0.5
+
+
+def test_an_unknown_linear_mixer_leaves_the_whole_forward_unmodelled():
+    """Linear-attention layers of a kind ModelShapes does not know: the whole-forward share is NaN and the FLOP
+    count refuses, naming the layers; the routed experts are counted all the same."""
+    from moelab.models import tiny_random
+
+    cfg = tiny_random("mixtral").config
+    cfg.layer_types = ["some_linear_attention", "full_attention"]
+    s = ModelShapes.from_config(cfg)
+    assert s.linear_attention_layers == 1 and s.linear_mixer is None and not s.models_forward
+    assert s.expert_flops() == 2.0 * 3 * s.hidden * s.expert_ffn
+    assert math.isnan(s.forward_reduction(s.native_k / 2, context=64))
+    with pytest.raises(ValueError, match="1 of 2 layers mix tokens without softmax attention"):
+        s.forward_flops(float(s.native_k), 64)
 
 
 def test_pool_layers_sums_pairs_and_histograms_per_policy():

@@ -88,9 +88,7 @@ def test_estimates(model, ids):
 def test_a_hybrid_model_with_512_experts_evaluates_with_its_routing_changed():
     """Qwen3-Next (512 experts, top-10, linear-attention layers):
     perplexity is measured with the routing changed, the routed-expert reduction is that of the kept pairs, and
-    the whole-forward share, not modelled there, is NaN rather than a wrong number."""
-    import math
-
+    the whole-forward share counts the gated DeltaNet layer's mixer (`compute.LinearMixer`) with the rest."""
     try:
         m = tiny_random("qwen3_next")
     except ValueError:
@@ -104,4 +102,4 @@ def test_a_hybrid_model_with_512_experts_evaluates_with_its_routing_changed():
     half = evaluate(m, TopK(5), ids, context=32, stride=32, progress=False, baseline_ppl=base.summary["ppl"])
     assert half.summary["expert_reduction"] == pytest.approx(0.5) and half.summary["mean_k"] == 5.0
     assert half.summary["ppl"] != pytest.approx(base.summary["ppl"], rel=1e-6)
-    assert math.isnan(half.summary["forward_reduction"])
+    assert 0 < half.summary["forward_reduction"] < 0.5  # the mixers, the shared expert and the head are not skipped

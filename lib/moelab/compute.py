@@ -74,6 +74,44 @@ def expert_reduction(mean_k: float, native_k: int) -> float:
     return 1.0 - mean_k / native_k
 
 
+# families whose softmax-attention q_proj also yields a sigmoid output gate (its output is twice as wide)
+GATED_QUERY_FAMILIES = ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")
+
+
+@dataclass(frozen=True)
+class LinearMixer:
+    """FLOPs per token of one linear-attention layer's token mixer (multiply-add = 2): its projections, its short
+    causal convolution, and the matrix products of its recurrent form (state update and read-out, as at decode;
+    the chunked prefill kernels spend more on intra-chunk products). Context-independent."""
+
+    proj: float
+    conv: float
+    core: float
+
+    @property
+    def total(self) -> float:
+        return self.proj + self.conv + self.core
+
+    @classmethod
+    def from_config(cls, cfg) -> "LinearMixer | None":
+        """Gated DeltaNet (Qwen3-Next, Qwen3.5) or lightning attention (MiniMax); None for another kind."""
+        D = cfg.hidden_size
+        if getattr(cfg, "linear_num_value_heads", None):  # gated DeltaNet
+            nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+            dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+            qkv = 2 * nk * dk + nv * dv  # the convolved channels
+            # in: q, k, v, the output gate z (nv * dv), beta and the decay a (nv each); out: nv * dv -> D
+            proj = 2.0 * D * (qkv + nv * dv + 2 * nv) + 2.0 * nv * dv * D
+            # per value head: S^T k, the rank-1 update k (v - S^T k)^T beta and S^T q, each 2 dk dv
+            return cls(proj=proj, conv=2.0 * qkv * cfg.linear_conv_kernel_dim, core=6.0 * nv * dk * dv)
+        if getattr(cfg, "model_type", None) == "minimax":  # lightning attention: heads of head_dim, a kv state
+            H = cfg.num_attention_heads
+            hd = getattr(cfg, "head_dim", None) or D // H
+            # qkv_proj, output_gate and out_proj; per head k^T v into the state and q S, each 2 hd^2
+            return cls(proj=2.0 * D * 3 * H * hd + 2.0 * 2 * D * H * hd, conv=0.0, core=4.0 * H * hd * hd)
+        return None
+
+
 @dataclass(frozen=True)
 class ModelShapes:
     """What the FLOP count of one token's forward needs to know about a decoder-only MoE model."""
@@ -92,12 +130,14 @@ class ModelShapes:
     shared_ffn: int = 0  # shared expert intermediate size (Qwen2-MoE), 0 if none
     glu: bool = True  # gate/up/down expert MLPs (3 matrices) vs up/down (2)
     linear_attention_layers: int = 0  # layers whose token mixer is not softmax attention (Qwen3-Next, MiniMax)
+    linear_mixer: LinearMixer | None = None  # their mixer's FLOPs, where the kind is known
+    query_gate: bool = False  # q_proj also yields an output gate (Qwen3-Next, Qwen3.5)
 
     @property
     def models_forward(self) -> bool:
-        """Whether the whole forward's FLOPs are modelled: softmax attention (full or sliding) in every layer.
-        The routed-expert counts never depend on it."""
-        return self.linear_attention_layers == 0
+        """Whether the whole forward's FLOPs are modelled: softmax attention (full or sliding) in every layer, or
+        linear-attention layers of a known kind (`LinearMixer`). The routed-expert counts never depend on it."""
+        return self.linear_attention_layers == 0 or self.linear_mixer is not None
 
     @classmethod
     def from_config(cls, cfg) -> "ModelShapes":
@@ -137,6 +177,8 @@ class ModelShapes:
             dense_ffn=g("intermediate_size", default=0),
             shared_ffn=g("shared_expert_intermediate_size", default=0),
             linear_attention_layers=linear,
+            linear_mixer=LinearMixer.from_config(cfg) if linear else None,
+            query_gate=getattr(cfg, "model_type", None) in GATED_QUERY_FAMILIES,
         )
 
     def to_dict(self) -> dict:
@@ -147,20 +189,29 @@ class ModelShapes:
         """One (token, expert) pair."""
         return 2.0 * (3 if self.glu else 2) * self.hidden * self.expert_ffn
 
+    def attention_flops(self, context: int) -> float:
+        """One softmax-attention layer's token mixer, per token: projections (q twice as wide with a query gate)
+        and the scores and weighted values over `context` keys."""
+        D, hd, H = self.hidden, self.head_dim, self.num_heads
+        proj = 2.0 * D * hd * ((3 if self.query_gate else 2) * H + 2 * self.num_kv_heads)
+        return proj + 2.0 * 2 * context * H * hd
+
     def fixed_flops(self, context: int) -> float:
         """Everything but the routed experts, per token, at an average attended context length."""
         if not self.models_forward:
             raise ValueError(f"{self.linear_attention_layers} of {self.num_layers} layers mix tokens without softmax "
-                             "attention (linear attention): their FLOPs are not modelled, only the routed experts'")
-        D, hd = self.hidden, self.head_dim
-        attn_proj = 2.0 * D * hd * (2 * self.num_heads + 2 * self.num_kv_heads)
-        attn_scores = 2.0 * 2 * context * self.num_heads * hd
+                             "attention, of a kind whose FLOPs are not modelled (known: gated DeltaNet, lightning "
+                             "attention): only the routed experts' are")
+        D = self.hidden
+        linear = self.linear_attention_layers
+        mixers = (self.num_layers - linear) * self.attention_flops(context)
+        if linear:
+            mixers += linear * self.linear_mixer.total
         router = 2.0 * D * self.num_experts
         shared = 2.0 * 3 * D * self.shared_ffn + (2.0 * D if self.shared_ffn else 0.0)
         dense = 2.0 * 3 * D * self.dense_ffn
-        per_moe = attn_proj + attn_scores + router + shared
-        per_dense = attn_proj + attn_scores + dense
-        return self.moe_layers * per_moe + (self.num_layers - self.moe_layers) * per_dense + 2.0 * D * self.vocab
+        mlps = self.moe_layers * (router + shared) + (self.num_layers - self.moe_layers) * dense
+        return mixers + mlps + 2.0 * D * self.vocab
 
     def forward_flops(self, mean_k_per_layer, context: int) -> float:
         """Whole-forward FLOPs per token given each MoE layer's mean k (a float applies to all)."""
@@ -174,7 +225,7 @@ class ModelShapes:
 
     def forward_reduction(self, mean_k_per_layer, context: int) -> float:
         """Fraction of whole-forward FLOPs saved against the native k in every MoE layer; NaN where the
-        forward is not modelled (`models_forward`: linear-attention layers)."""
+        forward is not modelled (`models_forward`: linear-attention layers of an unknown kind)."""
         if not self.models_forward:
             return float("nan")
         native = self.forward_flops(float(self.native_k), context)
