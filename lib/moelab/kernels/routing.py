@@ -674,10 +674,11 @@ def _top16(a0, a1, a2, a3, a4, a5, a6, a7, l0, l1, l2, l3, l4, l5, l6, l7, b0, b
            K: tl.constexpr):
     """The best K (8 < K <= 16) of a descending list (best eight a, next K - 8 in l) and eight descending keys
     b, as (best eight, next eight): a and b's pairwise max and min against the reversed b are bitonic and hold
-    their best and worst eight; the next K - 8 are the best of those worst eight and l. For K - 8 < 4 the worst
-    eight are inserted into l one by one (8 (2 (K - 8) - 1) min / max), else sorted and merged (12 + 20
-    compare-exchanges or maxes). A chunk's step at K = 10: 19 + 8 + 12 + 12 (in compare-exchanges), against
-    19 + 20 at K <= 8."""
+    their best and worst eight; the next K - 8 are the best of those worst eight and l. For K - 8 <= 4 they
+    come from half-cleaners of the worst eight (`_best_of_bitonic`) merged into l (`_best_of_two`), a chain
+    that leaves l after two or three steps; above, the worst eight are sorted and merged (12 + 20
+    compare-exchanges or maxes). A chunk's step at K = 10, in min / max: 38 + 16 + 24 + 12, against 38 + 32 at
+    K <= 8."""
     c0, d0 = _cx(a0, b7)
     c1, d1 = _cx(a1, b6)
     c2, d2 = _cx(a2, b5)
@@ -687,19 +688,55 @@ def _top16(a0, a1, a2, a3, a4, a5, a6, a7, l0, l1, l2, l3, l4, l5, l6, l7, b0, b
     c6, d6 = _cx(a6, b1)
     c7, d7 = _cx(a7, b0)
     c0, c1, c2, c3, c4, c5, c6, c7 = _bitonic8(c0, c1, c2, c3, c4, c5, c6, c7)
-    if K - 8 < 4:
-        l0, l1, l2, l3, l4, l5, l6, l7 = _ins(d0, l0, l1, l2, l3, l4, l5, l6, l7, K - 8)
-        l0, l1, l2, l3, l4, l5, l6, l7 = _ins(d1, l0, l1, l2, l3, l4, l5, l6, l7, K - 8)
-        l0, l1, l2, l3, l4, l5, l6, l7 = _ins(d2, l0, l1, l2, l3, l4, l5, l6, l7, K - 8)
-        l0, l1, l2, l3, l4, l5, l6, l7 = _ins(d3, l0, l1, l2, l3, l4, l5, l6, l7, K - 8)
-        l0, l1, l2, l3, l4, l5, l6, l7 = _ins(d4, l0, l1, l2, l3, l4, l5, l6, l7, K - 8)
-        l0, l1, l2, l3, l4, l5, l6, l7 = _ins(d5, l0, l1, l2, l3, l4, l5, l6, l7, K - 8)
-        l0, l1, l2, l3, l4, l5, l6, l7 = _ins(d6, l0, l1, l2, l3, l4, l5, l6, l7, K - 8)
-        l0, l1, l2, l3, l4, l5, l6, l7 = _ins(d7, l0, l1, l2, l3, l4, l5, l6, l7, K - 8)
+    if K - 8 <= 4:
+        g0, g1, g2, g3 = _best_of_bitonic(d0, d1, d2, d3, d4, d5, d6, d7, K - 8)
+        l0, l1, l2, l3 = _best_of_two(l0, l1, l2, l3, g0, g1, g2, g3, K - 8)
     else:
         d0, d1, d2, d3, d4, d5, d6, d7 = _bitonic8(d0, d1, d2, d3, d4, d5, d6, d7)
         l0, l1, l2, l3, l4, l5, l6, l7 = _top8(l0, l1, l2, l3, l4, l5, l6, l7, d0, d1, d2, d3, d4, d5, d6, d7)
     return c0, c1, c2, c3, c4, c5, c6, c7, l0, l1, l2, l3, l4, l5, l6, l7
+
+
+@triton.jit
+def _best_of_bitonic(d0, d1, d2, d3, d4, d5, d6, d7, J: tl.constexpr):
+    """The best J <= 4 of a bitonic sequence of eight keys, descending (slots past J: any keys). A
+    half-cleaner's max half is bitonic and holds the best four (4 max); for J <= 2 a second one keeps the best
+    two (2 max) and a compare-exchange orders them, else the four are sorted (4 compare-exchanges)."""
+    e0 = tl.maximum(d0, d4)
+    e1 = tl.maximum(d1, d5)
+    e2 = tl.maximum(d2, d6)
+    e3 = tl.maximum(d3, d7)
+    if J <= 2:
+        e0, e1 = _cx(tl.maximum(e0, e2), tl.maximum(e1, e3))
+    else:
+        e0, e2 = _cx(e0, e2)
+        e1, e3 = _cx(e1, e3)
+        e0, e1 = _cx(e0, e1)
+        e2, e3 = _cx(e2, e3)
+    return e0, e1, e2, e3
+
+
+@triton.jit
+def _best_of_two(l0, l1, l2, l3, g0, g1, g2, g3, J: tl.constexpr):
+    """The best J <= 4 of two descending lists (the first J of each), descending (slots past J: as l): the
+    pairwise max against the reversed g is bitonic and holds them; sorted by compare-exchanges."""
+    if J == 1:
+        l0 = tl.maximum(l0, g0)
+    elif J == 2:
+        l0, l1 = _cx(tl.maximum(l0, g1), tl.maximum(l1, g0))
+    elif J == 3:
+        h0 = tl.maximum(l0, g2)
+        h1 = tl.maximum(l1, g1)
+        h2 = tl.maximum(l2, g0)
+        h0, h1 = _cx(h0, h1)
+        h1, l2 = _cx(h1, h2)
+        l0, l1 = _cx(h0, h1)
+    else:
+        l0, l2 = _cx(tl.maximum(l0, g3), tl.maximum(l2, g1))
+        l1, l3 = _cx(tl.maximum(l1, g2), tl.maximum(l3, g0))
+        l0, l1 = _cx(l0, l1)
+        l2, l3 = _cx(l2, l3)
+    return l0, l1, l2, l3
 
 
 @triton.jit
@@ -743,15 +780,56 @@ def _merge16(m1, s1, t1, a0, a1, a2, a3, a4, a5, a6, a7, m2, s2, t2, b0, b1, b2,
 
 
 @triton.jit
-def _merge16_wide(m1, s1, t1, a0, a1, a2, a3, a4, a5, a6, a7, l0, l1, l2, l3, l4, l5, l6, l7,
-                  m2, s2, t2, b0, b1, b2, b3, b4, b5, b6, b7, n0, n1, n2, n3, n4, n5, n6, n7):
-    """`_merge16` for 8 < K <= 16: each state's best keys as its best eight and next eight (all sixteen kept:
-    a combine function takes no K; slots a piece never filled hold keys below every real one)."""
-    m, s, t, l0, l1, l2, l3, l4, l5, l6, l7 = _merge16(
+def _merge_next(m1, s1, t1, a0, a1, a2, a3, a4, a5, a6, a7, l0, l1, l2, l3, l4, l5, l6, l7,
+                m2, s2, t2, b0, b1, b2, b3, b4, b5, b6, b7, n0, n1, n2, n3, n4, n5, n6, n7, J: tl.constexpr):
+    """`_merge16` for 8 < K <= 16: each state's best keys as its best eight and next J = K - 8 (up to eight;
+    slots a piece never filled hold keys below every real one). The sums come from `_merge16`, whose best eight
+    of l and n are then used for J > 4 and compiled away below."""
+    m, s, t, x0, x1, x2, x3, x4, x5, x6, x7 = _merge16(
         m1, s1, t1, l0, l1, l2, l3, l4, l5, l6, l7, m2, s2, t2, n0, n1, n2, n3, n4, n5, n6, n7)
+    if J <= 4:
+        l0, l1, l2, l3 = _best_of_two(l0, l1, l2, l3, n0, n1, n2, n3, J)
+    else:
+        l0, l1, l2, l3, l4, l5, l6, l7 = x0, x1, x2, x3, x4, x5, x6, x7
     a0, a1, a2, a3, a4, a5, a6, a7, l0, l1, l2, l3, l4, l5, l6, l7 = _top16(
-        a0, a1, a2, a3, a4, a5, a6, a7, l0, l1, l2, l3, l4, l5, l6, l7, b0, b1, b2, b3, b4, b5, b6, b7, 16)
+        a0, a1, a2, a3, a4, a5, a6, a7, l0, l1, l2, l3, l4, l5, l6, l7, b0, b1, b2, b3, b4, b5, b6, b7, 8 + J)
     return m, s, t, a0, a1, a2, a3, a4, a5, a6, a7, l0, l1, l2, l3, l4, l5, l6, l7
+
+
+# tl.reduce's combine functions take no constants: one per next-key count (K = 9 to 12, and 13 to 16 as 16)
+@triton.jit
+def _merge_next1(m1, s1, t1, a0, a1, a2, a3, a4, a5, a6, a7, l0, l1, l2, l3, l4, l5, l6, l7,
+                 m2, s2, t2, b0, b1, b2, b3, b4, b5, b6, b7, n0, n1, n2, n3, n4, n5, n6, n7):
+    return _merge_next(m1, s1, t1, a0, a1, a2, a3, a4, a5, a6, a7, l0, l1, l2, l3, l4, l5, l6, l7,
+                       m2, s2, t2, b0, b1, b2, b3, b4, b5, b6, b7, n0, n1, n2, n3, n4, n5, n6, n7, 1)
+
+
+@triton.jit
+def _merge_next2(m1, s1, t1, a0, a1, a2, a3, a4, a5, a6, a7, l0, l1, l2, l3, l4, l5, l6, l7,
+                 m2, s2, t2, b0, b1, b2, b3, b4, b5, b6, b7, n0, n1, n2, n3, n4, n5, n6, n7):
+    return _merge_next(m1, s1, t1, a0, a1, a2, a3, a4, a5, a6, a7, l0, l1, l2, l3, l4, l5, l6, l7,
+                       m2, s2, t2, b0, b1, b2, b3, b4, b5, b6, b7, n0, n1, n2, n3, n4, n5, n6, n7, 2)
+
+
+@triton.jit
+def _merge_next3(m1, s1, t1, a0, a1, a2, a3, a4, a5, a6, a7, l0, l1, l2, l3, l4, l5, l6, l7,
+                 m2, s2, t2, b0, b1, b2, b3, b4, b5, b6, b7, n0, n1, n2, n3, n4, n5, n6, n7):
+    return _merge_next(m1, s1, t1, a0, a1, a2, a3, a4, a5, a6, a7, l0, l1, l2, l3, l4, l5, l6, l7,
+                       m2, s2, t2, b0, b1, b2, b3, b4, b5, b6, b7, n0, n1, n2, n3, n4, n5, n6, n7, 3)
+
+
+@triton.jit
+def _merge_next4(m1, s1, t1, a0, a1, a2, a3, a4, a5, a6, a7, l0, l1, l2, l3, l4, l5, l6, l7,
+                 m2, s2, t2, b0, b1, b2, b3, b4, b5, b6, b7, n0, n1, n2, n3, n4, n5, n6, n7):
+    return _merge_next(m1, s1, t1, a0, a1, a2, a3, a4, a5, a6, a7, l0, l1, l2, l3, l4, l5, l6, l7,
+                       m2, s2, t2, b0, b1, b2, b3, b4, b5, b6, b7, n0, n1, n2, n3, n4, n5, n6, n7, 4)
+
+
+@triton.jit
+def _merge_next8(m1, s1, t1, a0, a1, a2, a3, a4, a5, a6, a7, l0, l1, l2, l3, l4, l5, l6, l7,
+                 m2, s2, t2, b0, b1, b2, b3, b4, b5, b6, b7, n0, n1, n2, n3, n4, n5, n6, n7):
+    return _merge_next(m1, s1, t1, a0, a1, a2, a3, a4, a5, a6, a7, l0, l1, l2, l3, l4, l5, l6, l7,
+                       m2, s2, t2, b0, b1, b2, b3, b4, b5, b6, b7, n0, n1, n2, n3, n4, n5, n6, n7, 8)
 
 
 @triton.jit
@@ -834,8 +912,21 @@ def _route_rows16_kernel(
         if K > 8:
             nxt = (tl.reshape(l0, [B, S]), tl.reshape(l1, [B, S]), tl.reshape(l2, [B, S]), tl.reshape(l3, [B, S]),
                    tl.reshape(l4, [B, S]), tl.reshape(l5, [B, S]), tl.reshape(l6, [B, S]), tl.reshape(l7, [B, S]))
-            m, s, t, v0, v1, v2, v3, v4, v5, v6, v7, l0, l1, l2, l3, l4, l5, l6, l7 = tl.reduce(
-                sums + best + nxt, 1, _merge16_wide)
+            if K == 9:
+                m, s, t, v0, v1, v2, v3, v4, v5, v6, v7, l0, l1, l2, l3, l4, l5, l6, l7 = tl.reduce(
+                    sums + best + nxt, 1, _merge_next1)
+            elif K == 10:
+                m, s, t, v0, v1, v2, v3, v4, v5, v6, v7, l0, l1, l2, l3, l4, l5, l6, l7 = tl.reduce(
+                    sums + best + nxt, 1, _merge_next2)
+            elif K == 11:
+                m, s, t, v0, v1, v2, v3, v4, v5, v6, v7, l0, l1, l2, l3, l4, l5, l6, l7 = tl.reduce(
+                    sums + best + nxt, 1, _merge_next3)
+            elif K == 12:
+                m, s, t, v0, v1, v2, v3, v4, v5, v6, v7, l0, l1, l2, l3, l4, l5, l6, l7 = tl.reduce(
+                    sums + best + nxt, 1, _merge_next4)
+            else:
+                m, s, t, v0, v1, v2, v3, v4, v5, v6, v7, l0, l1, l2, l3, l4, l5, l6, l7 = tl.reduce(
+                    sums + best + nxt, 1, _merge_next8)
         else:
             m, s, t, v0, v1, v2, v3, v4, v5, v6, v7 = tl.reduce(sums + best, 1, _merge16)
     rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
