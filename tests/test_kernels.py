@@ -566,7 +566,8 @@ def test_gpu_random_shapes_in_full(select):
 @pytest.mark.parametrize("E,K,split,sel", [(8, 2, 1, "rowwise"), (60, 4, 4, "rowwise"), (64, 8, 2, "rowwise"),
                                          (128, 8, 4, "rowwise"), (256, 8, 8, "rowwise"), (64, 8, 2, "rowsort"),
                                          (128, 8, 8, "rowsort"), (128, 6, 1, "rowsort"), (512, 10, 8, "rowsort"),
-                                         (512, 10, 16, "rowsort"), (256, 16, 4, "rowsort")])
+                                         (512, 10, 16, "rowsort"), (512, 10, 2, "rowsort"), (128, 11, 4, "rowsort"),
+                                         (256, 16, 4, "rowsort")])
 def test_gpu_rowwise_at_the_tuned_shapes(E, K, split, sel, monkeypatch):
     """The one-row-per-thread selection compiled, at the shapes the tuned table gives it (few compiles: the
     random-shapes test above covers it too, but compiles a kernel per E, k and policy)."""
