@@ -77,13 +77,12 @@ TUNED: dict[str, dict[tuple[int, int], list]] = {
                   (2**62, _rows(2, 2048, 2, "rowsort"))],
         (128, 8): [(512, _rows(4, 2048, 8)), (4096, _rows(4, 2048, 8, "rowsort")),
                    (2**62, _rows(4, 8192, 2, "rowsort"))],
-        # wider routers: tuned_table() on data/results/routing-tune-wide-20261203.json (at 994c9b6, `--parts
+        # wider routers: tuned_table() on data/results/routing-tune-wide-20261203.json (at f646a4f, `--parts
         # tune,routing-wide --tune-routing-shapes 256:8,512:10`): Qwen3.5's 256 experts, top-8, and Qwen3-Next's
         # 512, top-10 (the row kernel's best eight and next eight, 8 < k <= 16)
-        (256, 8): [(512, _rows(2, 2048, 8, "rowsort")), (4096, _rows(4, 4096, 8, "rowsort")),
-                   (2**62, _rows(2, 8192, 2, "rowsort"))],
-        (512, 16): [(16, _rows(2, 2048, 16, "rowsort")), (512, _rows(4, 4096, 16, "rowsort")),
-                    (4096, _rows(2, 4096, 8, "rowsort")), (2**62, _rows(2, 16384, 2, "rowsort"))],
+        (256, 8): [(16, _rows(4, 4096, 8, "rowsort")), (512, _rows(2, 2048, 8, "rowsort")),
+                   (4096, _rows(4, 4096, 8, "rowsort")), (2**62, _rows(4, 16384, 2, "rowsort"))],
+        (512, 16): [(512, _rows(4, 4096, 16, "rowsort")), (2**62, _rows(2, 4096, 8, "rowsort"))],
     },
 }
 LAUNCH = {"select": None, "warps": None, "tile": None, "split": None}
