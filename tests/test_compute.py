@@ -91,12 +91,13 @@ def _counted(model, ids, **kw):
 
 
 def _eager(family, **overrides):
-    """A tiny random model whose attention and experts run as plain matrix products the counter sees (it does not
-    count torch._grouped_mm), with the model's own top-k routing: native_k pairs per token."""
-    from moelab.models import tiny_random
+    """A tiny random model (a family, or an embedded model's config by its registry name) whose attention and
+    experts run as plain matrix products the counter sees (it does not count torch._grouped_mm), with the model's
+    own top-k routing: native_k pairs per token."""
+    from moelab import models
 
     try:
-        m = tiny_random(family, **overrides)
+        m = models.build(family, **overrides) if family in models.TINY else models.tiny_random(family, **overrides)
     except ValueError:  # a transformers without the family
         pytest.skip(f"no {family} in this transformers")
     m.set_attn_implementation("eager")
@@ -104,11 +105,13 @@ def _eager(family, **overrides):
     return m
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "flex_olmo"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "flex_olmo",
+                                    "tiny-mixtral", "tiny-qwen-moe", "tiny-olmoe"])
 def test_whole_forward_flops_equal_what_torch_counts(family):
     """ModelShapes' FLOP model is exact for softmax-attention models: a prefill of L tokens with the native top-k
     counts L * forward_flops(native_k, context=L) matrix-product FLOPs (eager attention computes all L x L
-    scores), dense layers, shared experts and their gates included."""
+    scores), dense layers, shared experts and their gates included; also for the embedded models' configs, whose
+    whole-forward shares the notebooks and the README report."""
     torch.manual_seed(0)
     m = _eager(family)
     s = ModelShapes.from_config(m.config)
