@@ -150,7 +150,7 @@ if model:
         pols = make_policies(entropy_of(calib_logits[layer]), m_native_k, m_k_values, m_quantiles)
         rows.append(policy_stats(logits_le, pols, m_native_k, m_renorm).assign(layer=layer))
     per_layer = pd.concat(rows, ignore_index=True)
-    recorded = pool_layers(per_layer, m_native_k, ModelShapes.from_config(lm.config), context=ctx // 2)
+    recorded = pool_layers(per_layer, m_native_k, ModelShapes.from_config(lm.config), context=ctx // 2, prefill=ctx)
     fig = plot_policy_stats(recorded, f"{model}: router logits on WikiText-2 test, {eval_tokens} tokens x "
                      f"{len(eval_logits)} layers (E={info['num_experts']}, native top-{m_native_k})", m_native_k)
     savefig(fig, f"01_quickstart_recorded_{Path(model).name}")

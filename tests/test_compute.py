@@ -126,6 +126,34 @@ def test_whole_forward_flops_equal_what_torch_counts(family):
         assert got == pytest.approx(L * s.forward_flops(float(s.native_k), context=L), rel=1e-12)
 
 
+def _linear_mixer_counts(m, cfg, L: int):
+    """A counted prefill of L random tokens through a hybrid model with one linear-attention layer: the total,
+    that mixer's projections, convolution and core (the rest of its matrix products), the number of
+    torch.linalg.solve_triangular calls in it (which the counter does not count), and the model's output."""
+    import unittest.mock
+
+    solve = torch.linalg.solve_triangular
+    calls = []
+
+    def counted_solve(*a, **kw):
+        calls.append(1)
+        return solve(*a, **kw)
+
+    ids = torch.randint(0, cfg.vocab_size, (1, L))
+    with unittest.mock.patch.object(torch.linalg, "solve_triangular", counted_solve):
+        got, per_module, out = _counted(m, ids, use_cache=True)
+    (i,) = [j for j, t in enumerate(cfg.layer_types) if t == "linear_attention"]
+    layer = m.model.layers[i]
+    attr = "linear_attn" if hasattr(layer, "linear_attn") else "self_attn"
+    prefix = f"{type(m).__name__}.model.layers.{i}.{attr}"
+    mixer = getattr(layer, attr)
+    linear_children = [n for n, c in mixer.named_children() if isinstance(c, torch.nn.Linear)]
+    proj = sum(sum(per_module.get(f"{prefix}.{n}", {}).values()) for n in linear_children)
+    conv = per_module[prefix].get("aten.convolution", 0)
+    core = sum(per_module[prefix].values()) - proj - conv
+    return got, proj, conv, core, len(calls), out
+
+
 @pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_moe", "minimax"])
 def test_hybrid_forward_flops_match_torch_counts(family):
     """Hybrid models (one linear-attention layer, one softmax): every counted matrix product outside the linear
@@ -140,20 +168,10 @@ def test_hybrid_forward_flops_match_torch_counts(family):
     assert s.linear_attention_layers == 1 and s.models_forward and s.linear_mixer is not None
     assert s.query_gate == (family != "minimax")
     L = 24
-    ids = torch.randint(0, cfg.vocab_size, (1, L))
-    got, per_module, out = _counted(m, ids, use_cache=True)
-    (i,) = [j for j, t in enumerate(cfg.layer_types) if t == "linear_attention"]
-    layer = m.model.layers[i]
-    attr = "linear_attn" if hasattr(layer, "linear_attn") else "self_attn"
-    prefix = f"{type(m).__name__}.model.layers.{i}.{attr}"
-    mixer = getattr(layer, attr)
-    linear_children = [n for n, c in mixer.named_children() if isinstance(c, torch.nn.Linear)]
-    proj = sum(sum(per_module.get(f"{prefix}.{n}", {}).values()) for n in linear_children)
-    conv = per_module[prefix].get("aten.convolution", 0)
+    got, proj, conv, core, _, out = _linear_mixer_counts(m, cfg, L)
     assert proj == pytest.approx(L * s.linear_mixer.proj, rel=1e-12)
     K = getattr(cfg, "linear_conv_kernel_dim", 0)
     assert conv == pytest.approx((L + K - 1) * s.linear_mixer.conv, rel=1e-12)
-    core = sum(per_module[prefix].values()) - proj - conv
     assert core > 0
     modelled = L * s.forward_flops(float(s.native_k), context=L)
     assert got - core - conv == pytest.approx(modelled - L * (s.linear_mixer.core + s.linear_mixer.conv), rel=1e-12)
@@ -165,6 +183,36 @@ def test_hybrid_forward_flops_match_torch_counts(family):
         assert got == pytest.approx(s.forward_flops(float(s.native_k), context=L + 1), rel=1e-12)
     # halving k saves half the routed-expert FLOPs, and less of the whole forward
     assert 0 < s.forward_reduction(s.native_k / 2, context=64) < 0.5
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_moe", "minimax"])
+def test_hybrid_prefill_core_is_the_chunked_form(family):
+    """A prefill runs the linear mixer's chunked form: its core's matrix products are LinearMixer.core_flops(L)
+    per token at every length (one partial chunk, whole chunks, several with a rest; gated DeltaNet pads the
+    last chunk, lightning attention runs it short). The gated DeltaNet's unit-lower system is modelled as the
+    explicit inverse's two products (2 C^2 (dk + dv) per value head and chunk); where transformers solves it
+    with torch.linalg.solve_triangular, which the counter does not see, those are the only FLOPs it misses."""
+    torch.manual_seed(0)
+    m = _eager(family)
+    cfg = m.config.get_text_config() if hasattr(m.config, "get_text_config") else m.config
+    s = ModelShapes.from_config(cfg)
+    mix = s.linear_mixer
+    assert mix.chunk > 0 and mix.core_flops(0) == mix.core
+    K = getattr(cfg, "linear_conv_kernel_dim", 1)
+    for L in (24, mix.chunk, mix.chunk + 36, 2 * mix.chunk + 1):
+        got, _, conv, core, solves, _ = _linear_mixer_counts(m, cfg, L)
+        unseen = 0.0
+        if solves:  # two solves per layer forward, over all chunks and heads at once
+            assert family != "minimax" and solves == 2
+            nv, dk, dv, C = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim, mix.chunk
+            unseen = -(-L // C) * nv * 2.0 * C * C * (dk + dv)
+        assert core == pytest.approx(L * mix.core_flops(L) - unseen, rel=1e-12), (L, solves)
+        # the whole prefill: exact but for those solves and the reference convolution's K - 1 extra outputs
+        whole = L * s.forward_flops(float(s.native_k), context=L, prefill=L)
+        assert got == pytest.approx(whole - unseen + (K - 1) * mix.conv, rel=1e-12), (L, solves)
+        assert mix.core_flops(L) > mix.core  # the intra-chunk products come on top of the recurrent form's
+    with pytest.raises(ValueError, match="prefill=-1: must be >= 0"):
+        mix.core_flops(-1)
 
 
 def test_an_unknown_linear_mixer_leaves_the_whole_forward_unmodelled():

@@ -43,10 +43,12 @@ def policy_stats(logits_TE: torch.Tensor, policies: dict, native_k: int, renorma
     return pd.DataFrame(rows)
 
 
-def pool_layers(per_layer, native_k: int, shapes: "ModelShapes | None" = None, context: int | None = None):
+def pool_layers(per_layer, native_k: int, shapes: "ModelShapes | None" = None, context: int | None = None,
+                prefill: int = 0):
     """plan_stats rows of several MoE layers (a DataFrame with columns layer, policy, kind and plan_stats'
     keys) pooled per (policy, kind): pairs and tokens summed, k histograms added, the reduction of the sums;
-    with shapes, also the whole-forward reduction from each layer's mean k (attended context `context`)."""
+    with shapes, also the whole-forward reduction from each layer's mean k (attended context `context`; the
+    tokens of one prefill `prefill`, 0 for decode steps: `ModelShapes.fixed_flops`)."""
     import numpy as np
     import pandas as pd
 
@@ -62,7 +64,7 @@ def pool_layers(per_layer, native_k: int, shapes: "ModelShapes | None" = None, c
                "expert_reduction": float(1 - g.kept_pairs.sum() / g.native_pairs.sum())}
         if shapes is not None:
             row["forward_reduction"] = shapes.forward_reduction(g.sort_values("layer").mean_k.tolist(),
-                                                                context=context)
+                                                                context=context, prefill=prefill)
         rows.append(row)
     return pd.DataFrame(rows)
 
@@ -81,16 +83,32 @@ GATED_QUERY_FAMILIES = ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")
 @dataclass(frozen=True)
 class LinearMixer:
     """FLOPs per token of one linear-attention layer's token mixer (multiply-add = 2): its projections, its short
-    causal convolution, and the matrix products of its recurrent form (state update and read-out, as at decode;
-    the chunked prefill kernels spend more on intra-chunk products). Context-independent."""
+    causal convolution, and the matrix products of its core. A decode step runs the core's recurrent form
+    (`core`, context-independent); a prefill runs its chunked form, whose products within a chunk of b tokens
+    add `quad` * b^2 FLOPs per chunk to the recurrent form's `core` * b (`core_flops`)."""
 
     proj: float
     conv: float
     core: float
+    chunk: int = 0  # tokens per chunk of the prefill form (0: none modelled)
+    quad: float = 0.0
+    pad: bool = False  # the last chunk is padded to `chunk` tokens (gated DeltaNet) or runs short (lightning)
 
     @property
     def total(self) -> float:
+        """Per token at a decode step (the recurrent core)."""
         return self.proj + self.conv + self.core
+
+    def core_flops(self, prefill: int = 0) -> float:
+        """The core's FLOPs per token: at a decode step (prefill = 0), or averaged over a prefill of `prefill`
+        tokens in chunks (full chunks, then the rest: padded to a whole chunk where `pad`)."""
+        if prefill < 0:
+            raise ValueError(f"prefill={prefill}: must be >= 0 (0: a decode step)")
+        if prefill == 0 or self.chunk == 0:
+            return self.core
+        full, rest = divmod(prefill, self.chunk)
+        sizes = [self.chunk] * full + ([self.chunk if self.pad else rest] if rest else [])
+        return sum(self.quad * b * b + self.core * b for b in sizes) / prefill
 
     @classmethod
     def from_config(cls, cfg) -> "LinearMixer | None":
@@ -102,13 +120,21 @@ class LinearMixer:
             qkv = 2 * nk * dk + nv * dv  # the convolved channels
             # in: q, k, v, the output gate z (nv * dv), beta and the decay a (nv each); out: nv * dv -> D
             proj = 2.0 * D * (qkv + nv * dv + 2 * nv) + 2.0 * nv * dv * D
-            # per value head: S^T k, the rank-1 update k (v - S^T k)^T beta and S^T q, each 2 dk dv
-            return cls(proj=proj, conv=2.0 * qkv * cfg.linear_conv_kernel_dim, core=6.0 * nv * dk * dv)
+            # recurrent, per value head: S^T k, the rank-1 update k (v - S^T k)^T beta and S^T q, each 2 dk dv.
+            # chunked (64-token chunks, as transformers' torch_chunk_gated_delta_rule and the FLA kernels), per
+            # value head and chunk of C: the C x C products k_beta k^T and q k^T (2 C^2 dk each), the unit-lower
+            # system applied to v_beta and the decayed k_beta (2 C^2 (dv + dk), as the explicit inverse's products;
+            # the inverse itself is left out), the intra-chunk attention on the new values (2 C^2 dv), and the
+            # state's three products (k_cumdecay S, q S, k^T v_new: the recurrent 6 C dk dv)
+            return cls(proj=proj, conv=2.0 * qkv * cfg.linear_conv_kernel_dim, core=6.0 * nv * dk * dv,
+                       chunk=64, quad=2.0 * nv * (3 * dk + 2 * dv), pad=True)
         if getattr(cfg, "model_type", None) == "minimax":  # lightning attention: heads of head_dim, a kv state
             H = cfg.num_attention_heads
             hd = getattr(cfg, "head_dim", None) or D // H
-            # qkv_proj, output_gate and out_proj; per head k^T v into the state and q S, each 2 hd^2
-            return cls(proj=2.0 * D * 3 * H * hd + 2.0 * 2 * D * H * hd, conv=0.0, core=4.0 * H * hd * hd)
+            # qkv_proj, output_gate and out_proj; per head k^T v into the state and q S, each 2 hd^2; a prefill
+            # block of b tokens adds q k^T and its product with v (2 b^2 hd each), the last block short
+            return cls(proj=2.0 * D * 3 * H * hd + 2.0 * 2 * D * H * hd, conv=0.0, core=4.0 * H * hd * hd,
+                       chunk=int(getattr(cfg, "block_size", 256)), quad=4.0 * H * hd, pad=False)
         return None
 
 
@@ -196,8 +222,9 @@ class ModelShapes:
         proj = 2.0 * D * hd * ((3 if self.query_gate else 2) * H + 2 * self.num_kv_heads)
         return proj + 2.0 * 2 * context * H * hd
 
-    def fixed_flops(self, context: int) -> float:
-        """Everything but the routed experts, per token, at an average attended context length."""
+    def fixed_flops(self, context: int, prefill: int = 0) -> float:
+        """Everything but the routed experts, per token, at an average attended context length; linear-attention
+        mixers at a decode step (prefill = 0) or averaged over a prefill of `prefill` tokens (`LinearMixer`)."""
         if not self.models_forward:
             raise ValueError(f"{self.linear_attention_layers} of {self.num_layers} layers mix tokens without softmax "
                              "attention, of a kind whose FLOPs are not modelled (known: gated DeltaNet, lightning "
@@ -206,27 +233,29 @@ class ModelShapes:
         linear = self.linear_attention_layers
         mixers = (self.num_layers - linear) * self.attention_flops(context)
         if linear:
-            mixers += linear * self.linear_mixer.total
+            mix = self.linear_mixer
+            mixers += linear * (mix.proj + mix.conv + mix.core_flops(prefill))
         router = 2.0 * D * self.num_experts
         shared = 2.0 * 3 * D * self.shared_ffn + (2.0 * D if self.shared_ffn else 0.0)
         dense = 2.0 * 3 * D * self.dense_ffn
         mlps = self.moe_layers * (router + shared) + (self.num_layers - self.moe_layers) * dense
         return mixers + mlps + 2.0 * D * self.vocab
 
-    def forward_flops(self, mean_k_per_layer, context: int) -> float:
-        """Whole-forward FLOPs per token given each MoE layer's mean k (a float applies to all)."""
+    def forward_flops(self, mean_k_per_layer, context: int, prefill: int = 0) -> float:
+        """Whole-forward FLOPs per token given each MoE layer's mean k (a float applies to all); `context` and
+        `prefill` as in `fixed_flops`."""
         if isinstance(mean_k_per_layer, (int, float)):
             mean_k_per_layer = [float(mean_k_per_layer)] * self.moe_layers
         if len(mean_k_per_layer) != self.moe_layers:
             raise ValueError(
                 f"mean_k_per_layer has {len(mean_k_per_layer)} entries: need one per MoE layer ({self.moe_layers})"
             )
-        return self.fixed_flops(context) + self.expert_flops() * float(sum(mean_k_per_layer))
+        return self.fixed_flops(context, prefill) + self.expert_flops() * float(sum(mean_k_per_layer))
 
-    def forward_reduction(self, mean_k_per_layer, context: int) -> float:
+    def forward_reduction(self, mean_k_per_layer, context: int, prefill: int = 0) -> float:
         """Fraction of whole-forward FLOPs saved against the native k in every MoE layer; NaN where the
         forward is not modelled (`models_forward`: linear-attention layers of an unknown kind)."""
         if not self.models_forward:
             return float("nan")
-        native = self.forward_flops(float(self.native_k), context)
-        return 1.0 - self.forward_flops(mean_k_per_layer, context) / native
+        native = self.forward_flops(float(self.native_k), context, prefill)
+        return 1.0 - self.forward_flops(mean_k_per_layer, context, prefill) / native

@@ -9,7 +9,8 @@ Two kinds of numbers, never mixed up:
   inputs change once earlier layers route differently; rows carry `estimated=True`, and
   `confirm_estimates` puts a few of them beside real patched measurements.
 Compute reductions are counted against the model's native k: routed-expert FLOPs and whole-forward
-FLOPs (moelab.compute.ModelShapes, attention at the average attended length of a window).
+FLOPs (moelab.compute.ModelShapes, attention at the average attended length of a window, linear-attention
+layers in their chunked prefill form over a window).
 """
 
 from __future__ import annotations
@@ -99,13 +100,15 @@ def _shapes(model) -> ModelShapes:
     return ModelShapes.from_config(cfg)
 
 
-def _compute_cols(shapes: ModelShapes, mean_k_layers: list[float], attended: float) -> dict:
+def _compute_cols(shapes: ModelShapes, mean_k_layers: list[float], attended: float, prefill: int) -> dict:
+    """Mean k and the reductions; the whole forward's at attention's average attended length and, for
+    linear-attention layers, their chunked form over a prefill of `prefill` tokens (one window)."""
     mean_k = float(np.mean(mean_k_layers))
     return {
         "native_k": shapes.native_k,
         "mean_k": mean_k,
         "expert_reduction": expert_reduction(mean_k, shapes.native_k),
-        "forward_reduction": shapes.forward_reduction(list(mean_k_layers), int(round(attended))),
+        "forward_reduction": shapes.forward_reduction(list(mean_k_layers), int(round(attended)), prefill=prefill),
         "compute_frac": 1.0 - expert_reduction(mean_k, shapes.native_k),  # routed-expert work kept
     }
 
@@ -196,7 +199,7 @@ def evaluate(
         "context": res["context"],
         "stride": res["stride"],
         "routed_tokens": int(sum(r["tokens"] for r in layer_rows) / max(len(layer_rows), 1)),
-        **_compute_cols(shapes, mean_k_layers, attended),
+        **_compute_cols(shapes, mean_k_layers, attended, res["context"]),
     }
     if baseline_ppl is not None:
         summary["ppl_base"] = baseline_ppl
@@ -348,7 +351,7 @@ def estimate(sample: RouterSample, policy, attended: float | None = None) -> dic
         **policy_params(policy),
         "estimated": True,
         "sample_tokens": sample.num_tokens,
-        **_compute_cols(sample.shapes, mean_k_layers, attended),
+        **_compute_cols(sample.shapes, mean_k_layers, attended, sample.context),
         "mean_k_layers": mean_k_layers,
     }
 
