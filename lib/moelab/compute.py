@@ -94,10 +94,9 @@ class LinearMixer:
     quad: float = 0.0
     pad: bool = False  # the last chunk is padded to `chunk` tokens (gated DeltaNet) or runs short (lightning)
 
-    @property
-    def total(self) -> float:
-        """Per token at a decode step (the recurrent core)."""
-        return self.proj + self.conv + self.core
+    def total(self, prefill: int = 0) -> float:
+        """Per token: at a decode step (prefill = 0) or averaged over a prefill of `prefill` tokens."""
+        return self.proj + self.conv + self.core_flops(prefill)
 
     def core_flops(self, prefill: int = 0) -> float:
         """The core's FLOPs per token: at a decode step (prefill = 0), or averaged over a prefill of `prefill`
@@ -107,8 +106,8 @@ class LinearMixer:
         if prefill == 0 or self.chunk == 0:
             return self.core
         full, rest = divmod(prefill, self.chunk)
-        sizes = [self.chunk] * full + ([self.chunk if self.pad else rest] if rest else [])
-        return sum(self.quad * b * b + self.core * b for b in sizes) / prefill
+        last = self.chunk if self.pad and rest else rest
+        return sum(n * (self.quad * b * b + self.core * b) for n, b in ((full, self.chunk), (1, last))) / prefill
 
     @classmethod
     def from_config(cls, cfg) -> "LinearMixer | None":
@@ -233,8 +232,7 @@ class ModelShapes:
         linear = self.linear_attention_layers
         mixers = (self.num_layers - linear) * self.attention_flops(context)
         if linear:
-            mix = self.linear_mixer
-            mixers += linear * (mix.proj + mix.conv + mix.core_flops(prefill))
+            mixers += linear * self.linear_mixer.total(prefill)
         router = 2.0 * D * self.num_experts
         shared = 2.0 * 3 * D * self.shared_ffn + (2.0 * D if self.shared_ffn else 0.0)
         dense = 2.0 * 3 * D * self.dense_ffn
