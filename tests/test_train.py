@@ -171,3 +171,33 @@ def test_per_layer_balance_trains(tmp_path):
     assert losses[0] == pytest.approx(ref["loss_curve"][0]["loss"], rel=1e-5)
     with pytest.raises(ValueError, match="balance='pooled': must be 'model' or 'per-layer'"):
         train(_cfg(tmp_path / "bad", balance="pooled"))
+
+
+@pytest.mark.parametrize("family", sorted(models.FAMILIES))
+def test_per_layer_forward_skips_the_pooled_loss(family, monkeypatch):
+    """The per-layer mode's forward gives the model's own logits and router logits, and never calls the
+    family's pooled balancing loss (it would be computed for nothing)."""
+    import sys
+
+    import transformers
+
+    from moelab.train import _logits_and_router_logits
+
+    if not hasattr(transformers, models.FAMILIES[family][1]):
+        pytest.skip(f"this transformers has no {family}")
+    m = models.tiny_random(family, seed=2)
+    x = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = m(input_ids=x, use_cache=False, output_router_logits=True)
+        modeling = sys.modules[type(m).__module__]
+        assert hasattr(modeling, "load_balancing_loss_func")  # what the causal-LM forward would call
+
+        def pooled(*a, **kw):
+            raise AssertionError("the pooled balancing loss was computed")
+
+        monkeypatch.setattr(modeling, "load_balancing_loss_func", pooled)
+        logits, router_logits = _logits_and_router_logits(m, x)
+    torch.testing.assert_close(logits, ref.logits, rtol=0, atol=0)
+    assert len(router_logits) == len(ref.router_logits)
+    for got, want in zip(router_logits, ref.router_logits, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)

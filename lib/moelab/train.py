@@ -152,19 +152,34 @@ def balance_loss(router_logits, num_experts: int, k: int) -> torch.Tensor:
     return total / len(layers)
 
 
+def _logits_and_router_logits(model, x):
+    """(next-token logits, per-layer router logits) of one forward, without the model's pooled router loss.
+
+    Runs the decoder and the output head; a model whose causal-LM forward changes the head's output
+    (logit scaling or soft-capping) runs whole instead, and its pooled loss is computed and dropped."""
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    head = model.get_output_embeddings()
+    plain = (head is not None and model.base_model is not model
+             and getattr(cfg, "logits_scaling", 1) == 1 and not getattr(cfg, "final_logit_softcapping", None))
+    if not plain:
+        outp = model(input_ids=x, use_cache=False, output_router_logits=True)
+        return outp.logits, outp.router_logits
+    outp = model.base_model(input_ids=x, use_cache=False, output_router_logits=True)
+    return head(outp.last_hidden_state), outp.router_logits
+
+
 def _forward_backward(model, x, amp_dtype, device, balance: str = "model"):
     """One forward and backward; returns (loss, router loss) with loss = next-token loss + coef * router loss."""
     with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
         if balance == "model":  # the model adds router_aux_loss_coef * its pooled loss to its own loss
             outp = model(input_ids=x, labels=x, use_cache=False)
             loss, aux = outp.loss, outp.aux_loss
-        else:
-            outp = model(input_ids=x, use_cache=False, output_router_logits=True)
-            logits = outp.logits
+        else:  # the decoder and the head alone: the causal-LM forward would also pool a router loss we drop
+            logits, router_logits = _logits_and_router_logits(model, x)
             lm = torch.nn.functional.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]),
                                                    x[:, 1:].reshape(-1))
             info = models.moe_info(model)
-            aux = balance_loss(outp.router_logits, info["num_experts"], info["native_k"])
+            aux = balance_loss(router_logits, info["num_experts"], info["native_k"])
             loss = lm + float(model.config.router_aux_loss_coef) * aux
     loss.backward()
     return loss, aux
