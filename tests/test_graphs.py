@@ -20,7 +20,9 @@ from moelab.graphs import (
     hf_decode_step,
     make_buckets,
     merge_ranges,
+    pool_blocks,
     pool_bytes,
+    trace_allocations,
 )
 from moelab.routing import EntropyAdaptiveK
 from moelab.scratch import (
@@ -699,6 +701,65 @@ def test_a_leak_is_told_by_blocks_not_bytes():
         runner(x)
     kept.clear()
     torch.testing.assert_close(runner(x), step(x))
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("raises", [False, True])
+def test_a_leak_on_the_very_block_it_freed_is_caught(raises):
+    """A forward that frees a tensor the pool held from capture and keeps a new one of the same size on exactly
+    that block leaves the pool's held (address, size) blocks as they were; the allocations traced during the
+    forward still tell the new tensor from the old, also when the forward raises afterwards."""
+    step, make = _mlp_step()
+    held, mode = [], {"hold": True}
+
+    def fn(x):
+        y = step(x)
+        if mode["hold"]:
+            held.append(torch.ones(1 << 16, device="cuda"))  # the capture's land in the pool
+        return y
+
+    runner = GraphRunner(fn, make, [4, 8]).capture()
+    mode["hold"] = False
+    segs = _pool_segs(runner)
+    pooled = [i for i, t in enumerate(held) if fraction_in_segments([(t.data_ptr(), t.nbytes)], segs) == 1.0]
+    assert pooled, "no tensor of the capture was kept in the pool"
+    kept, same_block = [], []
+
+    def swap(x):
+        old = held.pop(pooled.pop())
+        ptr = old.data_ptr()
+        del old  # its block is free now, on the capture stream: the next request of its size takes it
+        new = torch.ones(1 << 16, device="cuda")
+        same_block.append(new.data_ptr() == ptr)
+        kept.append(new)
+        if raises:
+            raise KeyError("after keeping it")
+        return step(x)
+
+    runner.step_fn = swap
+    (x,) = make(4)
+    blocks = pool_blocks(runner.pool.id)
+    with pytest.raises(KeyError if raises else ScratchLiveError, match="after keeping it" if raises else
+                       "1 blocks, 262144 bytes .* outlived the forward"):
+        runner.eager(x)
+    assert same_block == [True], "the kept tensor did not take the freed block: the case is not exercised"
+    assert pool_blocks(runner.pool.id) == blocks  # the same (address, size) blocks held as before the forward
+    with pytest.raises(ScratchLiveError, match="replay refused"):
+        runner(x)
+    kept.clear()
+    runner.step_fn = step
+    torch.testing.assert_close(runner(x), step(x))
+
+
+@gpu
+@pytest.mark.gpu
+def test_trace_allocations_fills_its_list_when_the_body_raises():
+    with pytest.raises(KeyError):
+        with trace_allocations() as allocs:
+            t = torch.empty(1 << 20, device="cuda")
+            raise KeyError(t.data_ptr())
+    assert t.data_ptr() in {a for a, _ in allocs}, allocs
 
 
 @gpu

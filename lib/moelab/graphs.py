@@ -191,29 +191,32 @@ def _pool_state(pid: tuple[int, int]) -> dict:
 
 @contextlib.contextmanager
 def trace_allocations():
-    """Record the allocator's alloc events in the body; yields a list filled with (address, size) on exit.
-    Where memory history is already being recorded (someone's own snapshot), its settings and history are
-    left as they are and the body's events are read from it."""
+    """Record the allocator's alloc events in the body; yields a list filled with (address, size) on exit, also
+    when the body raises. Where memory history is already being recorded (someone's own snapshot), its settings
+    and history are left as they are and the body's events are read from it."""
     events: list[tuple[int, int]] = []
     torch.cuda.synchronize()
     if getattr(torch._C, "_cuda_isHistoryEnabled", lambda: False)():
         start = [len(dev) for dev in torch.cuda.memory._snapshot()["device_traces"]]
-        yield events
-        torch.cuda.synchronize()
-        for dev, n in zip(torch.cuda.memory._snapshot()["device_traces"], start):
-            events.extend((e["addr"], e["size"]) for e in dev[n:] if e["action"] == "alloc")
+        try:
+            yield events
+        finally:
+            torch.cuda.synchronize()
+            for dev, n in zip(torch.cuda.memory._snapshot()["device_traces"], start):
+                events.extend((e["addr"], e["size"]) for e in dev[n:] if e["action"] == "alloc")
         return
     record = torch.cuda.memory._record_memory_history
     kw = {"clear_history": True} if "clear_history" in inspect.signature(record).parameters else {}
     record(enabled="all", context=None, stacks="python", max_entries=1_000_000, **kw)
     try:
         yield events
-        torch.cuda.synchronize()
-        snap = torch.cuda.memory._snapshot()
-        for dev in snap["device_traces"]:
-            events.extend((e["addr"], e["size"]) for e in dev if e["action"] == "alloc")
     finally:
-        torch.cuda.memory._record_memory_history(enabled=None)
+        try:
+            torch.cuda.synchronize()
+            for dev in torch.cuda.memory._snapshot()["device_traces"]:
+                events.extend((e["addr"], e["size"]) for e in dev if e["action"] == "alloc")
+        finally:
+            torch.cuda.memory._record_memory_history(enabled=None)
 
 
 def fraction_in_segments(allocs: Sequence[tuple[int, int]], segments: Sequence[tuple[int, int, int]]) -> float:
@@ -671,11 +674,21 @@ class GraphRunner:
         allocation of the body lands in it, and the blocks held after it are compared with those of `before`: a
         tensor made inside the pool that outlives the forward is recorded (`_leak`; `_raise_leak` and every
         replay refuse until its block is free)."""
-        with torch.no_grad(), prefer_graph_pool(pool), self.scratch.forward(pool, stream, route_all=pool is not None):
-            outs = _as_tuple(self.step_fn(*inputs))
-            with self.scratch.unrouted():
-                kept = tuple(o.clone() for o in outs)  # results leave the pool before the scope ends
-            del outs
+        # blocks the pool held at the start could be freed by the forward and taken again by a tensor it keeps:
+        # then (address, size) alone would not tell the new tensor from the old, so trace the forward's allocations
+        # and count a held block as new wherever one was allocated at its address (cheap: usually none are held)
+        traced = pool is not None and bool(before["blocks"])
+        try:
+            with (trace_allocations() if traced else contextlib.nullcontext([])) as allocs, torch.no_grad(), \
+                    prefer_graph_pool(pool), self.scratch.forward(pool, stream, route_all=pool is not None):
+                outs = _as_tuple(self.step_fn(*inputs))
+                with self.scratch.unrouted():
+                    kept = tuple(o.clone() for o in outs)  # results leave the pool before the scope ends
+                del outs
+        finally:
+            if traced:  # also when the forward raised: the caller records the leak from `before`
+                taken = {a for a, _ in allocs}
+                before["blocks"] = frozenset(b for b in before["blocks"] if b[0] not in taken)
         if pool is None:
             return kept, None
         after = _pool_state(pool.id)
@@ -686,8 +699,9 @@ class GraphRunner:
     def _raise_leak(self, prefix: str = "") -> None:
         """Raise while a block of the pool that a tensor holds was not held before the leaking forward; forget
         the leak once every such block is free. Blocks are compared by (address, size), not bytes in all: a
-        forward that frees an older tensor and keeps a new one elsewhere is caught; one whose kept tensor took
-        the very block it freed is not."""
+        forward that frees an older tensor and keeps a new one elsewhere is caught; so is one whose kept tensor
+        took the very block it freed (`_eager_in` traces the allocations of a forward that starts with blocks
+        held, and a block allocated again during it does not count as held before)."""
         if self._leak is None:
             return
         before, what = self._leak
