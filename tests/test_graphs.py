@@ -663,11 +663,9 @@ def test_a_leak_refuses_replays_until_freed_whatever_the_pool_held_at_capture():
     torch.testing.assert_close(runner(x), step(x))  # freed: replays go ahead
 
 
-@gpu
-@pytest.mark.gpu
-def test_a_leak_is_told_by_blocks_not_bytes():
-    """A forward that frees a tensor the pool held from capture and keeps a new one of the same size on another
-    block leaves the pool's allocated bytes as they were; the new block is still caught."""
+def _runner_keeping_capture_tensors():
+    """A runner whose step kept a 256 KiB tensor per captured bucket: (step, make, runner, held, indices of the
+    held tensors that lie in the pool)."""
     step, make = _mlp_step()
     held, mode = [], {"hold": True}
 
@@ -682,6 +680,15 @@ def test_a_leak_is_told_by_blocks_not_bytes():
     segs = _pool_segs(runner)
     pooled = [i for i, t in enumerate(held) if fraction_in_segments([(t.data_ptr(), t.nbytes)], segs) == 1.0]
     assert pooled, "no tensor of the capture was kept in the pool"
+    return step, make, runner, held, pooled
+
+
+@gpu
+@pytest.mark.gpu
+def test_a_leak_is_told_by_blocks_not_bytes():
+    """A forward that frees a tensor the pool held from capture and keeps a new one of the same size on another
+    block leaves the pool's allocated bytes as they were; the new block is still caught."""
+    step, make, runner, held, pooled = _runner_keeping_capture_tensors()
     kept = []
 
     def swap(x):
@@ -710,20 +717,7 @@ def test_a_leak_on_the_very_block_it_freed_is_caught(raises):
     """A forward that frees a tensor the pool held from capture and keeps a new one of the same size on exactly
     that block leaves the pool's held (address, size) blocks as they were; the allocations traced during the
     forward still tell the new tensor from the old, also when the forward raises afterwards."""
-    step, make = _mlp_step()
-    held, mode = [], {"hold": True}
-
-    def fn(x):
-        y = step(x)
-        if mode["hold"]:
-            held.append(torch.ones(1 << 16, device="cuda"))  # the capture's land in the pool
-        return y
-
-    runner = GraphRunner(fn, make, [4, 8]).capture()
-    mode["hold"] = False
-    segs = _pool_segs(runner)
-    pooled = [i for i, t in enumerate(held) if fraction_in_segments([(t.data_ptr(), t.nbytes)], segs) == 1.0]
-    assert pooled, "no tensor of the capture was kept in the pool"
+    step, make, runner, held, pooled = _runner_keeping_capture_tensors()
     kept, same_block = [], []
 
     def swap(x):
