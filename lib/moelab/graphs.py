@@ -193,7 +193,8 @@ def _pool_state(pid: tuple[int, int]) -> dict:
 def trace_allocations():
     """Record the allocator's alloc events in the body; yields a list filled with (address, size) on exit, also
     when the body raises. Where memory history is already being recorded (someone's own snapshot), its settings
-    and history are left as they are and the body's events are read from it."""
+    and history are left as they are and the body's events are read from it (found by position: once that history
+    is full, its oldest entries make way and the body's events are not seen)."""
     events: list[tuple[int, int]] = []
     torch.cuda.synchronize()
     if getattr(torch._C, "_cuda_isHistoryEnabled", lambda: False)():
