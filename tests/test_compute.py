@@ -80,11 +80,20 @@ def test_shapes_from_config_and_whole_forward(cfg, moe_layers, shared):
 def _counted(model, ids, **kw):
     """FLOPs torch's FlopCounterMode counts in one forward (matrix products and convolutions), and per module.
     The rotary tables' outer product (a matrix product in transformers 5.17, not in 5.2x) is left out: it is
-    position bookkeeping, 2 * head_dim / 2 FLOPs per token for the whole model."""
+    position bookkeeping, 2 * head_dim / 2 FLOPs per token for the whole model.
+    The parameters stop requiring grad while counting: with the `kernels` package (a dependency of
+    transformers since 5.25) the hybrid families' causal conv runs as a module that takes a view of its weight
+    made under no_grad, and the counter's module tracker cannot hook such a view for backward (it raises)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    with torch.no_grad(), FlopCounterMode(display=False) as fc:
-        out = model(ids, **kw)
+    grads = [(p, p.requires_grad) for p in model.parameters()]
+    try:
+        model.requires_grad_(False)
+        with torch.no_grad(), FlopCounterMode(display=False) as fc:
+            out = model(ids, **kw)
+    finally:
+        for p, g in grads:
+            p.requires_grad_(g)
     per_module = {name: {str(op): n for op, n in d.items()} for name, d in fc.get_flop_counts().items()}
     rotary = sum(sum(d.values()) for name, d in per_module.items() if name.endswith(".rotary_emb"))
     return fc.get_total_flops() - rotary, per_module, out
