@@ -895,6 +895,50 @@ def test_capture_and_proof_leave_someone_elses_memory_history_alone():
         torch.cuda.memory._record_memory_history(enabled=None)
 
 
+def test_events_after_finds_the_body_start_when_the_history_made_way():
+    """A full history drops its oldest entries: the body's events are found after the entries that ended it at
+    the start, wherever those moved; once they are gone too, the start cannot be found and it raises."""
+    from moelab.graphs import _ANCHOR, _entry_key, _events_after
+
+    def entries(lo, hi):
+        return [{"action": "alloc", "addr": 4096 * i, "size": 512, "stream": 0, "time_us": i} for i in range(lo, hi)]
+
+    before = entries(0, 64)
+    anchor = tuple(_entry_key(e) for e in before[-_ANCHOR:])
+    body = entries(64, 90)
+    assert _events_after(before + body, 64, anchor) == body  # not full: the same positions
+    assert _events_after((before + body)[-64:], 64, anchor) == body  # full at 64: 26 oldest made way
+    for kept in (body[-20:], (before + body)[-30:]):  # the body's first events made way, or part of the anchor
+        with pytest.raises(RuntimeError, match="max_entries"):
+            _events_after(kept, 64, anchor)
+    assert _events_after(body, 0, ()) == body  # empty at the start
+    # the body repeating the anchor's entries (no time stamps) is not mistaken for it: the latest match at or
+    # left of the anchor's old place wins
+    flat = [dict(e, time_us=None) for e in before[-_ANCHOR:]]
+    key = tuple(_entry_key(e) for e in flat)
+    assert _events_after(flat + flat, _ANCHOR, key) == flat
+
+
+@gpu
+@pytest.mark.gpu
+def test_trace_allocations_in_someone_elses_full_history():
+    """With a user's small history full before and during the body, every alloc of the body is still found;
+    a body with more events than the history holds raises instead of returning a part."""
+    torch.cuda.memory._record_memory_history(enabled="all", max_entries=64)
+    try:
+        junk = [torch.empty(256 * (i + 1), device="cuda") for i in range(100)]  # fill it past its size
+        del junk
+        with trace_allocations() as allocs:
+            mine = [torch.empty(1024 * (i + 1), device="cuda") for i in range(5)]
+        assert {t.data_ptr() for t in mine} <= {a for a, _ in allocs}, allocs
+        with pytest.raises(RuntimeError, match="max_entries"):
+            with trace_allocations():
+                many = [torch.empty(512 * (i + 1), device="cuda") for i in range(100)]
+        del many
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+
+
 @gpu
 @pytest.mark.gpu
 def test_replays_from_two_threads_on_their_own_streams():

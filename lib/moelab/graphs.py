@@ -189,22 +189,48 @@ def _pool_state(pid: tuple[int, int]) -> dict:
     return {**pool_bytes(pid, snap), "blocks": pool_blocks(pid, snap)}
 
 
+_ANCHOR = 8  # trailing entries of a user's history that mark where the body's events start
+
+
+def _entry_key(e: dict) -> tuple:
+    return (e.get("action"), e.get("addr"), e.get("size"), e.get("stream"), e.get("time_us"))
+
+
+def _events_after(dev: list, n: int, anchor: tuple) -> list:
+    """The entries of one device's history after its first n at the body's start, whose last entries then were
+    `anchor`. Once the history is full its oldest entries make way and the anchor moves towards the front: it
+    is found again there; if it has gone too, the body's first events have gone with it, and this raises."""
+    m = len(anchor)
+    if m == 0:
+        return dev[n:] if len(dev) >= n else dev  # empty at the start: nothing can have made way unseen before
+    keys = [_entry_key(e) for e in dev]
+    for i in range(min(n, len(keys)) - m, -1, -1):  # the latest match at or left of the anchor's old place
+        if tuple(keys[i:i + m]) == anchor:
+            return dev[i + m:]
+    raise RuntimeError(f"trace_allocations: the memory history being recorded ({len(dev)} entries) is full and "
+                       "dropped the entries before the body's first events: its alloc events cannot be told "
+                       "apart; record with a larger max_entries (torch.cuda.memory._record_memory_history) or "
+                       "stop recording around the traced call")
+
+
 @contextlib.contextmanager
 def trace_allocations():
     """Record the allocator's alloc events in the body; yields a list filled with (address, size) on exit, also
     when the body raises. Where memory history is already being recorded (someone's own snapshot), its settings
-    and history are left as they are and the body's events are read from it (found by position: once that history
-    is full, its oldest entries make way and the body's events are not seen)."""
+    and history are left as they are and the body's events are read from it, found after the entries that ended
+    it at the start (so also once the history is full and its oldest entries make way; if the body's own first
+    events made way too, the exit raises instead of returning a part)."""
     events: list[tuple[int, int]] = []
     torch.cuda.synchronize()
     if getattr(torch._C, "_cuda_isHistoryEnabled", lambda: False)():
-        start = [len(dev) for dev in torch.cuda.memory._snapshot()["device_traces"]]
+        start = [(len(dev), tuple(_entry_key(e) for e in dev[-_ANCHOR:]))
+                 for dev in torch.cuda.memory._snapshot()["device_traces"]]
         try:
             yield events
         finally:
             torch.cuda.synchronize()
-            for dev, n in zip(torch.cuda.memory._snapshot()["device_traces"], start):
-                events.extend((e["addr"], e["size"]) for e in dev[n:] if e["action"] == "alloc")
+            for dev, (n, anchor) in zip(torch.cuda.memory._snapshot()["device_traces"], start):
+                events.extend((e["addr"], e["size"]) for e in _events_after(dev, n, anchor) if e["action"] == "alloc")
         return
     record = torch.cuda.memory._record_memory_history
     kw = {"clear_history": True} if "clear_history" in inspect.signature(record).parameters else {}
