@@ -203,9 +203,8 @@ def _events_after(dev: list, n: int, anchor: tuple) -> list:
     m = len(anchor)
     if m == 0:
         return dev[n:] if len(dev) >= n else dev  # empty at the start: nothing can have made way unseen before
-    keys = [_entry_key(e) for e in dev]
-    for i in range(min(n, len(keys)) - m, -1, -1):  # the latest match at or left of the anchor's old place
-        if tuple(keys[i:i + m]) == anchor:
+    for i in range(min(n, len(dev)) - m, -1, -1):  # the latest match at or left of the anchor's old place: found
+        if tuple(_entry_key(e) for e in dev[i:i + m]) == anchor:  # after as many steps as entries made way
             return dev[i + m:]
     raise RuntimeError(f"trace_allocations: the memory history being recorded ({len(dev)} entries) is full and "
                        "dropped the entries before the body's first events: its alloc events cannot be told "
