@@ -218,7 +218,8 @@ def trace_allocations():
     when the body raises. Where memory history is already being recorded (someone's own snapshot), its settings
     and history are left as they are and the body's events are read from it, found after the entries that ended
     it at the start (so also once the history is full and its oldest entries make way; if the body's own first
-    events made way too, the exit raises instead of returning a part)."""
+    events made way too, or the history records no alloc events, the exit raises instead of returning a part).
+    """
     events: list[tuple[int, int]] = []
     torch.cuda.synchronize()
     if getattr(torch._C, "_cuda_isHistoryEnabled", lambda: False)():
@@ -228,8 +229,21 @@ def trace_allocations():
             yield events
         finally:
             torch.cuda.synchronize()
-            for dev, (n, anchor) in zip(torch.cuda.memory._snapshot()["device_traces"], start):
-                events.extend((e["addr"], e["size"]) for e in _events_after(dev, n, anchor) if e["action"] == "alloc")
+            # a probe alloc the history must show; one recording only the state (enabled='state') shows none
+            probe = torch.empty(1, device="cuda")
+            addr, dev_i = probe.data_ptr(), probe.device.index
+            traces = torch.cuda.memory._snapshot()["device_traces"]
+            del probe
+            allocs = [[(e["addr"], e["size"]) for e in _events_after(dev, n, anchor) if e["action"] == "alloc"]
+                      for dev, (n, anchor) in zip(traces, start)]
+            mine = allocs[dev_i] if dev_i < len(allocs) else []
+            at = next((i for i in range(len(mine) - 1, -1, -1) if mine[i][0] == addr), None)
+            if at is None:
+                raise RuntimeError("trace_allocations: the memory history being recorded shows no alloc events "
+                                   "(recorded with enabled='state'?), so the body's allocations cannot be read "
+                                   "from it; record with enabled='all' or stop recording around the traced call")
+            del mine[at]
+            events.extend(a for dev in allocs for a in dev)
         return
     record = torch.cuda.memory._record_memory_history
     kw = {"clear_history": True} if "clear_history" in inspect.signature(record).parameters else {}
