@@ -202,14 +202,15 @@ def _events_after(dev: list, n: int, anchor: tuple) -> list:
     is found again there; if it has gone too, the body's first events have gone with it, and this raises."""
     m = len(anchor)
     if m == 0:
-        return dev[n:] if len(dev) >= n else dev  # empty at the start: nothing can have made way unseen before
+        return dev[n:] if len(dev) >= n else dev  # another device's empty history: nothing made way unseen before
     for i in range(min(n, len(dev)) - m, -1, -1):  # the latest match at or left of the anchor's old place: found
         if tuple(_entry_key(e) for e in dev[i:i + m]) == anchor:  # after as many steps as entries made way
             return dev[i + m:]
-    raise RuntimeError(f"trace_allocations: the memory history being recorded ({len(dev)} entries) is full and "
-                       "dropped the entries before the body's first events: its alloc events cannot be told "
-                       "apart; record with a larger max_entries (torch.cuda.memory._record_memory_history) or "
-                       "stop recording around the traced call")
+    raise RuntimeError(f"trace_allocations: the memory history being recorded ({len(dev)} entries) dropped the "
+                       "entries before the body's first events (it is full, or records only the state, "
+                       "enabled='state', which keeps one entry), so the body's alloc events cannot be told apart; "
+                       "record with enabled='all' and a larger max_entries (torch.cuda.memory."
+                       "_record_memory_history) or stop recording around the traced call")
 
 
 @contextlib.contextmanager
@@ -218,32 +219,23 @@ def trace_allocations():
     when the body raises. Where memory history is already being recorded (someone's own snapshot), its settings
     and history are left as they are and the body's events are read from it, found after the entries that ended
     it at the start (so also once the history is full and its oldest entries make way; if the body's own first
-    events made way too, or the history records no alloc events, the exit raises instead of returning a part).
-    """
+    events made way too, as in a history of the state alone, the exit raises instead of returning a part)."""
     events: list[tuple[int, int]] = []
     torch.cuda.synchronize()
     if getattr(torch._C, "_cuda_isHistoryEnabled", lambda: False)():
+        torch.empty(1, device="cuda")  # a probe's alloc and free: the history's last entries now mark the start
         start = [(len(dev), tuple(_entry_key(e) for e in dev[-_ANCHOR:]))
                  for dev in torch.cuda.memory._snapshot()["device_traces"]]
+        if not start[torch.cuda.current_device()][1]:
+            raise RuntimeError("trace_allocations: the memory history being recorded shows no events, so the "
+                               "body's allocations cannot be read from it; record with enabled='all' or stop "
+                               "recording around the traced call")
         try:
             yield events
         finally:
             torch.cuda.synchronize()
-            # a probe alloc the history must show; one recording only the state (enabled='state') shows none
-            probe = torch.empty(1, device="cuda")
-            addr, dev_i = probe.data_ptr(), probe.device.index
-            traces = torch.cuda.memory._snapshot()["device_traces"]
-            del probe
-            allocs = [[(e["addr"], e["size"]) for e in _events_after(dev, n, anchor) if e["action"] == "alloc"]
-                      for dev, (n, anchor) in zip(traces, start)]
-            mine = allocs[dev_i] if dev_i < len(allocs) else []
-            at = next((i for i in range(len(mine) - 1, -1, -1) if mine[i][0] == addr), None)
-            if at is None:
-                raise RuntimeError("trace_allocations: the memory history being recorded shows no alloc events "
-                                   "(recorded with enabled='state'?), so the body's allocations cannot be read "
-                                   "from it; record with enabled='all' or stop recording around the traced call")
-            del mine[at]
-            events.extend(a for dev in allocs for a in dev)
+            for dev, (n, anchor) in zip(torch.cuda.memory._snapshot()["device_traces"], start):
+                events.extend((e["addr"], e["size"]) for e in _events_after(dev, n, anchor) if e["action"] == "alloc")
         return
     record = torch.cuda.memory._record_memory_history
     kw = {"clear_history": True} if "clear_history" in inspect.signature(record).parameters else {}
