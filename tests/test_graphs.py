@@ -941,19 +941,17 @@ def test_trace_allocations_in_someone_elses_full_history():
 
 @gpu
 @pytest.mark.gpu
-def test_trace_allocations_refuses_a_history_without_alloc_events():
-    """A user's history recording only the allocator's state (enabled='state') keeps its last entry alone: a body
-    that allocates pushes the start out, and the exit raises instead of reading 'the body allocated nothing'; a
-    body that allocates nothing reads so. The setting is left as it was."""
+def test_trace_allocations_refuses_a_history_of_the_state_alone():
+    """A user's history recording only the allocator's state (enabled='state') keeps its last entry alone, so the
+    body's allocations cannot be read from it: refused before the body runs (an empty list would read as 'the
+    body allocated nothing'). The setting is left as it was."""
     torch.cuda.memory._record_memory_history(enabled="state")
     try:
+        ran = []
         with pytest.raises(RuntimeError, match="enabled='state'"):
             with trace_allocations():
-                t = torch.empty(1 << 20, device="cuda")
-        del t
-        with trace_allocations() as allocs:
-            pass
-        assert allocs == [] and torch._C._cuda_isHistoryEnabled()
+                ran.append(torch.empty(1 << 20, device="cuda"))
+        assert ran == [] and torch._C._cuda_isHistoryEnabled()
     finally:
         torch.cuda.memory._record_memory_history(enabled=None)
 

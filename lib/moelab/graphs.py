@@ -207,10 +207,9 @@ def _events_after(dev: list, n: int, anchor: tuple) -> list:
         if tuple(_entry_key(e) for e in dev[i:i + m]) == anchor:  # after as many steps as entries made way
             return dev[i + m:]
     raise RuntimeError(f"trace_allocations: the memory history being recorded ({len(dev)} entries) dropped the "
-                       "entries before the body's first events (it is full, or records only the state, "
-                       "enabled='state', which keeps one entry), so the body's alloc events cannot be told apart; "
-                       "record with enabled='all' and a larger max_entries (torch.cuda.memory."
-                       "_record_memory_history) or stop recording around the traced call")
+                       "entries before the body's first events (it is full), so the body's alloc events cannot be "
+                       "told apart; record with a larger max_entries (torch.cuda.memory._record_memory_history) or "
+                       "stop recording around the traced call")
 
 
 @contextlib.contextmanager
@@ -219,16 +218,18 @@ def trace_allocations():
     when the body raises. Where memory history is already being recorded (someone's own snapshot), its settings
     and history are left as they are and the body's events are read from it, found after the entries that ended
     it at the start (so also once the history is full and its oldest entries make way; if the body's own first
-    events made way too, as in a history of the state alone, the exit raises instead of returning a part)."""
+    events made way too, the exit raises instead of returning a part; a history of the state alone, which keeps one
+    entry, is refused at the start)."""
     events: list[tuple[int, int]] = []
     torch.cuda.synchronize()
     if getattr(torch._C, "_cuda_isHistoryEnabled", lambda: False)():
-        torch.empty(1, device="cuda")  # a probe's alloc and free: the history's last entries now mark the start
+        torch.empty(1, device="cuda")  # a probe's alloc and free (3 entries): the last entries now mark the start
         start = [(len(dev), tuple(_entry_key(e) for e in dev[-_ANCHOR:]))
                  for dev in torch.cuda.memory._snapshot()["device_traces"]]
-        if not start[torch.cuda.current_device()][1]:
-            raise RuntimeError("trace_allocations: the memory history being recorded shows no events, so the "
-                               "body's allocations cannot be read from it; record with enabled='all' or stop "
+        if (kept := start[torch.cuda.current_device()][0]) < 3:
+            raise RuntimeError(f"trace_allocations: the memory history being recorded keeps {kept} entries after "
+                               "an alloc and a free (a history of the state alone, enabled='state', keeps one): too "
+                               "few to read the body's allocations from; record with enabled='all' or stop "
                                "recording around the traced call")
         try:
             yield events
