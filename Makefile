@@ -2,6 +2,9 @@
 # Each installs what it needs first (once; .setup-stamp remembers).
 PY ?= python3
 export PYTHONUNBUFFERED := 1
+# This checkout's lib first, whatever the editable install points at (another clone or worktree would otherwise
+# run, test and record its own code here); papermill's kernels inherit it.
+export PYTHONPATH := $(CURDIR)/lib$(if $(PYTHONPATH),:$(PYTHONPATH))
 
 .PHONY: setup run test lint gpu-test bench clean
 
@@ -30,10 +33,10 @@ gpu-test:
 	$(PY) -m pytest -q -m gpu
 
 bench:  # the GPU benchmarks as the README's results were run; each writes data/results/<topic>-<date>.json
-	PYTHONPATH=lib $(PY) benchmarks/moe_kernels.py --parts routing,host,layer
-	PYTHONPATH=lib $(PY) benchmarks/graph_pool.py --models synthetic,tiny-mixtral,tiny-qwen-moe,tiny-olmoe --rounds 5 --decode-steps 40 --adaptive --adaptive-models synthetic
-	PYTHONPATH=lib $(PY) benchmarks/paper_tables.py --targets 0.1,0.25,0.4 --budget-steps 5
-	PYTHONPATH=lib $(PY) benchmarks/first_call.py --models tiny-olmoe,tiny-qwen-moe,tiny-mixtral
+	$(PY) benchmarks/moe_kernels.py --parts routing,host,layer
+	$(PY) benchmarks/graph_pool.py --models synthetic,tiny-mixtral,tiny-qwen-moe,tiny-olmoe --rounds 5 --decode-steps 40 --adaptive --adaptive-models synthetic
+	$(PY) benchmarks/paper_tables.py --targets 0.1,0.25,0.4 --budget-steps 5
+	$(PY) benchmarks/first_call.py --models tiny-olmoe,tiny-qwen-moe,tiny-mixtral
 
 clean:
 	rm -rf runs .setup-stamp

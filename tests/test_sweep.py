@@ -6,6 +6,8 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import shutil
+import subprocess
 from pathlib import Path
 
 import pandas as pd
@@ -14,6 +16,7 @@ import yaml
 from toy_notebooks import log_lines, write_toy_notebook
 
 from moelab import sweep
+from moelab.results import REPO
 
 
 @pytest.fixture(scope="module")
@@ -183,6 +186,22 @@ def test_main_runs_every_notebook_reports_failures_and_lists_outputs(tmp_path, m
     assert f"Figures and tables (2 files) are in {tmp_path / 'figures'}/" in out
     assert "02_table.csv" in out and "02_table.tex" in out
     assert (tmp_path / "runs" / "main" / "02_second" / "summary.csv").exists()
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_make_imports_this_checkouts_lib_before_any_other_moelab(tmp_path):
+    """`make run` / `make test` import the moelab beside the Makefile even when another one comes first on the
+    path (an editable install of another clone): else they would run, test and record that clone's code."""
+    decoy = tmp_path / "other" / "moelab"
+    decoy.mkdir(parents=True)
+    (decoy / "__init__.py").write_text("")
+    env = {**os.environ, "PYTHONPATH": str(decoy.parent)}
+    out = subprocess.run(
+        ["make", "-s", "-C", str(REPO), "--eval",
+         'where:\n\t@$(PY) -c "import moelab; print(moelab.__file__)"', "where"],
+        env=env, capture_output=True, text=True, timeout=120, check=True,
+    ).stdout.splitlines()
+    assert Path(out[0]) == REPO / "lib" / "moelab" / "__init__.py"
 
 
 def test_list_gives_an_outside_engine_what_keeps_its_runs_current(toy, tmp_path):
