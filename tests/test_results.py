@@ -2,6 +2,7 @@
 
 import json
 import lzma
+import stat
 from pathlib import Path
 
 import pytest
@@ -162,3 +163,14 @@ def test_policy_figure_draws_each_policy_share_and_saving():
     colours = [matplotlib.colors.to_hex(p.get_facecolor()).lower() for p in ax_r.patches]
     assert colours == [POLICY_COLORS["native"].lower(), POLICY_COLORS["EntropyAdaptiveK"].lower()]
     plt.close(fig)
+
+
+def test_atomic_writes_get_the_mode_an_ordinary_open_gives(tmp_path):
+    """Results, figures and tables are written through mkstemp (owner-only, 0600); they must end as readable
+    by others as any file the process opens, so colleagues on a shared GPU box can read them."""
+    plain = tmp_path / "plain.txt"
+    plain.write_bytes(b"x")
+    path = tmp_path / "sub" / "r.json"
+    results.write_json(path, {"a": 1})
+    assert stat.S_IMODE(path.stat().st_mode) == stat.S_IMODE(plain.stat().st_mode)
+    assert not list(path.parent.glob(".*.tmp"))

@@ -86,11 +86,23 @@ def command_line() -> str:
     return " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv])
 
 
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _umask()  # read once: os.umask can only be read by setting it
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write through a temporary file and a rename, so a reader never sees half a file. The file gets the mode
+    an ordinary open would give it (mkstemp's are owner-only: colleagues on a shared box could not read them)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, 0o666 & ~_UMASK)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
