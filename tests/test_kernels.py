@@ -325,8 +325,14 @@ def test_prepared_call_keyed_on_what_the_launch_derives_from(monkeypatch):
     assert len(kr._PREPARED) == 7
 
 
+# Masked columns read as -inf: their lanes compute 0 * -inf, and in a piece with no column at all -inf - -inf
+# (NaN), which tl.where discards; the interpreter (numpy) warns about them, the GPU does not. Plans are checked exactly.
+EMPTY_PIECE = pytest.mark.filterwarnings("ignore:invalid value encountered in (multiply|subtract):RuntimeWarning")
+
+
 @pytest.mark.parametrize("split", [1, 2, 4, 8])
 @pytest.mark.parametrize("sel", ["rowwise", "rowsort"])
+@EMPTY_PIECE
 def test_rows16_split_rows(split, sel, monkeypatch):
     """16-bit logits, a row cut into pieces scanned by separate threads and merged (tl.reduce): the same plan,
     also where the pieces do not divide E (masked columns, a piece with no column at all) and with -0 / +0;
@@ -344,6 +350,7 @@ def test_rows16_split_rows(split, sel, monkeypatch):
 
 
 @pytest.mark.parametrize("split", [1, 2, 4, 16])
+@EMPTY_PIECE
 def test_rows16_wide_k(split, monkeypatch):
     """8 < k <= 16 on 16-bit logits ('rowsort'): each piece keeps its best eight and next eight, chunks merge
     into both and the pieces merge pairwise; the same plan as the reference, with exact ties, masked columns
