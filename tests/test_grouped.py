@@ -198,6 +198,43 @@ def test_down_rows_past_the_pairs_never_reach_outputs(tma):
     assert torch.equal(poisoned, clean)
 
 
+def _filled_empty(monkeypatch, value: float):
+    """torch.empty, empty_like and Tensor.new_empty fill what they return: `value` in floats, -7 in integers."""
+    def fill(t):
+        return t.fill_(value if t.is_floating_point() else -7) if t.dtype != torch.bool else t
+    empty, empty_like, new_empty = torch.empty, torch.empty_like, torch.Tensor.new_empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: fill(empty(*a, **k)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: fill(empty_like(*a, **k)))
+    monkeypatch.setattr(torch.Tensor, "new_empty", lambda self, *a, **k: fill(new_empty(self, *a, **k)))
+
+
+@UNWRITTEN_ROWS
+@pytest.mark.parametrize("logit_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("tma", [False, True])
+def test_outputs_never_depend_on_unwritten_memory(tma, logit_dtype, monkeypatch):
+    """The whole Triton path (routing kernel, pair layout, grouped GEMMs, combine) with every buffer that
+    torch.empty hands out filled with NaN (floats) / -7 (integers) instead of 0: the same plan and layer
+    output, bit for bit and finite, so nothing it returns is read from memory it did not write first."""
+    from moelab.kernels.routing import route_triton
+    T, D, Fd, E = 13, 40, 24, 8
+    x, gu, dn, logits = layer(T, D, Fd, E, torch.float16, seed=9)
+    policy = EntropyAdaptiveK((1, 2, 3), (0.6, 1.0))
+    cfg = {name: {**c, "TMA": tma} for name, c in TILE16.items()}
+    runs = []
+    for value in (0.0, float("nan")):
+        with monkeypatch.context() as m:
+            _filled_empty(m, value)
+            plan = route_triton(logits.to(logit_dtype), policy, renormalize=True)
+            lay = pair_layout_padded(plan)
+            runs.append((plan, fused_experts(x, lay, gu, dn, plan, config=cfg)))
+    (p0, y0), (p1, y1) = runs
+    assert 0 < p0.kept_pairs() < T * policy.k_max, "some tokens must keep fewer than k_max experts"
+    for name in ("expert_ids", "weights", "k", "entropy"):
+        assert torch.equal(getattr(p1, name), getattr(p0, name)), name
+    assert torch.isfinite(y1).all() and torch.equal(y1, y0)
+    assert_matches(y0, reference(x, route(logits, policy, renormalize=True), gu, dn))
+
+
 def test_swiglu_rounds_like_the_unfused_path():
     """Kernel A's epilogue: gate and up rounded to the data type (as the GEMM output is), silu(gate)
     rounded too, then the product: the unfused GEMM -> swiglu_rows numbers, bit for bit but for the
