@@ -18,6 +18,8 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
+from conftest import fill_empty  # noqa: E402
+
 import moelab.experts as ex  # noqa: E402
 import moelab.kernels.grouped as gk  # noqa: E402
 from moelab.kernels.grouped import fused_experts, max_tiles, tile_map  # noqa: E402
@@ -198,23 +200,14 @@ def test_down_rows_past_the_pairs_never_reach_outputs(tma):
     assert torch.equal(poisoned, clean)
 
 
-def _filled_empty(monkeypatch, value: float):
-    """torch.empty, empty_like and Tensor.new_empty fill what they return: `value` in floats, -7 in integers."""
-    def fill(t):
-        return t.fill_(value if t.is_floating_point() else -7) if t.dtype != torch.bool else t
-    empty, empty_like, new_empty = torch.empty, torch.empty_like, torch.Tensor.new_empty
-    monkeypatch.setattr(torch, "empty", lambda *a, **k: fill(empty(*a, **k)))
-    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: fill(empty_like(*a, **k)))
-    monkeypatch.setattr(torch.Tensor, "new_empty", lambda self, *a, **k: fill(new_empty(self, *a, **k)))
-
-
 @UNWRITTEN_ROWS
 @pytest.mark.parametrize("logit_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("tma", [False, True])
 def test_outputs_never_depend_on_unwritten_memory(tma, logit_dtype, monkeypatch):
     """The whole Triton path (routing kernel, pair layout, grouped GEMMs, combine) with every buffer that
     torch.empty hands out filled with NaN (floats) / -7 (integers) instead of 0: the same plan and layer
-    output, bit for bit and finite, so nothing it returns is read from memory it did not write first."""
+    output, bit for bit and finite, so nothing it returns is read from memory it did not write first
+    (`pytest --fill-empty` does the same for a whole session)."""
     from moelab.kernels.routing import route_triton
     T, D, Fd, E = 13, 40, 24, 8
     x, gu, dn, logits = layer(T, D, Fd, E, torch.float16, seed=9)
@@ -223,7 +216,7 @@ def test_outputs_never_depend_on_unwritten_memory(tma, logit_dtype, monkeypatch)
     runs = []
     for value in (0.0, float("nan")):
         with monkeypatch.context() as m:
-            _filled_empty(m, value)
+            fill_empty(m.setattr, value)
             plan = route_triton(logits.to(logit_dtype), policy, renormalize=True)
             lay = pair_layout_padded(plan)
             runs.append((plan, fused_experts(x, lay, gu, dn, plan, config=cfg)))
@@ -481,7 +474,7 @@ def test_gpu_outputs_never_depend_on_unwritten_memory(shape, monkeypatch):
     runs = []
     for value in (0.0, float("nan")):
         with monkeypatch.context() as m:
-            _filled_empty(m, value)
+            fill_empty(m.setattr, value)
             plan = route_triton(logits.to(torch.bfloat16), policy, renormalize=True)
             lay = pair_layout_padded(plan)
             runs.append((plan, fused_experts(x, lay, gu, dn, plan)))
