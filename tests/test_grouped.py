@@ -200,6 +200,24 @@ def test_down_rows_past_the_pairs_never_reach_outputs(tma):
     assert torch.equal(poisoned, clean)
 
 
+def same_with_empty_filled(monkeypatch, x, gu, dn, logits, policy, config=None):
+    """Route (Triton), lay out and run the layer twice, torch.empty's buffers filled with 0 and then with NaN / -7:
+    the same plan and output, bit for bit and finite; the output is returned."""
+    from moelab.kernels.routing import route_triton
+    runs = []
+    for value in (0.0, float("nan")):
+        with monkeypatch.context() as m:
+            fill_empty(m.setattr, value)
+            plan = route_triton(logits, policy, renormalize=True)
+            runs.append((plan, fused_experts(x, pair_layout_padded(plan), gu, dn, plan, config=config)))
+    (p0, y0), (p1, y1) = runs
+    assert 0 < p0.kept_pairs() < p0.num_tokens * policy.k_max, "some tokens must keep fewer than k_max experts"
+    for name in ("expert_ids", "weights", "k", "entropy"):
+        assert torch.equal(getattr(p1, name), getattr(p0, name)), name
+    assert torch.isfinite(y1).all() and torch.equal(y1, y0)
+    return y0
+
+
 @UNWRITTEN_ROWS
 @pytest.mark.parametrize("logit_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("tma", [False, True])
@@ -208,24 +226,11 @@ def test_outputs_never_depend_on_unwritten_memory(tma, logit_dtype, monkeypatch)
     torch.empty hands out filled with NaN (floats) / -7 (integers) instead of 0: the same plan and layer
     output, bit for bit and finite, so nothing it returns is read from memory it did not write first
     (`pytest --fill-empty` does the same for a whole session)."""
-    from moelab.kernels.routing import route_triton
-    T, D, Fd, E = 13, 40, 24, 8
-    x, gu, dn, logits = layer(T, D, Fd, E, torch.float16, seed=9)
+    x, gu, dn, logits = layer(13, 40, 24, 8, torch.float16, seed=9)
     policy = EntropyAdaptiveK((1, 2, 3), (0.6, 1.0))
     cfg = {name: {**c, "TMA": tma} for name, c in TILE16.items()}
-    runs = []
-    for value in (0.0, float("nan")):
-        with monkeypatch.context() as m:
-            fill_empty(m.setattr, value)
-            plan = route_triton(logits.to(logit_dtype), policy, renormalize=True)
-            lay = pair_layout_padded(plan)
-            runs.append((plan, fused_experts(x, lay, gu, dn, plan, config=cfg)))
-    (p0, y0), (p1, y1) = runs
-    assert 0 < p0.kept_pairs() < T * policy.k_max, "some tokens must keep fewer than k_max experts"
-    for name in ("expert_ids", "weights", "k", "entropy"):
-        assert torch.equal(getattr(p1, name), getattr(p0, name)), name
-    assert torch.isfinite(y1).all() and torch.equal(y1, y0)
-    assert_matches(y0, reference(x, route(logits, policy, renormalize=True), gu, dn))
+    y = same_with_empty_filled(monkeypatch, x, gu, dn, logits.to(logit_dtype), policy, cfg)
+    assert_matches(y, reference(x, route(logits, policy, renormalize=True), gu, dn))
 
 
 def test_swiglu_rounds_like_the_unfused_path():
@@ -467,20 +472,6 @@ def test_gpu_direct_launch_of_layout_row_and_gemm_kernels():
 def test_gpu_outputs_never_depend_on_unwritten_memory(shape, monkeypatch):
     """At the tuned launches (64- and 128-row TMA tiles, persistent down): the adaptive plan and layer output
     are the same, bit for bit and finite, with every torch.empty buffer filled with NaN / -7 as with 0."""
-    from moelab.kernels.routing import route_triton
-    T, D, Fd, E = shape
-    x, gu, dn, logits = layer(T, D, Fd, E, torch.bfloat16, seed=4)
-    policy = EntropyAdaptiveK((1, 2), (1.0,)) if E == 8 else EntropyAdaptiveK((4, 6, 8), (2.0, 3.0))
-    runs = []
-    for value in (0.0, float("nan")):
-        with monkeypatch.context() as m:
-            fill_empty(m.setattr, value)
-            plan = route_triton(logits.to(torch.bfloat16), policy, renormalize=True)
-            lay = pair_layout_padded(plan)
-            runs.append((plan, fused_experts(x, lay, gu, dn, plan)))
-            torch.cuda.synchronize()
-    (p0, y0), (p1, y1) = runs
-    assert 0 < p0.kept_pairs() < T * policy.k_max, "some tokens must keep fewer than k_max experts"
-    for name in ("expert_ids", "weights", "k", "entropy"):
-        assert torch.equal(getattr(p1, name), getattr(p0, name)), name
-    assert torch.isfinite(y1).all() and torch.equal(y1, y0)
+    x, gu, dn, logits = layer(*shape, torch.bfloat16, seed=4)
+    policy = EntropyAdaptiveK((1, 2), (1.0,)) if shape[3] == 8 else EntropyAdaptiveK((4, 6, 8), (2.0, 3.0))
+    same_with_empty_filled(monkeypatch, x, gu, dn, logits.to(torch.bfloat16), policy)
