@@ -1,6 +1,7 @@
 """The training loop on a micro model on the CPU: it learns, resumes exactly, and logs the run."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -56,6 +57,34 @@ def test_train_resume_and_log(tmp_path):
     stored = load_file(tmp_path / "split" / "model.safetensors")
     assert all(v.dtype == torch.bfloat16 for v in stored.values())
     assert tok.decode(tok("the sea")["input_ids"]) == "the sea"
+
+
+@pytest.mark.parametrize("cut", [".resume.old", ".resume"])
+def test_a_kill_inside_the_resume_save_loses_at_most_that_save(tmp_path, monkeypatch, caplog, cut):
+    """Killed at either rename of the swap (.resume -> .resume.old, .resume.tmp -> .resume), the next run resumes
+    from a complete state (the one before, or the one just written) and ends with the uninterrupted run's weights."""
+    full = train(_cfg(tmp_path / "full"))
+    train(_cfg(tmp_path / "cut", stop_after=3))
+    rename = Path.rename
+
+    def killed(self, target):
+        if Path(target).name == cut:
+            raise KeyboardInterrupt("killed")
+        return rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", killed)
+    with pytest.raises(KeyboardInterrupt):
+        train(_cfg(tmp_path / "cut"))
+    monkeypatch.setattr(Path, "rename", rename)
+    with caplog.at_level("INFO", logger="moelab.train"):
+        resumed = train(_cfg(tmp_path / "cut"))
+    assert f"resuming {tmp_path / 'cut'} at step {3 if cut == '.resume.old' else 4}" in caplog.text
+    assert resumed["steps"] == 8 and resumed["tokens_seen"] == full["tokens_seen"]
+    assert not (tmp_path / "cut" / ".resume.tmp").exists() and not (tmp_path / "cut" / ".resume.old").exists()
+    w_full = load_file(tmp_path / "full" / ".resume" / "model.safetensors")
+    w_cut = load_file(tmp_path / "cut" / ".resume" / "model.safetensors")
+    for k in w_full:
+        torch.testing.assert_close(w_full[k], w_cut[k], rtol=1e-5, atol=1e-6, msg=k)
 
 
 def test_bad_config_raises(tmp_path):

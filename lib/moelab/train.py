@@ -118,8 +118,10 @@ def _save_best(model, out: Path) -> None:
 
 
 def _save_resume(model, opt, state: dict, out: Path) -> None:
-    d = out / ".resume"
-    tmp = out / ".resume.tmp"
+    """Write the resume state to .resume.tmp (state.json last: it marks the folder complete), then swap it in by
+    renames: .resume -> .resume.old, .resume.tmp -> .resume. A kill at any point leaves one complete state that
+    `_recover_resume` finds."""
+    d, tmp, old = out / ".resume", out / ".resume.tmp", out / ".resume.old"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     model.save_pretrained(tmp)
@@ -127,8 +129,25 @@ def _save_resume(model, opt, state: dict, out: Path) -> None:
                 "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
                tmp / "optim.pt")
     write_json(tmp / "state.json", state)
-    shutil.rmtree(d, ignore_errors=True)
+    shutil.rmtree(old, ignore_errors=True)
+    if d.exists():
+        d.rename(old)
     tmp.rename(d)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _recover_resume(out: Path) -> None:
+    """After a kill inside `_save_resume`: put the newest complete state back at .resume (the finished
+    .resume.tmp, else .resume.old) and drop the rest."""
+    d, tmp, old = out / ".resume", out / ".resume.tmp", out / ".resume.old"
+    if not d.exists():
+        for cand in (tmp, old):
+            if (cand / "state.json").exists():
+                cand.rename(d)
+                log.warning("%s: a save was cut short; resuming from the last complete state (%s)", out, cand.name)
+                break
+    for leftover in (tmp, old):
+        shutil.rmtree(leftover, ignore_errors=True)
 
 
 def balance_loss(router_logits, num_experts: int, k: int) -> torch.Tensor:
@@ -241,6 +260,7 @@ def train(cfg: TrainConfig) -> dict:
     log.info("data: %d training tokens (%d chunks), %d validation tokens, encoded in %.1fs",
              train_ids.numel(), n_chunks, val_LS.numel(), time.perf_counter() - t0)
 
+    _recover_resume(out)
     resume = out / ".resume" / "state.json"
     if resume.exists():
         state = json.loads(resume.read_text())
