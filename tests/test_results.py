@@ -61,16 +61,16 @@ def test_load_runs_current_and_archived_oldest_first(tmp_path):
 
 
 def test_write_json_is_strict_json_with_nan_as_null(tmp_path):
-    """NaN from Python, numpy and torch values alike is written as null: the file stays valid JSON."""
+    """NaN and +-inf from Python, numpy and torch values alike are written as null: the file stays valid JSON."""
     np = pytest.importorskip("numpy")
     torch = pytest.importorskip("torch")
     obj = {"a": float("nan"), "b": np.float64("nan"), "c": np.array([1.0, np.nan]), "d": torch.tensor([float("nan")]),
-           "e": np.int64(3)}
+           "e": np.int64(3), "f": float("inf"), "g": [float("-inf")], "h": np.array([np.inf])}
     path = results.write_json(tmp_path / "x.json", obj)
     text = path.read_text()
-    assert "NaN" not in text
+    assert "NaN" not in text and "Infinity" not in text
     assert json.loads(text, parse_constant=lambda c: pytest.fail(f"non-standard constant {c}")) == {
-        "a": None, "b": None, "c": [1.0, None], "d": [None], "e": 3}
+        "a": None, "b": None, "c": [1.0, None], "d": [None], "e": 3, "f": None, "g": [None], "h": [None]}
 
 
 def test_machine_names_the_cpu_model():
@@ -174,3 +174,44 @@ def test_atomic_writes_get_the_mode_an_ordinary_open_gives(tmp_path):
     results.write_json(path, {"a": 1})
     assert stat.S_IMODE(path.stat().st_mode) == stat.S_IMODE(plain.stat().st_mode)
     assert not list(path.parent.glob(".*.tmp"))
+
+
+def test_a_row_that_cannot_be_written_leaves_the_days_earlier_file(tmp_path, monkeypatch):
+    """The new document is made into JSON before the earlier run's file moves to archive/: a row JSON cannot hold
+    raises and the earlier file stays where it was."""
+    monkeypatch.setattr(results, "_WRITTEN", set())
+    first = results.write_results("topic-x", [{"v": 1}], out_dir=tmp_path)
+    monkeypatch.setattr(results, "_WRITTEN", set())  # a new process
+    with pytest.raises(TypeError, match="set"):
+        results.write_results("topic-x", [{"v": {1, 2}}], out_dir=tmp_path)
+    assert json.loads(first.read_text())["rows"] == [{"v": 1}] and not (tmp_path / "archive").exists()
+
+
+def test_load_runs_reads_a_run_archived_without_a_commit(tmp_path, monkeypatch):
+    """Where git is missing the commit reads 'unknown', and the archived file is named so: still a run."""
+    monkeypatch.setattr(results, "commit", lambda: "unknown")
+    for v in (1, 2):
+        monkeypatch.setattr(results, "_WRITTEN", set())
+        results.write_results("topic-x", [{"v": v}], out_dir=tmp_path)
+    assert [p.name.rsplit("-", 1)[1] for p in (tmp_path / "archive").iterdir()] == ["unknown.json"]
+    assert sorted(d["rows"][0]["v"] for d in results.load_runs("topic-x", tmp_path)) == [1, 2]
+
+
+def test_saving_a_name_again_replaces_its_result_in_either_format(tmp_path, monkeypatch):
+    pd = pytest.importorskip("pandas")
+    monkeypatch.setenv("MOELAB_RUN_DIR", str(tmp_path))
+    results.save("m", pd.DataFrame({"loss": [9.9]}))
+    results.save("m", {"loss": 0.1})
+    assert results.load_saved(tmp_path) == {"m": {"loss": 0.1}}
+    results.save("m", pd.DataFrame({"loss": [0.2]}))
+    assert sorted(p.name for p in (tmp_path / "results").iterdir()) == ["m.parquet"]
+
+    class Broken(pd.DataFrame):
+        def to_parquet(self, *a, **k):
+            Path(a[0]).write_bytes(b"half")
+            raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        results.save("m", Broken({"loss": [0.3]}))
+    assert sorted(p.name for p in (tmp_path / "results").iterdir()) == ["m.parquet"]  # no temporary left
+    assert results.load_saved(tmp_path)["m"]["loss"].tolist() == [0.2]

@@ -124,15 +124,20 @@ def _jsonable(x):
         return _jsonable(x.item())
     if isinstance(x, np.ndarray) or (hasattr(x, "tolist") and hasattr(x, "dtype")):  # and torch tensors
         return _jsonable(x.tolist())  # NaN inside becomes null too
-    if isinstance(x, float) and x != x:
-        return None
+    if isinstance(x, float) and (x != x or x in (float("inf"), float("-inf"))):
+        return None  # strict JSON has no NaN or Infinity
     if isinstance(x, Path):
         return str(x)
     return x
 
 
+def _json_bytes(obj) -> bytes:
+    """Strict JSON (NaN and +-inf as null): a value that cannot be written raises here, before any file moves."""
+    return (json.dumps(_jsonable(obj), indent=1, allow_nan=False) + "\n").encode()
+
+
 def write_json(path: Path, obj) -> Path:
-    atomic_write_bytes(Path(path), (json.dumps(_jsonable(obj), indent=1) + "\n").encode())
+    atomic_write_bytes(Path(path), _json_bytes(obj))
     return Path(path)
 
 
@@ -157,13 +162,15 @@ def write_results(topic: str, rows: list[dict], notes: str = "", command: str | 
     if extra:
         doc.update(extra)
     path = Path(out_dir or results_dir()) / f"{topic}-{now:%Y%m%d}.json"
+    data = _json_bytes(doc)  # first: a row that cannot be written must not cost the day's earlier file
     if path.exists() and path.resolve() not in _WRITTEN:  # an earlier run's file of the same day: keep it
         kept = _archive_name(path)
         kept.parent.mkdir(parents=True, exist_ok=True)
         os.replace(path, kept)
         print(f"{path.name}: the earlier run of this day moved to {kept}")
     _WRITTEN.add(path.resolve())
-    return write_json(path, doc)
+    atomic_write_bytes(path, data)
+    return path
 
 
 _WRITTEN: set[Path] = set()  # results files this process wrote: its own later writes (a run saving as it goes)
@@ -207,7 +214,7 @@ def load_runs(topic: str, directory: Path | None = None) -> list[dict]:
     number moves between runs. Side runs of another configuration, archived under a descriptive suffix
     (`graph-pool-20261129-primed-default.json.xz`), are not replaced runs: `read_file` opens them."""
     d = Path(directory or REPO / "data" / "results")
-    name = re.compile(rf"{re.escape(topic)}-\d{{8}}(-[0-9a-f]{{7,40}}(-\d+)?)?\.json(\.xz)?")
+    name = re.compile(rf"{re.escape(topic)}-\d{{8}}(-([0-9a-f]{{7,40}}|unknown)(-\d+)?)?\.json(\.xz)?")
     candidates = (*d.glob(f"{topic}-*.json"), *(d / "archive").glob(f"{topic}-*.json*"))
     files = [f for f in candidates if name.fullmatch(f.name)]  # the current file is plain .json: the glob above
     if not files:
@@ -246,20 +253,27 @@ def run_dir() -> Path:
 
 
 def save(name: str, obj) -> Path:
-    """Save a named result of a notebook: a DataFrame as parquet, anything else as JSON."""
+    """Save a named result of a notebook: a DataFrame as parquet, anything else as JSON. Saving a name again
+    replaces its earlier result, also one saved in the other format."""
     import pandas as pd
 
     if not name or "/" in name or name.startswith("."):
         raise ValueError(f"result name {name!r}: must be a plain file stem (no '/', not hidden)")
     d = run_dir() / "results"
     if isinstance(obj, pd.DataFrame):
-        path = d / f"{name}.parquet"
+        path, other = d / f"{name}.parquet", d / f"{name}.json"
         tmp = d / f".{name}.parquet.tmp"
         d.mkdir(parents=True, exist_ok=True)
-        obj.to_parquet(tmp, index=False)
-        os.replace(tmp, path)
-        return path
-    return write_json(d / f"{name}.json", obj)
+        try:
+            obj.to_parquet(tmp, index=False)
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+    else:
+        path, other = write_json(d / f"{name}.json", obj), d / f"{name}.parquet"
+    other.unlink(missing_ok=True)
+    return path
 
 
 def load_saved(directory: Path) -> dict:
