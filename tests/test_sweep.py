@@ -371,6 +371,36 @@ def test_collect_lists_runs_of_another_notebook_version_as_stale(tmp_path):
     assert set(pd.read_csv(sweep.collect(tmp_path, ["aaa", "bbb"])["summary.csv"]).status) == {"ok"}  # no digest
 
 
+def test_collect_keeps_its_own_columns_when_names_collide(tmp_path):
+    """A parameter or scalar named like a summary column, a frame with a `run` column, or a frame named
+    `summary` (written by hand: `results.save` refuses the name) leave the summary's run ids and statuses
+    intact and every value in some column."""
+    def run(h, params, frames=(), scalars=()):
+        d = tmp_path / h
+        (d / "results").mkdir(parents=True)
+        (d / "params.json").write_text(json.dumps({"notebook": "toy.ipynb", "notebook_digest": "D",
+                                                   "parameters": params}))
+        (d / "done").write_text(json.dumps({"elapsed_s": 1}))
+        for n, df in dict(frames).items():
+            df.to_parquet(d / "results" / f"{n}.parquet", index=False)
+        for n, v in dict(scalars).items():
+            (d / "results" / f"{n}.json").write_text(json.dumps(v))
+
+    run("aaa", {"run": 7, "x": 1}, frames={"curve": pd.DataFrame({"run": ["r1"], "loss": [0.5]}),
+                                           "summary": pd.DataFrame({"metric": [10]})},
+        scalars={"status": "converged", "x": 3})
+    tables = sweep.collect(tmp_path, ["aaa"], "t", digest="D")
+    (row,) = pd.read_csv(tables["summary.csv"]).to_dict("records")
+    assert row == {"run": "aaa", "param.run": 7, "x": 1, "status": "ok", "elapsed_s": 1, "result.status": "converged",
+                   "result.x": 3}
+    assert pd.read_csv(tables["curve.csv"]).to_dict("records") == [
+        {"sweep.run": "aaa", "param.run": 7, "x": 1, "run": "r1", "loss": 0.5}]
+    assert pd.read_csv(tables["result.summary.csv"])["metric"].tolist() == [10]
+    with pytest.raises(ValueError, match="'summary'"):
+        from moelab import results
+        results.save("summary", {"y": 1})
+
+
 def test_a_sweep_leaves_other_attempts_folders_alone(toy, tmp_path):
     """Only attempt folders whose attempt is over are cleaned up: this host's whose process is gone, another
     host's once it started longer ago than the grid's timeout. Another sweep on the same file system may be

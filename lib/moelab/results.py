@@ -259,6 +259,8 @@ def save(name: str, obj) -> Path:
 
     if not name or "/" in name or name.startswith("."):
         raise ValueError(f"result name {name!r}: must be a plain file stem (no '/', not hidden)")
+    if name == "summary":
+        raise ValueError("result name 'summary': taken by a sweep's table of its runs (summary.csv); choose another")
     d = run_dir() / "results"
     if isinstance(obj, pd.DataFrame):
         path, other = d / f"{name}.parquet", d / f"{name}.json"

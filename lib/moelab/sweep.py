@@ -736,10 +736,15 @@ def _write_table(df, path_stem: Path) -> dict[str, Path]:
     return {"parquet": path_stem.with_suffix(".parquet"), "csv": path_stem.with_suffix(".csv")}
 
 
+_SUMMARY_COLUMNS = ("run", "status", "elapsed_s", "error")
+
+
 def collect(sweep_dir: Path, hashes: list[str], name: str = "", digest: str | None = None) -> dict[str, Path]:
     """Combine runs into summary.{parquet,csv} (one row per run) and <result>.{parquet,csv} per saved frame.
 
-    Parameters become columns (prefixed `param.` only where a frame already has a column of that name).
+    Parameters become columns, prefixed `param.` only where a frame already has a column of that name or the
+    name is one of the summary's own columns (run, status, elapsed_s, error); a scalar result with such a name
+    (or a parameter's) is prefixed `result.`, and a frame with its own `run` column gets the run as `sweep.run`.
     digest: the notebook's current `notebook_digest`; a run finished with another version is listed with
     status 'stale' and none of its results (a sweep without --collect runs it again).
     """
@@ -755,7 +760,8 @@ def collect(sweep_dir: Path, hashes: list[str], name: str = "", digest: str | No
             continue
         spec = json.loads((d / PARAMS).read_text())
         params = {k: _cell(v) for k, v in spec["parameters"].items()}
-        row = {"run": h, **params, "status": {"done": "ok", "stale": "stale"}.get(state, "failed")}
+        row = {"run": h, **{(f"param.{k}" if k in _SUMMARY_COLUMNS else k): v for k, v in params.items()},
+               "status": {"done": "ok", "stale": "stale"}.get(state, "failed")}
         if state == "stale":
             stale += 1
             summary.append(row)
@@ -770,13 +776,14 @@ def collect(sweep_dir: Path, hashes: list[str], name: str = "", digest: str | No
                                                                                        for x in obj)):
                 df = obj if isinstance(obj, pd.DataFrame) else pd.DataFrame(obj)
                 df = df.assign(**{c: df[c].map(_cell) for c in df.columns if df[c].dtype == object})
-                cols = {(f"param.{k}" if k in df.columns else k): v for k, v in params.items()}
-                df = df.assign(**{"run": h, **cols})[["run", *cols, *df.columns]]
-                frames.setdefault(rname, []).append(df)
+                run_col = "sweep.run" if "run" in df.columns else "run"
+                cols = {(f"param.{k}" if k in df.columns or k == run_col else k): v for k, v in params.items()}
+                df = df.assign(**{run_col: h, **cols})[[run_col, *cols, *df.columns]]
+                frames.setdefault("result.summary" if rname == "summary" else rname, []).append(df)
             elif isinstance(obj, dict):
                 row.update({f"{rname}.{k}": _cell(v) for k, v in _flatten(obj).items()})
             else:
-                row[rname] = _cell(obj)
+                row[f"result.{rname}" if rname in _SUMMARY_COLUMNS or rname in params else rname] = _cell(obj)
         summary.append(row)
     if stale:
         log.warning("%s: %d runs finished with another version of the notebook: listed as 'stale', without their "
