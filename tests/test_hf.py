@@ -149,6 +149,34 @@ def test_restores_exactly_also_on_error(model):
 
 
 @torch.no_grad()
+def test_patched_runs_inside_accelerate_hooks_of_an_offloaded_model(tmp_path):
+    """A model loaded with a device_map that offloads a layer to disk has accelerate hooks as its modules' own
+    forwards (they load the offloaded weights): patched routes inside them, so the offloaded layer computes
+    with its real weights, and the hooks are back on exit."""
+    pytest.importorskip("accelerate")
+    from transformers import AutoModelForCausalLM
+
+    tiny("mixtral").save_pretrained(tmp_path / "m")
+    device_map = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.layers.0": "cpu",
+                  "model.layers.1": "disk", "model.layers.2": "cpu", "model.norm": "cpu", "lm_head": "cpu"}
+    m = AutoModelForCausalLM.from_pretrained(tmp_path / "m", device_map=device_map,
+                                             offload_folder=str(tmp_path / "off")).eval()
+    gate = m.model.layers[1].mlp.gate
+    assert gate.weight.device.type == "meta" and "forward" in gate.__dict__  # offloaded, behind its hook
+    hooked = {n: mod.__dict__["forward"] for n, mod in m.named_modules() if "forward" in mod.__dict__}
+    x = ids()
+    ref = m(input_ids=x).logits
+    with patched(m, [native_policy(layer) for layer in moe_layers(m)]) as p:
+        out = m(input_ids=x).logits
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert p.mean_k() == {i: 2.0 for i in range(3)}
+    with patched(m, TopK(1)):
+        assert not torch.allclose(m(input_ids=x).logits, ref, atol=1e-3)  # the routing did change
+    assert {n: mod.__dict__["forward"] for n, mod in m.named_modules() if "forward" in mod.__dict__} == hooked
+    assert torch.equal(m(input_ids=x).logits, ref)
+
+
+@torch.no_grad()
 def test_adaptive_changes_logits_and_recorded_k_matches_policy(model):
     x = ids(seed=2)
     ref = model(input_ids=x).logits

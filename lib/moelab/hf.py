@@ -17,7 +17,8 @@ not apply as such) and GPT-OSS (interleaved, transposed, biased experts with a c
 
 Big models: load them with `device_map="auto"` (accelerate) so that layers spread over the GPUs;
 each block's plan is made on its router's device and consumed by its experts on the same device, so
-patching works unchanged (see `moelab.models.load`).
+patching works unchanged (see `moelab.models.load`). The patched forwards run inside the modules' accelerate
+hooks, so layers offloaded to the CPU or disk still have their weights loaded for each forward.
 """
 
 from __future__ import annotations
@@ -232,6 +233,25 @@ def _experts_forward(patch: Patch, layer: MoELayer):
 _MARK = "_moelab_patched"
 
 
+def _through_hook(mod: torch.nn.Module, fwd):
+    """`fwd` inside the module's accelerate hook, as accelerate's own forward wrapper runs the original: a model
+    loaded with a device_map keeps moving inputs to the layer's device and loading offloaded weights."""
+    hook = getattr(mod, "_hf_hook", None)
+    if hook is None:
+        return fwd
+
+    def forward(*args, **kwargs):
+        args, kwargs = hook.pre_forward(mod, *args, **kwargs)
+        if getattr(hook, "no_grad", False):
+            with torch.no_grad():
+                out = fwd(*args, **kwargs)
+        else:
+            out = fwd(*args, **kwargs)
+        return hook.post_forward(mod, out)
+
+    return forward
+
+
 @contextlib.contextmanager
 def patched(model, policy_or_policies, record: bool | str = False, check: bool = True):
     """Route every MoE block (or the layers named in a dict) with moelab policies; yields a `Patch`.
@@ -264,7 +284,7 @@ def patched(model, policy_or_policies, record: bool | str = False, check: bool =
             for mod, fwd in ((layer.block.gate, _gate_forward(patch, layer, pol, check)),
                              (layer.block.experts, _experts_forward(patch, layer))):
                 saved.append((mod, mod.__dict__.get("forward")))
-                mod.forward = fwd
+                mod.forward = _through_hook(mod, fwd)
             layer.block.__dict__[_MARK] = True
             marked.append(layer.block)
         yield patch
