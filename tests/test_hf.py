@@ -321,6 +321,8 @@ def test_router_logits_reads_every_layer_in_causal_chunks(model):
         assert not torch.allclose(logits_TE[16:32], whole[i][16:32])  # the second chunk starts afresh
     with pytest.raises(ValueError, match="context=0"):
         router_logits(model, x, context=0)
+    for i, logits_TE in router_logits(model, x, context=np.int64(16)).items():  # numpy ints are ints
+        torch.testing.assert_close(logits_TE, chunked[i])
     with pytest.raises(ValueError, match=r"ids of shape \(2, 40\)"):
         router_logits(model, ids(40), context=8)
 

@@ -194,11 +194,21 @@ def test_tiny_random(family):
         models.tiny_random("gpt2")
 
 
+def test_unigram_perplexity_takes_tensors_as_lists(tok, test_ids):
+    """Ids as a tensor count as the same ids (a tensor's elements are 0-d tensors, which hash by identity)."""
+    train = encode(tok, "the sea and the land and the sea " * 20)
+    want = unigram_perplexity(tok, train, test_ids[:200])
+    assert unigram_perplexity(tok, torch.tensor(train), torch.tensor(test_ids[:200])) == want
+    assert want["ppl"] < len(tok)  # the training counts were used
+
+
 def test_router_stats_and_ids_checks():
     net = models.tiny_random("mixtral")
     vocab = net.get_input_embeddings().num_embeddings
     with pytest.raises(ValueError, match=rf"token id {vocab} at position 3: must be in \[0, vocab_size={vocab}\)"):
         models.check_ids(net, torch.tensor([0, 1, 2, vocab]))
+    with pytest.raises(ValueError, match="dtype torch.float32: must be an integer tensor"):
+        models.check_ids(net, torch.tensor([0.0, 1.0]))
     for kw, match in ((dict(seq_len=0), "seq_len=0: must be an int >= 1 or None"),
                       (dict(batch_size=0), "batch_size=0: must be an int >= 1")):
         with pytest.raises(ValueError, match=match):

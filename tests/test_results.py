@@ -124,6 +124,9 @@ def test_figures_and_tables_are_written_into_figures_only(tmp_path, monkeypatch)
     from moelab import plots
 
     monkeypatch.setenv("MOELAB_FIGURES", str(tmp_path / "figs"))
+    for bad in ("wide", 0, -3.0, True, None):
+        with pytest.raises(ValueError, match=rf"width={bad!r}: must be 'column', 'full' or a width in inches"):
+            plots.figure(bad)
     fig, ax = plots.figure()
     ax.plot([0, 1], [1, 0])
     for bad in ("../escaped", "sub/t", "a\\b", "..", "x.png"):
@@ -162,6 +165,9 @@ def test_policy_figure_draws_each_policy_share_and_saving():
     assert [p.get_width() for p in ax_r.patches] == pytest.approx(list(100 * stats.expert_reduction))
     colours = [matplotlib.colors.to_hex(p.get_facecolor()).lower() for p in ax_r.patches]
     assert colours == [POLICY_COLORS["native"].lower(), POLICY_COLORS["EntropyAdaptiveK"].lower()]
+    from moelab.plots import policy_color  # "native" as a word, not inside another one
+    assert policy_color("native-k TopK", "TopK") == POLICY_COLORS["native"]
+    assert policy_color("alternative thresholds", "TopP") == POLICY_COLORS["TopP"]
     plt.close(fig)
 
 

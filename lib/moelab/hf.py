@@ -335,8 +335,9 @@ def router_logits(model, ids: torch.Tensor, context: int) -> dict[int, torch.Ten
     of `context` tokens (the last one shorter; context clipped to the model's max_position_embeddings)."""
     if not isinstance(ids, torch.Tensor) or ids.dim() != 1 or ids.numel() == 0:
         raise ValueError(f"ids of shape {tuple(getattr(ids, 'shape', ()))}: need a non-empty 1-D tensor of token ids")
-    if isinstance(context, bool) or not isinstance(context, int) or context < 1:
+    if isinstance(context, bool) or not isinstance(context, numbers.Integral) or context < 1:
         raise ValueError(f"context={context!r}: must be an int >= 1")
+    context = int(context)
     check_ids(model, ids)
     context = min(context, model_context(model) or context)  # no forward longer than the model's positions
     device = input_device(model)

@@ -346,6 +346,8 @@ def input_device(model) -> torch.device:
 def check_ids(model, ids: torch.Tensor) -> torch.Tensor:
     """ids unchanged, once every id is inside the model's vocabulary: a clear error here instead of an
     IndexError (CPU) or a device-side assert (CUDA) in the embedding."""
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise ValueError(f"token ids of dtype {ids.dtype}: must be an integer tensor (torch.long)")
     emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     cfg = getattr(model, "config", None)
     cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg

@@ -7,6 +7,7 @@ embedded in PDFs (pdf.fonttype 42) so that journals accept them, PNG at 300 dpi.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import matplotlib
@@ -58,8 +59,10 @@ def figures_dir() -> Path:
 
 def figure(width: str | float = "column", aspect: float = 0.75, **kw):
     """A new styled figure: width 'column' (3.4 in), 'full' (7 in) or inches."""
+    w = {"column": COLUMN_WIDTH_IN, "full": FULL_WIDTH_IN}.get(width, width) if isinstance(width, str) else width
+    if isinstance(w, (str, bool)) or not isinstance(w, (int, float)) or not 0 < w < 100:
+        raise ValueError(f"width={width!r}: must be 'column', 'full' or a width in inches (0 < w < 100)")
     setup_style()
-    w = {"column": COLUMN_WIDTH_IN, "full": FULL_WIDTH_IN}.get(width, width)
     return plt.subplots(figsize=(w, w * aspect), **kw)
 
 
@@ -100,7 +103,7 @@ def save_table(df, name: str, caption: str = "", float_format: str = "{:.3g}") -
 
 def policy_color(label: str, kind: str) -> str:
     """A policy's colour: black for the native top-k, else its kind's (POLICY_COLORS)."""
-    return POLICY_COLORS["native"] if "native" in label else POLICY_COLORS.get(kind, "grey")
+    return POLICY_COLORS["native"] if re.search(r"\bnative\b", label) else POLICY_COLORS.get(kind, "grey")
 
 
 def plot_policy_stats(stats, title: str, native_k: int):

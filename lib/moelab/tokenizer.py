@@ -55,8 +55,11 @@ def unigram_perplexity(tokenizer, train_text: str | list[int], eval_text: str | 
 
     The floor a language model must beat by far: it knows token frequencies and nothing else.
     """
-    train_ids = encode(tokenizer, train_text) if isinstance(train_text, str) else list(train_text)
-    eval_ids = encode(tokenizer, eval_text) if isinstance(eval_text, str) else list(eval_text)
+    def ids(x) -> list[int]:  # a tensor or array as plain ints (0-d tensors hash by identity: no count would match)
+        return encode(tokenizer, x) if isinstance(x, str) else [int(t) for t in (x.tolist() if hasattr(x, "tolist")
+                                                                                   else x)]
+
+    train_ids, eval_ids = ids(train_text), ids(eval_text)
     if not eval_ids:
         raise ValueError("eval_text: encodes to 0 tokens; need at least 1 to score")
     V = len(tokenizer)
