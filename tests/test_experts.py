@@ -86,6 +86,21 @@ def test_matches_dense_reference(layer, policy, renorm):
     torch.testing.assert_close(ex.run_experts(x, plan, gu, dn), dense_reference(x, plan, gu, dn), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("dtype, D, Fd", [(torch.float32, 6, 8), (torch.float32, 8, 3), (torch.bfloat16, 32, 12)])
+def test_rows_not_16_byte_aligned_fall_back_to_the_loop(dtype, D, Fd):
+    """torch._grouped_mm needs 16-byte rows on the CPU as on CUDA; other widths take the per-expert loop
+    under 'auto' instead of failing inside torch."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(16, D, generator=g).to(dtype)
+    gu = (torch.randn(4, 2 * Fd, D, generator=g) / D**0.5).to(dtype)
+    dn = (torch.randn(4, D, Fd, generator=g) / Fd**0.5).to(dtype)
+    assert not (ex.grouped_mm_supported(x, gu) and ex.grouped_mm_supported(x, dn))
+    plan = route(torch.randn(16, 4, generator=g), TopK(2), renormalize=True)
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(ex.run_experts(x, plan, gu, dn).float(), dense_reference(x, plan, gu, dn),
+                               atol=tol, rtol=tol)
+
+
 def test_bf16_grouped_matches_loop(layer):
     x, gu, dn, logits = (t.to(torch.bfloat16) for t in layer)
     plan = route(logits, TopK(2), renormalize=True)

@@ -71,12 +71,12 @@ def grouped_mm_supported(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether torch._grouped_mm can run these operands (else a per-expert loop is used)."""
     if not hasattr(torch, "_grouped_mm") or x.dtype != w.dtype:
         return False
+    aligned = all(n * w.element_size() % 16 == 0 for n in w.shape[-2:])  # both kernels need 16-byte rows
     if x.device.type == "cpu":
-        return x.dtype in (torch.float32, torch.bfloat16, torch.float16) and _cpu_grouped_mm_runs(x.dtype)
+        return aligned and x.dtype in (torch.float32, torch.bfloat16, torch.float16) and _cpu_grouped_mm_runs(x.dtype)
     if x.device.type == "cuda":
         major, _ = torch.cuda.get_device_capability(x.device)
-        # CUTLASS path: bf16 on sm90+, 16-byte aligned rows
-        return x.dtype == torch.bfloat16 and major >= 9 and w.shape[-1] % 8 == 0 and w.shape[-2] % 8 == 0
+        return aligned and x.dtype == torch.bfloat16 and major >= 9  # CUTLASS path: bf16 on sm90+
     return False
 
 
