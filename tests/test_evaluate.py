@@ -64,6 +64,22 @@ def test_top1_halves_expert_work_and_changes_ppl(model, ids, base):
     assert policy_label(TopK(1)) == s["label"] == "TopK k=1"
 
 
+def test_compute_is_counted_at_the_windows_that_ran(model, ids):
+    """A text shorter than the context runs as one short window: its whole-forward share is that window's,
+    whatever context was asked for, and the estimate from a recording of the same text agrees."""
+    short = ids[:40]
+    asked = evaluate(model, TopK(1), short, context=CTX, stride=CTX, progress=False).summary
+    exact = evaluate(model, TopK(1), short, context=40, stride=40, progress=False).summary
+    assert asked["ppl"] == exact["ppl"] and asked["forward_reduction"] == exact["forward_reduction"]
+    longer = evaluate(model, TopK(1), ids, context=CTX, stride=CTX, progress=False).summary
+    assert asked["forward_reduction"] > longer["forward_reduction"]  # less attention per token: a larger share
+    est = estimate(router_sample(model, short, context=CTX, progress=False), TopK(1))
+    assert est["forward_reduction"] == pytest.approx(asked["forward_reduction"], rel=1e-12)
+    res = perplexity(model, None, ids[:150], context=CTX, stride=CTX, progress=False)  # windows of 64, 64, 22
+    assert (res["forwarded_tokens"], res["longest_window"]) == (150, 64)
+    assert res["attended_mean"] == pytest.approx((2 * 64 * 65 / 2 + 22 * 23 / 2) / 150)
+
+
 def test_estimates(model, ids):
     sample = router_sample(model, ids, context=CTX, progress=False)
     assert sample.num_tokens == 640 and sample.num_layers == 3 and sample.unused_tokens == 0

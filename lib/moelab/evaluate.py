@@ -188,7 +188,7 @@ def evaluate(
         else:  # a layer a per-layer dict left unpatched: native routing, not recorded
             mk = float(layer.native_k)
         mean_k_layers.append(mk)
-    attended = (res["context"] + 1) / 2  # average attended length inside a full window
+    attended = res["attended_mean"]  # over the windows run: a text shorter than the context is one short window
     summary = {
         "label": policy_label(policy),
         **policy_params(policy),
@@ -199,7 +199,7 @@ def evaluate(
         "context": res["context"],
         "stride": res["stride"],
         "routed_tokens": int(sum(r["tokens"] for r in layer_rows) / max(len(layer_rows), 1)),
-        **_compute_cols(shapes, mean_k_layers, attended, res["context"]),
+        **_compute_cols(shapes, mean_k_layers, attended, res["longest_window"]),
     }
     if baseline_ppl is not None:
         summary["ppl_base"] = baseline_ppl

@@ -76,7 +76,9 @@ def perplexity(
 ) -> dict:
     """Perplexity of a causal LM on one token stream, sliding window (see the module docstring).
 
-    Returns dict(ppl, nll [nats/token], scored_tokens, context and stride [after clipping], windows).
+    Returns dict(ppl, nll [nats/token], scored_tokens, context and stride [after clipping], windows, and for
+    compute counts the windows' forwarded_tokens, attended_mean (a forwarded token's mean attended length) and
+    longest_window (shorter than context where the text is)).
     max_tokens: score only the first max_tokens tokens of the stream (None: all).
     batch_size: windows of equal shape run together (no padding, so results do not depend on it).
     """
@@ -139,4 +141,7 @@ def perplexity(
         "context": context,
         "stride": stride,
         "windows": len(wins),
+        "forwarded_tokens": sum(e - b for b, e, _ in wins),
+        "attended_mean": sum((e - b) * (e - b + 1) / 2 for b, e, _ in wins) / sum(e - b for b, e, _ in wins),
+        "longest_window": max(e - b for b, e, _ in wins),
     }
