@@ -203,6 +203,8 @@ def test_matched_compute_and_thresholds_reject_bad_ks(model, sample):
     for kv in ("12", (1.7, 2)):
         with pytest.raises(ValueError, match="must be a sequence of ints"):
             thresholds_at(sample, kv, 0.5)
+        with pytest.raises(ValueError, match="must be a sequence of ints"):  # before any evaluation runs
+            compare_at_matched_compute(model, sample, torch.arange(64), [0.25], kv, 10.0)
 
 
 def test_paper_rows_fixed_k_above_16_experts_is_sampled():

@@ -265,7 +265,7 @@ def compare_at_matched_compute(
     TopP and RatioSkip get the same k range as the entropy policy's k_values; lower fixed k (TopK with k
     below native) gives points of its own. Rows: measured evaluations plus target and matched-on columns.
     """
-    kv = tuple(int(k) for k in k_values)
+    kv = _check_k_values(k_values, sample.k_cap)  # checked before any measured evaluation runs
     k_min, k_max = kv[0], kv[-1]
     fixed_ks = list(range(max(1, k_min), sample.native_k)) if fixed_ks is None else _check_fixed_ks(fixed_ks,
                                                                                                     sample.k_cap)
