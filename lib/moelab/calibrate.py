@@ -22,6 +22,7 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
+from moelab.compute import quantile
 from moelab.evaluate import RouterSample, estimate, evaluate, policy_label, router_sample
 from moelab.routing import EntropyAdaptiveK, Policy, RatioSkip, TopK, TopP
 
@@ -124,7 +125,7 @@ def thresholds_at(sample: RouterSample, k_values, u: float, per_layer: bool = Fa
     q = torch.tensor(_levels(u, len(kv)), dtype=torch.float64)
 
     def make(ent_T):
-        ths = torch.quantile(ent_T.double(), q).tolist()
+        ths = quantile(ent_T.double(), q).tolist()
         # u = 0 / 1: move the thresholds past every token so that all keep k_max / k_min
         ths = [t - 1e-6 if lv == 0 else (t + 1e-6 if lv == 1 else t) for t, lv in zip(ths, q.tolist())]
         return EntropyAdaptiveK(kv, _strict(ths), renormalize=None)

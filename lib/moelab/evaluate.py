@@ -24,7 +24,7 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from moelab.compute import ModelShapes, expert_reduction
+from moelab.compute import ModelShapes, expert_reduction, quantile
 from moelab.hf import moe_layers, patched, record_router
 from moelab.models import check_ids, input_device, model_context
 from moelab.perplexity import perplexity, token_ids
@@ -115,7 +115,7 @@ def _compute_cols(shapes: ModelShapes, mean_k_layers: list[float], attended: flo
 
 def entropy_quantiles(entropy_T: torch.Tensor, qs=QUANTILES) -> dict:
     """{'ent_q05': ..., ...} quantiles in nats of per-token router entropy."""
-    v = torch.quantile(entropy_T.float(), torch.tensor(qs, dtype=torch.float32)).tolist()
+    v = quantile(entropy_T.float(), torch.tensor(qs, dtype=torch.float32)).tolist()
     return {f"ent_q{int(round(q * 100)):02d}": float(x) for q, x in zip(qs, v)}
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from moelab.compute import quantile
 from moelab.data import data_dir
 
 log = logging.getLogger(__name__)
@@ -413,7 +414,7 @@ def router_stats(model, ids, seq_len: int | None = None, max_tokens: int = 16384
         p = loads[l] / loads[l].sum()
         nz = p[p > 0]
         load_entropy.append(float(-(nz * nz.log()).sum() / np.log(E)))
-        token_q.append([float(v) for v in torch.quantile(torch.cat(ents[l]), torch.tensor(qs)).tolist()])
+        token_q.append([float(v) for v in quantile(torch.cat(ents[l]), torch.tensor(qs)).tolist()])
     return {
         "tokens": n * seq_len,
         "load_entropy": load_entropy,
