@@ -90,3 +90,17 @@ def test_unpickler_refuses_anything_else():
         data._CountsUnpickler(io.BytesIO(pickle.dumps(Evil()))).load()
     with pytest.raises(ValueError, match="domain='tulu'"):
         data.load_routing_counts("mistral", "tulu")
+
+
+def test_split_heldout_holds_out_about_its_fraction_whatever_the_line_breaks():
+    """The cut moves back to a line break only within another fraction of the text: a text whose one line break
+    is near its start does not hold out almost all of itself."""
+    from moelab.data import split_heldout
+
+    train, held = split_heldout("Title\n" + "x" * 10_000)
+    assert train + held == "Title\n" + "x" * 10_000 and 0.05 <= len(held) / 10_006 < 0.051
+    lines = "".join(f"line {i}\n" for i in range(1000))
+    train, held = split_heldout(lines)
+    assert train.endswith("\n") and held.startswith("line ") and 0.05 <= len(held) / len(lines) < 0.1
+    train, held = split_heldout("\n" + "y" * 99 + "\n" + "z" * 9)  # a break at 100 of 110: within the window
+    assert held == "z" * 9

@@ -105,12 +105,13 @@ def eval_text() -> str:
 
 
 def split_heldout(text: str, fraction: float = HELDOUT_FRACTION) -> tuple[str, str]:
-    """(train, heldout): the last `fraction` of the text, cut at a line break, is held out."""
+    """(train, heldout): the last `fraction` of the text is held out, cut after the last line break before that
+    point if one lies within another `fraction` of the text (so at most twice the fraction), else mid-line."""
     if not 0 < fraction < 1:
         raise ValueError(f"fraction={fraction}: must be in (0, 1)")
     cut = int(len(text) * (1 - fraction))
-    nl = text.rfind("\n", 0, cut)
-    cut = nl + 1 if nl > 0 else cut
+    nl = text.rfind("\n", max(0, cut - int(len(text) * fraction)), cut)
+    cut = nl + 1 if nl >= 0 else cut
     return text[:cut], text[cut:]
 
 
