@@ -211,6 +211,8 @@ def test_bad_input():
         route(torch.randn(4, 8), TopK(2), renormalize="yes")
     with pytest.raises(ValueError, match=r"num_experts='8': must be an int"):
         route(torch.randn(4, 8), pol, num_experts="8")
+    import numpy as np  # numpy ints are ints, as for every other int parameter
+    assert route(torch.randn(4, 8), pol, num_experts=np.int64(8)).num_experts == 8
 
 
 def test_triton_backend_on_cpu_needs_the_interpreter(monkeypatch):

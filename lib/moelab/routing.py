@@ -7,6 +7,8 @@ This is the torch reference. `moelab.kernels.routing` computes the same plan in 
 Conventions shared by every policy and by the kernel:
 - softmax over all E experts in fp32, whatever the logits' dtype;
 - entropy in nats of that full softmax;
+- a policy's thresholds, p and beta are compared in fp32, the dtype of the entropies and probabilities
+  (the kernel takes them as fp32 scalars): a value within an fp32 rounding of a token's counts as equal;
 - experts ranked by probability, ties broken by the lower expert index;
 - a token keeps the first k[t] ranked experts; unused slots hold id -1 and weight 0;
 - kept weights are the softmax probabilities, renormalised over the kept experts when the
@@ -251,7 +253,7 @@ def check_logits(logits: torch.Tensor, policy: Policy, num_experts: int | None =
     if logits.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"logits.dtype={logits.dtype}: must be float32, float16 or bfloat16")
     E = logits.shape[1]
-    if num_experts is not None and (isinstance(num_experts, bool) or not isinstance(num_experts, int)):
+    if num_experts is not None and (isinstance(num_experts, bool) or not isinstance(num_experts, numbers.Integral)):
         raise ValueError(f"num_experts={num_experts!r}: must be an int (or None)")
     if num_experts is not None and E != num_experts:
         raise ValueError(f"logits have E={E} experts but the layer has num_experts={num_experts}")
