@@ -5,7 +5,8 @@ earlier window scored. A window's first token has no prediction inside it, so:
 - stride < context: every token after the first is scored exactly once, each with at least
   `context - stride` tokens of left context (fewer only in the first window);
 - stride = context: the windows do not overlap and each window's first token goes unscored (the HF
-  docs' protocol with stride = max_length): n - windows tokens are scored, `scored_tokens` says so.
+  docs' protocol with stride = max_length): n - windows tokens are scored (one fewer where a last window
+  would hold a single token: it has nothing to score and is not run), `scored_tokens` says so.
 The context is clipped to the model's `max_position_embeddings`, and the stride to the clipped context
 (so 2048 / 512 on a model of at most 512 positions becomes 512 / 512: no overlap); the result records
 both. Only the scored positions' logits are computed (`logits_to_keep`); the cross-entropy is summed in fp32.
