@@ -101,6 +101,13 @@ def test_rows_not_16_byte_aligned_fall_back_to_the_loop(dtype, D, Fd):
                                atol=tol, rtol=tol)
 
 
+def test_forced_grouped_names_rows_it_cannot_take(monkeypatch):
+    monkeypatch.setattr(ex, "_GEMM_MODE", "grouped")
+    x, w = torch.randn(5, 20, dtype=torch.float16), torch.randn(3, 24, 20, dtype=torch.float16)  # K: 40 bytes
+    with pytest.raises(ValueError, match=r"set_gemm\('grouped'\): .*\[3, 24, 20\].*multiple of 16 bytes"):
+        ex.grouped_gemm(x, w, torch.tensor([2, 4, 5], dtype=torch.int32))
+
+
 def test_bf16_grouped_matches_loop(layer):
     x, gu, dn, logits = (t.to(torch.bfloat16) for t in layer)
     plan = route(logits, TopK(2), renormalize=True)

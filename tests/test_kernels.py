@@ -122,6 +122,28 @@ def test_distinct_logits_of_equal_probability(dtype, select):
     assert (got.weights - ref.weights).abs().max().item() <= 1e-6  # the tied weights are equal either way
 
 
+@pytest.mark.parametrize("split", [1, 2])
+def test_a_row_spanning_the_fp32_range_keeps_finite_sums(select, split, monkeypatch):
+    """bf16 logits can span 3e38 (route's check admits any row whose spread fits fp32): when a later chunk raises
+    the running max that far, the online sums' rescale must not make 0 * -inf = NaN. Entropy, k and the
+    statistics match the reference, with the max in a later chunk (or row piece) than the first."""
+    monkeypatch.setitem(kr.LAUNCH, "split", split)
+    x = torch.zeros(3, 16)
+    x[:, :8] = -1.5e38  # the first chunk: tied logits far below the row's max
+    x[:, 12] = 1.5e38
+    x[1, :8] = -1e30
+    x[2, 12] = 3.0  # an ordinary row beside them
+    x = x.to(torch.bfloat16).to(DEV)
+    pol = EntropyAdaptiveK((1, 4), (-1.0,))  # every finite entropy keeps 4
+    stats = RoutingStats.zeros(4, DEV)
+    ref, got = route_torch(x, pol, True), route_triton(x, pol, True, stats)
+    assert torch.isfinite(got.entropy).all() and got.k.tolist() == ref.k.tolist() == [4, 4, 4]
+    torch.testing.assert_close(got.entropy, ref.entropy, atol=1e-5, rtol=1e-6)
+    assert (got.weights - ref.weights).abs().max().item() <= 1e-6  # which of the tied zero-probability
+    assert got.expert_ids[:, 0].tolist() == [12, 12, 12]  # experts fill slots 2-4 is the documented exception
+    assert math.isfinite(stats.summary()["mean_entropy"])
+
+
 def test_stats_accumulate_on_device():
     rng = torch.Generator().manual_seed(2)
     pol = EntropyAdaptiveK((1, 2, 4), (1.2, 1.7))
@@ -482,6 +504,26 @@ def test_rows_kernel_takes_float64_logits(unroll_at, monkeypatch):
         assert launch is kr._launch_rows and meta["UNROLL"] == (unroll_t > 0) and meta["CH"] == 2
         for pol in (TopK(4), EntropyAdaptiveK((1, 2, 4), (1.5, 2.5))):
             assert_same_plan(x, pol, True)
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_auto_backend_routes_more_levels_than_the_kernel_takes_in_torch():
+    """'auto' takes the torch reference for an EntropyAdaptiveK with more levels than the kernel's scalars hold
+    (as for wider routers), instead of raising; 'triton' forced names the limit."""
+    from moelab.routing import KERNEL_MAX_K_VALUES
+
+    ks = tuple(range(1, KERNEL_MAX_K_VALUES + 2))
+    pol = EntropyAdaptiveK(ks, tuple(0.4 * i for i in range(1, len(ks))))
+    x = torch.randn(64, 16, device="cuda") * 2
+    got, ref = route(x, pol, renormalize=True), route_torch(x, pol, True)
+    assert torch.equal(got.k, ref.k) and torch.equal(got.expert_ids, ref.expert_ids)
+    set_backend("triton")
+    try:
+        with pytest.raises(ValueError, match="at most 8 k values"):
+            route(x, pol, renormalize=True)
+    finally:
+        set_backend("auto")
 
 
 @gpu

@@ -67,11 +67,16 @@ def pair_layout(plan: RoutingPlan) -> PairLayout:
     )
 
 
+def _rows_aligned(w: torch.Tensor) -> bool:
+    """torch._grouped_mm's kernels (CPU and CUTLASS) need 16-byte rows of both operands: K and N of w [E, N, K]."""
+    return all(n * w.element_size() % 16 == 0 for n in w.shape[-2:])
+
+
 def grouped_mm_supported(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether torch._grouped_mm can run these operands (else a per-expert loop is used)."""
     if not hasattr(torch, "_grouped_mm") or x.dtype != w.dtype:
         return False
-    aligned = all(n * w.element_size() % 16 == 0 for n in w.shape[-2:])  # both kernels need 16-byte rows
+    aligned = _rows_aligned(w)
     if x.device.type == "cpu":
         return aligned and x.dtype in (torch.float32, torch.bfloat16, torch.float16) and _cpu_grouped_mm_runs(x.dtype)
     if x.device.type == "cuda":
@@ -172,6 +177,10 @@ def grouped_gemm(x_PK: torch.Tensor, w_ENK: torch.Tensor, offsets_E: torch.Tenso
     auto = _GEMM_MODE in ("auto", "triton")  # 'triton' fuses whole layers (run_experts); single GEMMs as 'auto'
     use_grouped = _GEMM_MODE == "grouped" or (auto and grouped_mm_supported(x_PK, w_ENK))
     if use_grouped:
+        if not _rows_aligned(w_ENK):
+            raise ValueError(f"set_gemm('grouped'): expert weights [E, N, K] = {list(w_ENK.shape)} in {w_ENK.dtype} "
+                             "have rows that are not a multiple of 16 bytes, which torch._grouped_mm needs; use "
+                             "set_gemm('auto') (the per-expert loop for such widths) or 'loop'")
         return torch._grouped_mm(x_PK, w_ENK.transpose(1, 2), offs=offsets_E)
     y = x_PK.new_empty(x_PK.shape[0], w_ENK.shape[1])
     ends = offsets_E.tolist()

@@ -38,6 +38,7 @@ __all__ = [
     "get_backend",
     "KERNEL_MAX_EXPERTS",
     "KERNEL_MAX_K",
+    "KERNEL_MAX_K_VALUES",
 ]
 
 
@@ -294,11 +295,13 @@ def route_torch(logits: torch.Tensor, policy: Policy, renormalize: bool) -> Rout
 _BACKEND = "auto"  # "auto": Triton kernel on CUDA (up to KERNEL_MAX_EXPERTS), torch elsewhere; "torch"; "triton"
 KERNEL_MAX_EXPERTS = 512  # the Triton kernel holds a token's logits in one tile row; wider routers route in torch
 KERNEL_MAX_K = 256  # its k values travel as bytes; more slots route in torch
+KERNEL_MAX_K_VALUES = 8  # EntropyAdaptiveK levels it takes as scalars; more route in torch
 
 
 def set_backend(name: str) -> None:
-    """Force the routing backend: 'auto' (the Triton kernel on CUDA for E <= KERNEL_MAX_EXPERTS and k_max <=
-    KERNEL_MAX_K, else the torch reference), 'torch' or 'triton' (the Triton kernel, e.g. interpreted)."""
+    """Force the routing backend: 'auto' (the Triton kernel on CUDA for E <= KERNEL_MAX_EXPERTS, k_max <=
+    KERNEL_MAX_K and at most KERNEL_MAX_K_VALUES entropy levels, else the torch reference), 'torch' or 'triton'
+    (the Triton kernel, e.g. interpreted)."""
     global _BACKEND
     if name not in ("auto", "torch", "triton"):
         raise ValueError(f"backend={name!r}: must be 'auto', 'torch' or 'triton'")
@@ -317,7 +320,8 @@ def _use_kernel(logits: torch.Tensor, policy: Policy) -> bool:
 
         check_kernel_input(logits, "set_backend('triton')")
         return True
-    return logits.is_cuda and logits.shape[1] <= KERNEL_MAX_EXPERTS and policy.k_max <= KERNEL_MAX_K
+    return (logits.is_cuda and logits.shape[1] <= KERNEL_MAX_EXPERTS and policy.k_max <= KERNEL_MAX_K
+            and not (isinstance(policy, EntropyAdaptiveK) and len(policy.k_values) > KERNEL_MAX_K_VALUES))
 
 
 def route(

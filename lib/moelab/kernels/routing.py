@@ -39,6 +39,7 @@ from moelab.kernels import Launcher, cdiv, on_device_of, pow2
 from moelab.routing import (
     KERNEL_MAX_EXPERTS,
     KERNEL_MAX_K,
+    KERNEL_MAX_K_VALUES,
     EntropyAdaptiveK,
     Policy,
     RatioSkip,
@@ -50,7 +51,7 @@ from moelab.routing import (
 __all__ = ["route_triton", "RoutingStats", "launch_config", "MAX_K_VALUES", "MAX_EXPERTS"]
 
 MAX_EXPERTS = KERNEL_MAX_EXPERTS  # one tile row holds all of a token's logits
-MAX_K_VALUES = 8  # EntropyAdaptiveK levels passed as scalars (no device tensor built per call)
+MAX_K_VALUES = KERNEL_MAX_K_VALUES  # EntropyAdaptiveK levels passed as scalars (no device tensor built per call)
 
 _TOPK, _ADAPTIVE, _TOPP, _RATIO = 0, 1, 2, 3
 # Launch configuration per device, (BLOCK_E, BLOCK_K) and token count: (T up to, {select, warps, tile,
@@ -623,7 +624,9 @@ def _chunk16(
         s = tl.sum(e, axis=1)
         t = ed
     else:
-        sh = tl.where(m == m_new, 0.0, m - m_new)  # <= 0: rescale the sums to the new max
+        # <= 0: rescale the sums to the new max; clamped where e^sh is 0 anyway, so that sh * s stays finite
+        # (bf16 logits can span 3e38: sh * s = -inf, and 0 * -inf = NaN)
+        sh = tl.where(m == m_new, 0.0, tl.maximum(m - m_new, -128.0))
         a = tl.exp2(sh * LOG2E)
         t = a * (t + sh * s) + ed
         s = a * s + tl.sum(e, axis=1)
@@ -768,8 +771,8 @@ def _merge16(m1, s1, t1, a0, a1, a2, a3, a4, a5, a6, a7, m2, s2, t2, b0, b1, b2,
     """tl.reduce combine of two column ranges' states: the online sums rescaled to the larger max, and the
     best eight of the two sorted key lists."""
     m = tl.maximum(m1, m2)
-    sh1 = tl.where(m1 == m, 0.0, m1 - m)
-    sh2 = tl.where(m2 == m, 0.0, m2 - m)
+    sh1 = tl.where(m1 == m, 0.0, tl.maximum(m1 - m, -128.0))  # clamped as in `_chunk16`: e^sh is 0 there anyway
+    sh2 = tl.where(m2 == m, 0.0, tl.maximum(m2 - m, -128.0))
     e1 = tl.exp(sh1)
     e2 = tl.exp(sh2)
     s = e1 * s1 + e2 * s2
