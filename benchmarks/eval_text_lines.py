@@ -27,6 +27,8 @@ CRLF = "\r\n"
 def losses(model, ids: torch.Tensor, context: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(next-token loss, target id) of every position after a window's first, windows of `context`."""
     n = (ids.numel() - 1) // context * context
+    if n == 0:
+        raise SystemExit(f"{ids.numel()} tokens: fewer than one window of --context {context}; raise --chars")
     x_WL = ids[:n].view(-1, context)
     out = []
     with torch.no_grad():

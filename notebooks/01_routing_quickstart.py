@@ -84,6 +84,8 @@ def make_policies(calib_entropy_T: torch.Tensor, native_k: int, k_values, quanti
     if len(quantiles) != len(k_values) - 1:
         raise ValueError(f"quantiles={list(quantiles)}: need len(k_values) - 1 = {len(k_values) - 1} for "
                          f"k_values={list(k_values)}")
+    if any(isinstance(x, bool) or not isinstance(x, (int, float)) or not 0 <= x <= 1 for x in quantiles):
+        raise ValueError(f"adaptive_quantiles={list(quantiles)}: each must be a number in [0, 1]")
     q = torch.tensor(quantiles, dtype=torch.float32)
     thresholds = torch.quantile(calib_entropy_T.float(), q).tolist()
     out = {f"TopK k={native_k} (native)": TopK(native_k)}

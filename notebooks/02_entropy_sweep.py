@@ -64,6 +64,11 @@ from moelab.models import load, moe_info
 from moelab.plots import POLICY_COLORS, figure, save_table, savefig
 from moelab.routing import EntropyAdaptiveK, RatioSkip, TopP
 
+for pname, v, lo in (("grid_points", grid_points, 3), ("confirm_points", confirm_points, 0)):
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise ValueError(f"{pname}={v!r}: must be an int >= {lo}")
+if confirm_points > grid_points - 2:  # the confirmed points are distinct inner grid points
+    raise ValueError(f"confirm_points={confirm_points}: at most grid_points - 2 = {grid_points - 2}")
 net, tok = load(model, device=device, dtype=dtype)
 info = moe_info(net)
 tag = model.rstrip("/").split("/")[-1]

@@ -509,4 +509,4 @@ if interactive:
                                                            values=["graph_us", "eager_us"])
         display(d.round(2))
 
-    display(widgets.interactive(show, shape=widgets.Dropdown(options=shapes)))
+    display(widgets.interactive(show, shape=widgets.Dropdown(options=list(dict.fromkeys(routing["shape"])))))

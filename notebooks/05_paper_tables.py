@@ -70,6 +70,8 @@ for name, (kv, th) in PUBLISHED.items():
 # thresholds only ever see the held-out calibration text.
 
 # %%
+if isinstance(models, str) or not models:
+    raise ValueError(f"models={models!r}: must be a non-empty list of embedded names or checkpoint paths")
 rows, verdicts = [], {}
 for name in models:
     model, tok = load(name, device=device, dtype=dtype)
@@ -174,7 +176,8 @@ if gpu is not None:
     crlf = proto.get("line_ends") != "LF"  # a run from before eval_text(): the shipped copy's CRLF line ends
     if crlf:
         print("this run read WikiText-2 test as shipped, with CRLF line ends (before moelab.data.eval_text()): "
-              "its absolute perplexities are about a tenth above LF text's (README, 'The embedded models')")
+              "its absolute perplexities are above LF text's (by how much: benchmarks/eval_text_lines.py, "
+              "README 'The embedded models')")
     test_name = "full WikiText-2 test" + (" (CRLF copy)" if crlf else "")
     gpu_table = paper_table(gpu["rows"])
     save_table(gpu_table, "05_paper_table_gpu", caption=f"Paper table, {test_name}, {m['device']}")

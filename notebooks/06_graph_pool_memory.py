@@ -62,6 +62,9 @@ rows = results.rows_frame(doc)
 models = [x for x in dict.fromkeys(rows["model"]) if model in ("all", x)]
 if not models:
     raise ValueError(f"model={model!r}: not in the results; choose all or one of {sorted(set(rows['model']))}")
+known_arms = list(dict.fromkeys(a for a in rows["arm"] if not str(a).startswith(("adaptive", "summary"))))
+if isinstance(arms, str) or not arms or [a for a in arms if a not in known_arms]:
+    raise ValueError(f"arms={arms!r}: must be a non-empty list of the results' arms {known_arms}")
 arm_rows = rows[rows["arm"].isin(arms) & rows["model"].isin(models)].copy()
 
 # %% [markdown]

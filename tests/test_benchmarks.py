@@ -180,3 +180,13 @@ def test_graph_pool_summary_recomputed_from_the_committed_arms_matches_the_file(
     for field, value in (("eager_fallbacks", 1), ("scratch_fraction_in_pool", 0.5)):
         bad = [dict(r, **{field: value}) if (r["model"], r["arm"]) == (model, "shared+reuse") else r for r in arms]
         assert graph_pool.summarise(bad)[0]["memory_target_met"] is False
+
+
+def test_eval_text_lines_refuses_a_text_shorter_than_one_window(tmp_path):
+    """--chars that encode to fewer tokens than one --context window: an error naming both, not torch.cat([])."""
+    out = subprocess.run([sys.executable, "benchmarks/eval_text_lines.py", "--models", "tiny-mixtral", "--chars",
+                          "1000"], cwd=REPO, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "MOELAB_RESULTS_DIR": str(tmp_path),
+                              "PYTHONPATH": str(REPO / "lib") + os.pathsep + os.environ.get("PYTHONPATH", "")})
+    assert out.returncode != 0 and "fewer than one window of --context 512; raise --chars" in out.stderr
+    assert not list(tmp_path.glob("*.json"))

@@ -131,6 +131,34 @@ def _check_quickstart_results(tmp_path: Path, params: dict) -> None:
     assert "expert_load" in saved and (saved["expert_load"].normalised_entropy <= 1).all()
 
 
+BAD_PARAMETERS = [  # (notebook, parameters, what the error must name): refused before any long work
+    ("02_entropy_sweep", {"grid_points": 1}, "grid_points=1: must be an int >= 3"),
+    ("02_entropy_sweep", {"grid_points": 5, "confirm_points": 4}, "confirm_points=4: at most grid_points - 2 = 3"),
+    ("05_paper_tables", {"models": []}, "models=[]: must be a non-empty list"),
+    ("06_graph_pool_memory", {"arms": ["shared-reuse"]}, "arms=['shared-reuse']: must be a non-empty list"),
+    ("01_routing_quickstart", {"model": "", "adaptive_quantiles": [1.5]}, "adaptive_quantiles=[1.5]: each must be"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stem, params, message", BAD_PARAMETERS, ids=lambda v: v if isinstance(v, str) else "")
+def test_bad_parameters_are_named(stem, params, message, tmp_path, monkeypatch):
+    monkeypatch.setenv("MOELAB_FIGURES", str(tmp_path / "figures"))
+    monkeypatch.setenv("MOELAB_RUN_DIR", str(tmp_path / "run"))
+    with pytest.raises(sweep.NotebookRunError) as info:
+        sweep.execute(NB_DIR / f"{stem}.ipynb", tmp_path / "out.ipynb", params)
+    assert "ValueError" in str(info.value) and message in str(info.value)
+
+
+@pytest.mark.slow
+def test_kernel_bench_explorer_runs(tmp_path, monkeypatch):
+    """04's interactive explorer (ipywidgets) builds from the committed results."""
+    pytest.importorskip("ipywidgets")
+    monkeypatch.setenv("MOELAB_FIGURES", str(tmp_path / "figures"))
+    monkeypatch.setenv("MOELAB_RUN_DIR", str(tmp_path / "run"))
+    sweep.execute(NB_DIR / "04_kernel_bench.ipynb", tmp_path / "out.ipynb", {"interactive": True})
+
+
 def test_failing_cell_is_named(tmp_path):
     toy = write_toy_notebook(tmp_path / "toy.ipynb")
     with pytest.raises(sweep.NotebookRunError) as info:
