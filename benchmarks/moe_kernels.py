@@ -982,7 +982,9 @@ def main():
                  "timed in turn over 5 rounds (median), after 0.25 s of untimed rounds (since 2026-11-30 14:00; since "
                  "2026-12-01 13:30 the 0.25 s start after every method's first, compiling, call, and the garbage "
                  "collector is off while timing). "
-                 "graph_us: GPU time per call inside one CUDA graph of >= 20 calls, inputs rotated over >= 3x L2 "
+                 "graph_us: GPU time per call inside one CUDA graph of >= 20 calls, inputs rotated over up to 16 "
+                 "copies (3x L2 where 16 suffice: at T = 65536 2.0-3.2x L2; at T <= 4096 they stay in L2, as a router "
+                 "GEMM's output does in a layer) "
                  "(do_bench median of replays). hbm_bound_us: (logits read + plan written) / measured copy "
                  "bandwidth. Adaptive thresholds at the entropy terciles of a 4096-token calibration batch. "
                  "graph_us None: the method cannot be captured (graph_note says why). host: since 2026-12-01 the "
@@ -1087,10 +1089,12 @@ def _save_layer(notes, common, rows, batches=()):
     from moelab.kernels import grouped as gk
     from moelab.kernels.report import batch_targets, layer_targets
 
-    targets = layer_targets({"rows": rows}).to_dict("records") if rows else []
-    per_batch = batch_targets({"rows": rows, "batches": list(batches)}).to_dict("records") if batches else []
     # the expert GEMM configurations the run used (a tune-gemm part before it in the same run replaces them)
     tuned = {str(k): v for k, v in gk.TUNED.get(torch.cuda.get_device_name(0), {}).items()}
+    # with the tuned tiles, so that the stored labels' tile shares are the report's (report.layer_targets)
+    targets = layer_targets({"rows": rows, "experts_tuned": tuned}).to_dict("records") if rows else []
+    per_batch = (batch_targets({"rows": rows, "batches": list(batches), "experts_tuned": tuned}).to_dict("records")
+                 if batches else [])
     return write_results("moe-layer", rows, notes=notes,
                          extra={**common, "layer_targets": targets, "batches": list(batches),
                                 "batch_targets": per_batch, "experts_tuned": tuned})
