@@ -135,6 +135,7 @@ def perplexity(
         bar.update(len(g))
     bar.close()
     nll_mean = nll_sum / scored_total
+    lengths = [e - b for b, e, _ in wins]
     return {
         "ppl": math.exp(nll_mean),
         "nll": nll_mean,
@@ -142,7 +143,7 @@ def perplexity(
         "context": context,
         "stride": stride,
         "windows": len(wins),
-        "forwarded_tokens": sum(e - b for b, e, _ in wins),
-        "attended_mean": sum((e - b) * (e - b + 1) / 2 for b, e, _ in wins) / sum(e - b for b, e, _ in wins),
-        "longest_window": max(e - b for b, e, _ in wins),
+        "forwarded_tokens": sum(lengths),
+        "attended_mean": sum(n * (n + 1) / 2 for n in lengths) / sum(lengths),  # a token's mean attended length
+        "longest_window": max(lengths),
     }

@@ -56,8 +56,9 @@ def unigram_perplexity(tokenizer, train_text: str | list[int], eval_text: str | 
     The floor a language model must beat by far: it knows token frequencies and nothing else.
     """
     def ids(x) -> list[int]:  # a tensor or array as plain ints (0-d tensors hash by identity: no count would match)
-        return encode(tokenizer, x) if isinstance(x, str) else [int(t) for t in (x.tolist() if hasattr(x, "tolist")
-                                                                                   else x)]
+        if isinstance(x, str):
+            return encode(tokenizer, x)
+        return [int(t) for t in (x.tolist() if hasattr(x, "tolist") else x)]
 
     train_ids, eval_ids = ids(train_text), ids(eval_text)
     if not eval_ids:
