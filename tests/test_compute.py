@@ -3,7 +3,6 @@
 import inspect
 import math
 
-import numpy as np
 import pytest
 import torch
 from transformers import MixtralConfig, OlmoeConfig, Qwen2MoeConfig
@@ -271,24 +270,3 @@ def test_pool_layers_sums_pairs_and_histograms_per_policy():
     assert pool_layers(mixed, 2).loc[0, "k_hist"] == [0, 192, 0, 0]
     with pytest.raises(ValueError, match="context=None"):
         pool_layers(per_layer, 2, shapes)
-
-
-def test_quantile_beyond_torch_quantiles_limit(monkeypatch):
-    """compute.quantile is torch.quantile bit for bit where that runs, and also runs above its 2^24-value limit
-    (a long evaluation's entropies of one layer; a pooled calibration sample)."""
-    import moelab.compute as c
-    from moelab.evaluate import entropy_quantiles
-
-    for n, dt in ((1, torch.float32), (7, torch.float32), (12345, torch.float64), (99991, torch.float32)):
-        x = torch.randn(n, dtype=dt, generator=torch.Generator().manual_seed(n))
-        q = torch.tensor([0.0, 0.05, 0.123456789, 0.5, 0.95, 1.0], dtype=dt)
-        monkeypatch.setattr(c, "QUANTILE_MAX", 0)  # the sort path at sizes torch.quantile also takes
-        assert torch.equal(c.quantile(x, q), torch.quantile(x, q))
-    monkeypatch.undo()
-    big = torch.rand(c.QUANTILE_MAX + 1, generator=torch.Generator().manual_seed(0))
-    with pytest.raises(RuntimeError, match="too large"):
-        torch.quantile(big, torch.tensor([0.5]))
-    got = entropy_quantiles(big)
-    want = np.quantile(big.numpy().astype(np.float64), [0.05, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95])
-    assert list(got) == ["ent_q05", "ent_q10", "ent_q25", "ent_q50", "ent_q75", "ent_q90", "ent_q95"]
-    np.testing.assert_allclose(list(got.values()), want, rtol=1e-6)

@@ -2,6 +2,7 @@
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -152,8 +153,6 @@ def test_empty_batch():
 
 def test_numpy_integers_are_ints():
     """k values from a sweep's table (numpy integers) are accepted and kept as Python ints."""
-    import numpy as np
-
     pols = [TopK(np.int64(2)), EntropyAdaptiveK((np.int32(1), np.int64(3)), (1.0,)), TopP(0.5, np.int64(4), np.int8(2))]
     assert pols[0].k == 2 and pols[1].k_values == (1, 3) and (pols[2].k_max, pols[2].k_min) == (4, 2)
     assert all(type(v) is int for v in (pols[0].k, *pols[1].k_values, pols[2].k_max, pols[2].k_min))
@@ -211,7 +210,6 @@ def test_bad_input():
         route(torch.randn(4, 8), TopK(2), renormalize="yes")
     with pytest.raises(ValueError, match=r"num_experts='8': must be an int"):
         route(torch.randn(4, 8), pol, num_experts="8")
-    import numpy as np  # numpy ints are ints, as for every other int parameter
     assert route(torch.randn(4, 8), pol, num_experts=np.int64(8)).num_experts == 8
 
 
@@ -260,3 +258,24 @@ def test_reference_matches_route():
     a = route(logits, TopK(2), renormalize=True)
     b = route_torch(logits, TopK(2), True)
     assert torch.equal(a.expert_ids, b.expert_ids)
+
+
+def test_quantile_beyond_torch_quantiles_limit(monkeypatch):
+    """routing.quantile is torch.quantile bit for bit where that runs, and also runs above its 2^24-value limit
+    (a long evaluation's entropies of one layer; a pooled calibration sample)."""
+    import moelab.routing as c
+    from moelab.evaluate import entropy_quantiles
+
+    for n, dt in ((1, torch.float32), (7, torch.float32), (12345, torch.float64), (99991, torch.float32)):
+        x = torch.randn(n, dtype=dt, generator=torch.Generator().manual_seed(n))
+        q = torch.tensor([0.0, 0.05, 0.123456789, 0.5, 0.95, 1.0], dtype=dt)
+        monkeypatch.setattr(c, "QUANTILE_MAX", 0)  # the sort path at sizes torch.quantile also takes
+        assert torch.equal(c.quantile(x, q), torch.quantile(x, q))
+    monkeypatch.undo()
+    big = torch.rand(c.QUANTILE_MAX + 1, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(RuntimeError, match="too large"):
+        torch.quantile(big, torch.tensor([0.5]))
+    got = entropy_quantiles(big)
+    want = np.quantile(big.numpy().astype(np.float64), [0.05, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95])
+    assert list(got) == ["ent_q05", "ent_q10", "ent_q25", "ent_q50", "ent_q75", "ent_q90", "ent_q95"]
+    np.testing.assert_allclose(list(got.values()), want, rtol=1e-6)

@@ -22,9 +22,8 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from moelab.compute import quantile
 from moelab.evaluate import RouterSample, estimate, evaluate, policy_label, router_sample
-from moelab.routing import EntropyAdaptiveK, Policy, RatioSkip, TopK, TopP
+from moelab.routing import EntropyAdaptiveK, Policy, RatioSkip, TopK, TopP, quantile
 
 __all__ = [
     "calibration_ids",

@@ -13,19 +13,6 @@ import torch
 
 from moelab.routing import RoutingPlan, route
 
-QUANTILE_MAX = 2**24  # torch.quantile refuses more values than this
-
-
-def quantile(x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """torch.quantile of a 1-D tensor (linear interpolation), also above its 2^24-value limit (a long evaluation
-    records more entropies per layer): there from one sort, with torch.quantile's ranks and lerp."""
-    if x.numel() <= QUANTILE_MAX:
-        return torch.quantile(x, q)
-    s = x.flatten().sort().values
-    rank = q.to(s.dtype) * (s.numel() - 1)  # in the values' dtype, as torch.quantile
-    lo, hi = rank.floor(), rank.ceil()
-    return torch.lerp(s[lo.long()], s[hi.long()], rank - lo)
-
 
 def plan_stats(plan: RoutingPlan, native_k: int) -> dict:
     """Kept pairs, mean k, k histogram and routed-expert reduction of one plan (one host sync)."""

@@ -24,11 +24,11 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from moelab.compute import ModelShapes, expert_reduction, quantile
+from moelab.compute import ModelShapes, expert_reduction
 from moelab.hf import moe_layers, patched, record_router
 from moelab.models import check_ids, input_device, model_context
 from moelab.perplexity import perplexity, token_ids
-from moelab.routing import EntropyAdaptiveK, Policy, RatioSkip, TopK, TopP, check_policy
+from moelab.routing import EntropyAdaptiveK, Policy, RatioSkip, TopK, TopP, check_policy, quantile
 
 __all__ = [
     "Evaluation",

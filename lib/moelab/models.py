@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from moelab.compute import quantile
 from moelab.data import data_dir
+from moelab.routing import quantile
 
 log = logging.getLogger(__name__)
 

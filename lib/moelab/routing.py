@@ -292,6 +292,21 @@ def route_torch(logits: torch.Tensor, policy: Policy, renormalize: bool) -> Rout
     return RoutingPlan(ids_TK, weights_TK.float(), k_T, entropy_T.float(), E)
 
 
+QUANTILE_MAX = 2**24  # torch.quantile refuses more values than this
+
+
+def quantile(x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """torch.quantile of a 1-D tensor (linear interpolation), also above its 2^24-value limit (a long evaluation
+    records more entropies per layer; `calibrate` puts EntropyAdaptiveK's thresholds at entropy quantiles):
+    there from one sort, with torch.quantile's ranks and lerp."""
+    if x.numel() <= QUANTILE_MAX:
+        return torch.quantile(x, q)
+    s = x.flatten().sort().values
+    rank = q.to(s.dtype) * (s.numel() - 1)  # in the values' dtype, as torch.quantile
+    lo, hi = rank.floor(), rank.ceil()
+    return torch.lerp(s[lo.long()], s[hi.long()], rank - lo)
+
+
 _BACKEND = "auto"  # "auto": Triton kernel on CUDA (up to KERNEL_MAX_EXPERTS), torch elsewhere; "torch"; "triton"
 KERNEL_MAX_EXPERTS = 512  # the Triton kernel holds a token's logits in one tile row; wider routers route in torch
 KERNEL_MAX_K = 256  # its k values travel as bytes; more slots route in torch
