@@ -154,6 +154,12 @@ def test_quickstart_renders_figure_and_widget_in_chromium(lab):
         finally:
             browser.close()
     assert (tmp / "figures" / "01_quickstart_random_E8_k2.png").exists()
-    saved = json.loads((tmp / "run" / "results" / "summary_random.json").read_text())
-    assert saved  # the run in the browser wrote its named results like a headless run
+    # the run in the browser wrote its named results like a headless run: the summary is the figure's table
+    from moelab.results import load_saved
+
+    saved = load_saved(tmp / "run")
+    summary, stats = saved["summary_random"], saved["policy_stats_random"].set_index("policy")
+    assert summary == stats["expert_reduction"].to_dict()
+    (native,) = [name for name in summary if name.endswith("(native)")]
+    assert summary[native] == 0.0 and 0 < summary["EntropyAdaptiveK"] < 1
 

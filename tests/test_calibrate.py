@@ -1,6 +1,6 @@
 """Calibration: thresholds reach compute targets, the budget search stays within its budget."""
 
-import numpy as np
+import pandas as pd
 import pytest
 import torch
 
@@ -15,9 +15,10 @@ from moelab.calibrate import (
     thresholds_at,
     verdict,
 )
-from moelab.evaluate import estimate, evaluate, router_sample
+from moelab.evaluate import estimate, evaluate, policy_label, router_sample
 from moelab.hf import moe_layers
 from moelab.models import tiny_random
+from moelab.routing import RatioSkip, TopK, TopP
 
 CTX = 64
 
@@ -82,29 +83,116 @@ def test_router_sample_rejects_bad_arguments(model, kw, match):
         router_sample(model, torch.arange(200) % 256, progress=False, **kw)
 
 
-def test_budget_search_stays_within_budget(model, sample):
-    cal = torch.randint(0, 256, (256,), generator=torch.Generator().manual_seed(1))
-    res = budget_search(model, sample, cal, (1, 2, 4), budget=0.003, steps=3, context=CTX, stride=CTX,
-                        progress=False)
+def test_budget_search_stays_within_budget():
+    """On a trained model the bisection really runs; it ends on the largest in-budget reduction it measured."""
+    from moelab.models import load
+
+    net, tok = load("tiny-mixtral")
+    ids = calibration_ids(tok, 1536)
+    smp = router_sample(net, ids[:1024], context=128, progress=False)  # thresholds from one part
+    cal = ids[1024:]  # perplexity on another
+    budget, steps, kv = 0.02, 4, (1, 2)
+    res = budget_search(net, smp, cal, kv, budget=budget, steps=steps, context=128, stride=128, progress=False)
     tr = res["trace"]
-    assert res["within_budget"] == (res["ppl_change"] <= 0.003)
-    if res["within_budget"]:
-        # the chosen point is the largest reduction among the measured points within budget
-        assert res["target_reduction"] == tr[tr.within]["target_reduction"].max()
+    lo, hi = max(0.0, 1 - kv[-1] / smp.native_k), 1 - kv[0] / smp.native_k
+    # the premise: the highest reduction breaks the budget and the lowest keeps it, so the bisection runs
+    assert tr["target_reduction"].iloc[0] == hi and not tr["within"].iloc[0]
+    assert tr["target_reduction"].iloc[1] == lo and tr["within"].iloc[1]
+    assert len(tr) == steps + 2
+    assert (tr["within"] == (tr["ppl_change"] <= budget)).all()
+    # every later step measures the middle of the bracket left by the steps before it
+    a, b = lo, hi
+    for r, within in zip(tr["target_reduction"].iloc[2:], tr["within"].iloc[2:]):
+        assert r == pytest.approx((a + b) / 2, abs=1e-12)
+        a, b = (r, b) if within else (a, r)
+    # the result keeps the budget and is the largest reduction measured within it
+    assert res["within_budget"] and res["ppl_change"] <= budget
+    chosen = res["target_reduction"]
+    assert chosen == tr[tr["within"]]["target_reduction"].max()
+    assert not tr[tr["target_reduction"] > chosen]["within"].any()
+    # the bracket around the budget's edge has shrunk to (hi - lo) / 2**steps
+    first_out = tr[~tr["within"]]["target_reduction"].min()
+    assert chosen < first_out <= chosen + (hi - lo) / 2**steps + 1e-12
     # its numbers are a real measurement on the calibration text
-    again = evaluate(model, res["policy"], cal, context=CTX, stride=CTX, progress=False).summary
+    assert res["ppl"] == tr[tr["target_reduction"] == chosen]["ppl"].iloc[0]
+    again = evaluate(net, res["policy"], cal, context=128, stride=128, progress=False).summary
     assert again["ppl"] == pytest.approx(res["ppl"], rel=1e-9)
+    assert again["expert_reduction"] == pytest.approx(res["expert_reduction"], rel=1e-9)
 
 
-def test_compare_and_verdict(model, sample):
+def test_compare_at_matched_compute_rows_are_their_policies(model, sample):
     ev_ids = torch.randint(0, 256, (256,), generator=torch.Generator().manual_seed(2))
-    base = evaluate(model, None, ev_ids, context=CTX, stride=CTX, progress=False).summary["ppl"]
-    f = compare_at_matched_compute(model, sample, ev_ids, [0.2, 0.4], (1, 2, 4), base, context=CTX, stride=CTX,
+    kw = dict(context=CTX, stride=CTX, progress=False)
+    base = evaluate(model, None, ev_ids, **kw).summary["ppl"]
+    kv = (1, 2, 4)
+    f = compare_at_matched_compute(model, sample, ev_ids, [0.2, 0.4], kv, base, context=CTX, stride=CTX,
                                    progress=False)
-    assert set(f["kind"]) == {"EntropyAdaptiveK", "TopP", "RatioSkip", "TopK"}
     assert len(f) == 7 and f["estimated"].eq(False).all()
-    text = verdict(f)
-    assert text.startswith("Entropy is") and "reduction" in text
+    assert sorted(f["kind"]) == sorted(["EntropyAdaptiveK", "TopP", "RatioSkip"] * 2 + ["TopK"])
+    for _, row in f.iterrows():
+        # each row measures a policy of its own kind, matched on the sample to its target
+        assert row["policy"] == row["kind"] and row["label"].startswith(row["kind"] + " ")
+        assert row["est_expert_reduction"] == pytest.approx(row["target_reduction"], abs=0.01)
+        if row["kind"] == "TopK":
+            pol = TopK(int(row["k_max"]))
+            assert row["target_reduction"] == 1 - pol.k / sample.native_k
+        elif row["kind"] == "TopP":
+            pol = TopP(row["p"], int(row["k_max"]), int(row["k_min"]))
+        elif row["kind"] == "RatioSkip":
+            pol = RatioSkip(row["beta"], int(row["k_max"]), int(row["k_min"]))
+        else:
+            pol = match_policy(sample, "EntropyAdaptiveK", row["target_reduction"], k_values=kv)
+        if row["kind"] != "TopK":  # the same k range as the entropy policy's k values
+            assert (row["k_min"], row["k_max"]) == (kv[0], kv[-1])
+        assert policy_label(pol) == row["label"]
+        # its perplexity is that policy's, measured on the same text and context
+        s = evaluate(model, pol, ev_ids, baseline_ppl=base, **kw).summary
+        assert s["ppl"] == pytest.approx(row["ppl"], rel=1e-9)
+        assert s["expert_reduction"] == pytest.approx(row["expert_reduction"], rel=1e-9)
+    assert verdict(f).startswith("Entropy is")
+
+
+def _frame(ppl_by_kind, reductions=(0.1, 0.2, 0.3, 0.4), topk=()):
+    """A compare_at_matched_compute-like frame: each kind measured exactly at the target reductions."""
+    rows = [{"kind": kind, "target_reduction": t, "expert_reduction": t, "ppl": p}
+            for kind, ppls in ppl_by_kind.items() for t, p in zip(reductions, ppls)]
+    rows += [{"kind": "TopK", "target_reduction": r, "expert_reduction": r, "ppl": p, "k_max": k} for k, r, p in topk]
+    return pd.DataFrame(rows)
+
+
+def _wins(frame):
+    """Lowest-perplexity kind at each reduction (each kind measured at the same reductions), counted."""
+    f = frame[frame["kind"] != "TopK"]
+    return f.loc[f.groupby("expert_reduction")["ppl"].idxmin(), "kind"].value_counts().to_dict()
+
+
+def test_verdict_counts_the_lowest_perplexity():
+    # entropy lowest at 10% and 40%, TopP at 20%, RatioSkip at 30%; TopP and RatioSkip tie at 10%
+    ent_wins = _frame({"EntropyAdaptiveK": [10.0, 11.0, 12.5, 12.0], "TopP": [10.5, 10.8, 12.0, 13.0],
+                       "RatioSkip": [10.5, 12.0, 11.5, 14.0]}, topk=[(3, 0.25, 11.6)])
+    assert _wins(ent_wins) == {"EntropyAdaptiveK": 2, "TopP": 1, "RatioSkip": 1}
+    text = verdict(ent_wins)
+    assert text.startswith("Entropy is the better signal here: EntropyAdaptiveK has the lowest perplexity at 2 of 4 "
+                           "matched compute levels")
+    # each level lists the kinds from lowest to highest perplexity
+    assert "at 20% reduction TopP 10.8, EntropyAdaptiveK 11, RatioSkip 12;" in text
+    assert "at 30% reduction RatioSkip 11.5, TopP 12, EntropyAdaptiveK 12.5;" in text
+    # TopK k=3 at 25% lies between the 20% and 30% points: interpolated, only TopP (11.4) is below its 11.6
+    assert "TopK k=3 (25%, ppl 11.6) is beaten by TopP." in text
+
+    # TopP lowest at three of four levels
+    topp_wins = _frame({"EntropyAdaptiveK": [10.0, 11.0, 12.5, 13.0], "TopP": [10.5, 10.8, 12.0, 12.9],
+                        "RatioSkip": [11.0, 12.0, 12.2, 14.0]})
+    assert _wins(topp_wins) == {"TopP": 3, "EntropyAdaptiveK": 1}
+    assert verdict(topp_wins).startswith("Entropy is not the better signal here: TopP has the lowest perplexity at 3 "
+                                         "of 4 matched compute levels, EntropyAdaptiveK at 1")
+
+    # a tie in the count of levels won: two each for entropy and RatioSkip
+    tie = _frame({"EntropyAdaptiveK": [10.0, 11.0, 12.5, 12.0], "TopP": [10.5, 11.5, 12.6, 13.0],
+                  "RatioSkip": [11.0, 10.9, 11.5, 14.0]})
+    assert _wins(tie) == {"EntropyAdaptiveK": 2, "RatioSkip": 2}
+    assert verdict(tie).startswith("Entropy is not clearly the better signal here: EntropyAdaptiveK ties with "
+                                   "RatioSkip")
 
 
 def test_pareto_mask():
@@ -139,7 +227,8 @@ def test_calibration_ids_from_heldout_only():
         calibration_ids(tok, 100, names=["wikitext2_test.raw"])
     with pytest.raises(ValueError, match="unknown"):  # its last 5% repeats its training part
         calibration_ids(tok, 100, names=["olmoe_c4"])
-    assert np.isfinite(ids.numpy()).all()
+    # ids a model can embed: the tokenizer's own vocabulary
+    assert ids.dtype == torch.long and 0 <= int(ids.min()) and int(ids.max()) < len(tok)
 
 
 def test_calibration_k_values_end_at_native():

@@ -1,13 +1,15 @@
 """Evaluation: measured perplexity and compute with routing changed; estimates from recorded routers."""
 
+import numpy as np
 import pytest
 import torch
 
+from moelab.compute import expert_reduction
 from moelab.evaluate import confirm_estimates, estimate, evaluate, policy_label, router_sample
-from moelab.hf import moe_layers
+from moelab.hf import moe_layers, patched, record_router
 from moelab.models import tiny_random
 from moelab.perplexity import perplexity
-from moelab.routing import EntropyAdaptiveK, RatioSkip, TopK, TopP
+from moelab.routing import EntropyAdaptiveK, RatioSkip, TopK, TopP, route_torch
 
 CTX = 64
 
@@ -92,13 +94,45 @@ def test_estimates(model, ids):
     pol = EntropyAdaptiveK((1, 2, 4), (med - 0.1, med + 0.1))
     est = estimate(sample, pol)
     assert est["estimated"] is True and 1 < est["mean_k"] < 4
-    # layer 0 sees the same input with or without patching: with the same chunks, its estimate is exact
-    ev = evaluate(model, pol, ids, context=CTX, stride=CTX, progress=False)
-    assert ev.layers["mean_k"][0] == pytest.approx(est["mean_k_layers"][0], abs=1e-9)
-    conf = confirm_estimates(model, sample, [pol, TopP(0.6, 4), RatioSkip(0.5, 4)], ids, context=CTX, stride=CTX,
-                             progress=False)
+    pols = [pol, TopP(0.6, 4), RatioSkip(0.5, 4)]
+    layers = moe_layers(model)
+    chunks = ids.view(-1, CTX)  # the sample's chunks, the windows evaluate runs at stride = context too
+
+    @torch.no_grad()
+    def forwards():
+        # in batches of 8, as router_sample and evaluate run them (their default batch_size), so that the router
+        # logits are bitwise theirs (one chunk at a time, later layers' logits differ in the last bits)
+        for b in range(0, len(chunks), 8):
+            model(input_ids=chunks[b : b + 8], use_cache=False)
+
+    with record_router(model) as rec:
+        forwards()
+    own = [rec.router_logits(layer.index) for layer in layers]
+    # an estimate is, in every layer, the policy's k (route_torch, the reference) on the unchanged model's router
+    # logits of the same chunks
+    for p in pols:
+        want = [route_torch(own[i], p, layer.renormalize).k for i, layer in enumerate(layers)]
+        assert all(torch.equal(sample.k(p, i), want[i]) for i in range(len(layers)))
+        assert estimate(sample, p)["mean_k_layers"] == [float(k.float().mean()) for k in want]
+    conf = confirm_estimates(model, sample, pols, ids, context=CTX, stride=CTX, progress=False)
     assert len(conf) == 3 and set(conf.columns) >= {"est_mean_k", "mean_k", "est_error"}
-    assert (conf["est_error"].abs() < 0.5).all()
+    native_k = layers[0].native_k
+    for p, (_, row) in zip(pols, conf.iterrows()):
+        with patched(model, p, record="logits") as live:
+            forwards()
+        seen = [live.record.router_logits(layer.index) for layer in layers]
+        # layer 0 routes the same input patched or not; later layers' inputs changed with the earlier routing
+        assert torch.equal(seen[0], own[0]) and not any(torch.equal(seen[i], own[i]) for i in range(1, len(layers)))
+        measured = [float(route_torch(seen[i], p, lay.renormalize).k.float().mean()) for i, lay in enumerate(layers)]
+        assert row["mean_k"] == float(np.mean(measured))  # evaluate counted the k those logits give
+        # so the estimate's error is exactly what those changed inputs do to the policy's k: none in layer 0
+        estimated = estimate(sample, p)["mean_k_layers"]
+        assert row["est_error_layers"][0] == 0.0
+        assert row["est_error_layers"] == [expert_reduction(e, native_k) - expert_reduction(m, native_k)
+                                           for e, m in zip(estimated, measured)]
+        assert row["est_error"] == expert_reduction(float(np.mean(estimated)), native_k) - row["expert_reduction"]
+        assert row["est_error"] == pytest.approx(np.mean(row["est_error_layers"]), abs=1e-12)  # linear in mean k
+    assert any(e != 0 for errs in conf["est_error_layers"] for e in errs[1:])  # later layers do differ here
 
 
 def test_a_hybrid_model_with_512_experts_evaluates_with_its_routing_changed():

@@ -16,7 +16,7 @@ from transformers import (
 
 from moelab import models
 from moelab.hf import moe_layers, native_policy, patched, record_router
-from moelab.routing import EntropyAdaptiveK, RatioSkip, TopK, TopP
+from moelab.routing import EntropyAdaptiveK, RatioSkip, TopK, TopP, route_torch
 
 COMMON = dict(vocab_size=101, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=128)
@@ -208,11 +208,22 @@ def test_per_layer_policies_and_other_policies(model):
     with patched(model, {0: TopK(1)}) as p:  # only layer 0 patched
         model(input_ids=x)
     assert list(p.mean_k()) == [0] and p.mean_k()[0] == 1.0
-    with patched(model, [TopP(0.5, k_max=4), RatioSkip(0.3, k_max=4)] + [TopK(2)] * (n - 2), record=True) as p:
+    # a list maps to the MoE layers in order: a different policy in every layer, each layer's recorded k is its own
+    # policy's k on the logits its router produced (route_torch, the reference), and another layer's policy would
+    # have chosen other k on them (so a list applied out of order shows here)
+    pols = [TopP(0.5, k_max=4), RatioSkip(0.3, k_max=4)] + [TopK(i) for i in range(1, n - 1)]
+    layers = moe_layers(model)
+    with patched(model, pols, record="logits") as p:
         model(input_ids=x)
-    for i in range(n):
-        k = p.record.k(i)
-        assert int(k.min()) >= 1 and int(k.max()) <= (4 if i < 2 else 2)
+    assert p.record.layers == list(range(n))
+    for i, layer in enumerate(layers):
+        k, logits_TE = p.record.k(i), p.record.router_logits(i)
+        assert k.numel() == x.numel() and pols[i].k_min <= int(k.min()) and int(k.max()) <= pols[i].k_max
+        assert torch.equal(k, route_torch(logits_TE, pols[i], layer.renormalize).k)
+        assert p.kept_pairs[i] == int(k.sum())
+        for j, other in enumerate(pols):
+            if j != i:
+                assert not torch.equal(k, route_torch(logits_TE, other, layer.renormalize).k), (i, j)
 
 
 def test_bad_policies_raise(model):
@@ -302,6 +313,61 @@ def test_patched_bf16_takes_the_fused_experts_cuda(family, monkeypatch):
             ex.set_gemm("auto")
     assert len(calls) == len(fusing)
     torch.testing.assert_close(fused, unfused, rtol=3e-2, atol=3e-2)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreted CPU run; on CUDA the *_cuda tests run it")
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "olmoe"])
+@torch.no_grad()
+def test_native_topk_through_the_triton_path_on_cpu(family, monkeypatch):
+    """The whole Triton path of a patched block, interpreted on the CPU (TRITON_INTERPRET=1, set by conftest.py):
+    route_triton, pair_layout_padded and the fused experts with transformers' own SiLU module (experts.act_fn)
+    reproduce the model's logits with its own top-k, renormalised (Mixtral) or not (OLMoE, Qwen1.5-MoE with its
+    shared expert and a dense layer), and every token keeps the native k."""
+    import os
+
+    pytest.importorskip("triton")
+    assert os.environ.get("TRITON_INTERPRET") == "1", "tests/conftest.py sets TRITON_INTERPRET=1 on a CPU"
+    import moelab.experts as ex
+    import moelab.kernels.grouped as gk
+    import moelab.kernels.layout as lk
+    import moelab.kernels.routing as kr
+    from moelab.routing import set_backend
+
+    calls = {"route_triton": 0, "pair_layout_padded": 0, "fused_experts": 0}
+
+    def counted(name, real):  # the real kernel, counted (moelab imports these three at call time)
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return real(*args, **kwargs)
+
+        return call
+
+    for mod, name in ((kr, "route_triton"), (lk, "pair_layout_padded"), (gk, "fused_experts")):
+        monkeypatch.setattr(mod, name, counted(name, getattr(mod, name)))
+    m = tiny(family)
+    layers = moe_layers(m)
+    x = ids(n=8, seed=6)  # 2 x 8 tokens: the interpreter is slow
+    ref = m(input_ids=x).logits
+    set_backend("triton")
+    ex.set_layout("padded")
+    ex.set_gemm("triton")
+    try:
+        with patched(m, [native_policy(layer) for layer in layers]) as p:
+            out = m(input_ids=x).logits
+    finally:
+        set_backend("auto")
+        ex.set_layout("auto")
+        ex.set_gemm("auto")
+    # each MoE layer routed, laid out and computed its experts through the kernels, once
+    assert calls == {"route_triton": len(layers), "pair_layout_padded": len(layers), "fused_experts": len(layers)}
+    # fp32 throughout, the same experts and weights: the tiled Triton GEMMs and the per-token combine only add the
+    # same products in another order than transformers' per-expert matmuls, i.e. fp32 rounding. These logits reach
+    # about 0.4, where an fp32 ulp is 3e-8: the two paths differ by a few ulp (at most 1.5e-7 seen, the torch path
+    # likewise); 1e-6 leaves room for other BLAS summation orders, while a wrong kernel (a SiLU off by 10% in its
+    # exponent) moves them by 1e-4
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-6)
+    assert p.mean_k() == {layer.index: float(layer.native_k) for layer in layers}
+    assert all(p.tokens[i] == x.numel() for i in p.tokens)
 
 
 @torch.no_grad()

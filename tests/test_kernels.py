@@ -610,6 +610,28 @@ def test_gpu_random_shapes_in_full(select):
                 check_layout(got)
 
 
+def check_tuned_shape(E: int, K: int, split: int, sel: str, T: int, monkeypatch):
+    """The row kernels at a shape of the tuned table (selection, threads per row, and the table's tile of 64 rows
+    per program): bf16 logits with exact ties on every third token, and the same values in fp32, under TopP and
+    an EntropyAdaptiveK split at the median entropy (with device statistics): the reference's plan."""
+    monkeypatch.setitem(kr.LAUNCH, "select", sel)
+    monkeypatch.setitem(kr.LAUNCH, "split", split)
+    monkeypatch.setitem(kr.LAUNCH, "tile", 64 * triton.next_power_of_2(E) // split)
+    launch, _, meta, _ = kr._shape_launch(T, E, K, -1, tuple(kr.LAUNCH.values()), 2, E)
+    assert launch is kr._launch_rows16 and meta["SPLIT"] == split and meta["SORT"] == (sel == "rowsort")
+    rng = torch.Generator().manual_seed(E)
+    logits = (torch.randn(T, E, generator=rng) * 2).to(torch.bfloat16)
+    logits[::3] = logits[::3].round()  # exact ties on every third token
+    x = logits.to(DEV)
+    ent = route_torch(x, TopK(K), False).entropy
+    policies = [TopP(0.6, k_max=K, k_min=1), EntropyAdaptiveK(tuple(sorted({1, K})), (float(ent.median()),)[: K > 1])]
+    stats = RoutingStats.zeros(K, DEV)
+    for pol in policies:
+        assert_same_plan(x, pol, E == 8, stats if isinstance(pol, EntropyAdaptiveK) else None)
+        assert_same_plan(x.float(), pol, False)  # fp32 logits: 4 per 16-byte chunk
+    assert stats.summary()["tokens"] == T
+
+
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("E,K,split,sel", [(8, 2, 1, "rowwise"), (60, 4, 4, "rowwise"), (64, 8, 2, "rowwise"),
@@ -620,20 +642,15 @@ def test_gpu_random_shapes_in_full(select):
 def test_gpu_rowwise_at_the_tuned_shapes(E, K, split, sel, monkeypatch):
     """The one-row-per-thread selection compiled, at the shapes the tuned table gives it (few compiles: the
     random-shapes test above covers it too, but compiles a kernel per E, k and policy)."""
-    monkeypatch.setitem(kr.LAUNCH, "select", sel)
-    monkeypatch.setitem(kr.LAUNCH, "split", split)
-    monkeypatch.setitem(kr.LAUNCH, "tile", 64 * triton.next_power_of_2(E) // split)
-    rng = torch.Generator().manual_seed(E)
-    logits = (torch.randn(3000, E, generator=rng) * 2).to(torch.bfloat16)
-    logits[::3] = logits[::3].round()  # exact ties on every third token
-    x = logits.cuda()
-    ent = route_torch(x, TopK(K), False).entropy
-    policies = [TopP(0.6, k_max=K, k_min=1), EntropyAdaptiveK(tuple(sorted({1, K})), (float(ent.median()),)[: K > 1])]
-    stats = RoutingStats.zeros(K, "cuda")
-    for pol in policies:
-        assert_same_plan(x, pol, E == 8, stats if isinstance(pol, EntropyAdaptiveK) else None)
-        assert_same_plan(x.float(), pol, False)  # fp32 logits: 4 per 16-byte chunk
-    assert stats.summary()["tokens"] == 3000
+    check_tuned_shape(E, K, split, sel, 3000, monkeypatch)
+
+
+@pytest.mark.parametrize("E,K,split,sel", [(128, 8, 4, "rowwise"), (256, 8, 8, "rowwise"), (512, 10, 16, "rowsort"),
+                                         (128, 11, 4, "rowsort"), (256, 16, 4, "rowsort")])
+def test_rowwise_at_the_tuned_shapes_few_tokens(E, K, split, sel, monkeypatch):
+    """Five of the GPU test's tuned shapes (wide routers, 4-16 threads per row, k up to 16) at 24 tokens: on a
+    CPU the only run of these E, split and tile overrides (interpreted, a few seconds each)."""
+    check_tuned_shape(E, K, split, sel, 24, monkeypatch)
 
 
 @gpu

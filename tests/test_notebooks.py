@@ -157,6 +157,20 @@ def test_kernel_bench_explorer_runs(tmp_path, monkeypatch):
     monkeypatch.setenv("MOELAB_FIGURES", str(tmp_path / "figures"))
     monkeypatch.setenv("MOELAB_RUN_DIR", str(tmp_path / "run"))
     sweep.execute(NB_DIR / "04_kernel_bench.ipynb", tmp_path / "out.ipynb", {"interactive": True})
+    # the explorer cell shows one widget, stored with the notebook: a shape dropdown and, in its output, the
+    # first shape's table of graph and eager times per T
+    out = nbformat.read(str(tmp_path / "out.ipynb"), as_version=4)
+    (cell,) = [c for c in out.cells if c.cell_type == "code" and c.source.startswith("if interactive:")]
+    (view,) = [o["data"]["application/vnd.jupyter.widget-view+json"] for o in cell.outputs
+               if "application/vnd.jupyter.widget-view+json" in o.get("data", {})]
+    state = out.metadata["widgets"]["application/vnd.jupyter.widget-state+json"]["state"]
+    kids = [state[c.removeprefix("IPY_MODEL_")] for c in state[view["model_id"]]["state"]["children"]]
+    (dropdown,) = [k["state"] for k in kids if k["model_name"] == "DropdownModel"]
+    (output,) = [k["state"] for k in kids if k["model_name"] == "OutputModel"]
+    shapes = dropdown["_options_labels"]
+    assert dropdown["description"] == "shape" and shapes and len(set(shapes)) == len(shapes)
+    (table,) = [o["data"]["text/html"] for o in output["outputs"] if "text/html" in o.get("data", {})]
+    assert "graph_us" in table and "eager_us" in table and "<table" in table
 
 
 def test_failing_cell_is_named(tmp_path):

@@ -1,6 +1,7 @@
 """Routing policies: the plan contract, the rules of each policy, and errors for bad input."""
 
 import math
+import os
 
 import numpy as np
 import pytest
@@ -8,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moelab.routing import EntropyAdaptiveK, RatioSkip, TopK, TopP, route, route_torch
+from moelab.routing import EntropyAdaptiveK, RatioSkip, TopK, TopP, get_backend, route, route_torch, set_backend
 
 E_CHOICES = [2, 8, 60, 64]
 
@@ -136,14 +137,46 @@ def test_ties_break_by_lower_index():
     torch.testing.assert_close(plan.entropy, torch.full((3,), math.log(8)))
 
 
+@pytest.fixture
+def triton_backend():
+    """route() forced onto the Triton kernel (the torch reference is what it runs on a CPU otherwise): compiled
+    on a GPU, interpreted on a CPU, where tests/conftest.py sets TRITON_INTERPRET=1 before any kernel module is
+    imported (as for tests/test_kernels.py). Yields the device to put logits on; the backend is restored after."""
+    pytest.importorskip("triton")
+    if not torch.cuda.is_available():
+        assert os.environ.get("TRITON_INTERPRET") == "1", "tests/conftest.py sets TRITON_INTERPRET=1 on a CPU"
+    before = get_backend()
+    set_backend("triton")
+    try:
+        yield "cuda" if torch.cuda.is_available() else "cpu"
+    finally:
+        set_backend(before)
+
+
+@pytest.mark.parametrize("select", ["rowwise", "rowsort"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_dtypes_give_the_same_plan(dtype):
-    logits = (torch.randn(200, 64) * 3).to(torch.bfloat16)  # exactly representable in all three
-    ref = route(logits.float(), EntropyAdaptiveK((2, 5, 8), (1.3, 1.7)), renormalize=False)
-    got = route(logits.to(dtype), EntropyAdaptiveK((2, 5, 8), (1.3, 1.7)), renormalize=False)
-    assert torch.equal(ref.expert_ids, got.expert_ids)
-    assert torch.equal(ref.k, got.k)
-    assert torch.equal(ref.weights, got.weights)
+def test_dtypes_give_the_same_plan(dtype, select, triton_backend, monkeypatch):
+    """16-bit logits (the 16-bit row kernel: keys inserted, or 8-key chunks sorted and merged) give the plan of
+    the same values in fp32 (the fp32 row kernel) and the reference's: the same experts and k; weights and
+    entropies within the kernels' rounding (the two kernels sum in chunks of 8 and 4 logits: 1-2 ulp apart)."""
+    import moelab.kernels.routing as kr
+
+    monkeypatch.setitem(kr.LAUNCH, "select", select)
+    g = torch.Generator().manual_seed(64)
+    logits = torch.randn(40, 64, generator=g) * 3
+    logits[::4] = logits[::4].round()  # exact ties
+    logits[1::2] -= 9.0  # rows of negative logits (the 16-bit keys order their sign-magnitude bits)
+    logits = logits.to(torch.bfloat16).to(triton_backend)  # exactly representable in all three
+    pol = EntropyAdaptiveK((2, 5, 8), (1.3, 1.7))
+    ref = route(logits.float(), pol, renormalize=False)
+    got = route(logits.to(dtype), pol, renormalize=False)
+    want = route_torch(logits.float(), pol, False)
+    for plan in (ref, got):
+        assert torch.equal(plan.expert_ids, want.expert_ids)
+        assert torch.equal(plan.k, want.k)
+        assert (plan.weights - want.weights).abs().max().item() <= 1e-6
+        torch.testing.assert_close(plan.entropy, want.entropy, atol=1e-5, rtol=1e-6)
+    assert (got.weights - ref.weights).abs().max().item() <= 1e-6
 
 
 def test_empty_batch():
@@ -215,8 +248,6 @@ def test_bad_input():
 
 def test_triton_backend_on_cpu_needs_the_interpreter(monkeypatch):
     """Forcing the kernel on CPU tensors without TRITON_INTERPRET names the fix, not '0 active drivers'."""
-    from moelab.routing import get_backend, set_backend
-
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     before = get_backend()
     set_backend("triton")
@@ -253,11 +284,21 @@ def test_numpy_scalars_and_extreme_rows():
     assert plan.k.tolist() == [3]
 
 
-def test_reference_matches_route():
-    logits = torch.randn(32, 8)
-    a = route(logits, TopK(2), renormalize=True)
-    b = route_torch(logits, TopK(2), True)
-    assert torch.equal(a.expert_ids, b.expert_ids)
+def test_reference_matches_route(triton_backend):
+    """route() on the Triton kernel gives the torch reference's plan, also where probabilities tie (the lower
+    expert index first)."""
+    g = torch.Generator().manual_seed(8)
+    logits = torch.randn(32, 8, generator=g) * 2
+    logits[::2] = logits[::2].round()  # exact ties on every other token
+    logits[0] = 0.0  # all eight tied
+    logits = logits.to(triton_backend)
+    for pol in (TopK(2), TopP(0.6, k_max=4), EntropyAdaptiveK((1, 3), (1.5,))):
+        a = route(logits, pol, renormalize=True)
+        b = route_torch(logits, pol, True)
+        assert torch.equal(a.expert_ids, b.expert_ids), pol
+        assert torch.equal(a.k, b.k), pol
+        assert (a.weights - b.weights).abs().max().item() <= 1e-6, pol
+        torch.testing.assert_close(a.entropy, b.entropy, atol=1e-5, rtol=1e-6)
 
 
 def test_quantile_beyond_torch_quantiles_limit(monkeypatch):

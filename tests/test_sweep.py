@@ -81,11 +81,20 @@ def test_load_grid_resolves_the_notebook_beside_the_grid(toy, tmp_path):
         sweep.load_grid(p)
 
 
-def test_shards_split_the_grid_disjointly():
+def test_shards_split_the_grid_disjointly(toy, tmp_path):
     assert sweep.parse_shard("2/4") == (2, 4)
     for bad in ("4/4", "x/2", "1"):
         with pytest.raises(ValueError, match="shard="):
             sweep.parse_shard(bad)
+    # run_sweep with each shard I/N (collect_only: nothing executes) covers every point exactly once
+    g = sweep.Grid(notebook=toy, name="g", parameters={"x": [1, 2, 3, 4, 5]})
+    everything = [h for h, _ in sweep.param_hash_points(g)]
+    assert len(set(everything)) == 5
+    for n in (1, 2, 3):
+        shards = [[r.hash for r in sweep.run_sweep(g, root=tmp_path / "runs", shard=f"{i}/{n}", collect_only=True,
+                                                   progress=False).runs] for i in range(n)]
+        assert sorted(h for s in shards for h in s) == sorted(everything), n
+        assert [len(s) for s in shards] == [len(range(i, 5, n)) for i in range(n)], n
 
 
 def test_repo_grids_are_valid():

@@ -101,9 +101,9 @@ def test_bad_config_raises(tmp_path):
 
 def test_a_family_name_trains_with_the_tokenizers_vocabulary(tmp_path):
     """model='olmoe' (a family's micro config) gets the shared tokenizer's vocabulary, not 256 ids."""
-    res = train(_cfg(tmp_path / "fam", model="olmoe", overrides={}, max_steps=2, eval_every=2))
+    train(_cfg(tmp_path / "fam", model="olmoe", overrides={}, max_steps=2, eval_every=2))
     cfg = json.loads((tmp_path / "fam" / "config.json").read_text())
-    assert cfg["vocab_size"] >= 8000 and res is not None
+    assert cfg["vocab_size"] >= 8000
 
 
 def test_card_scores_the_unseen_heldout_slices_and_flags_seen_validation_text(tmp_path):
