@@ -4,9 +4,14 @@ layer, except the dispatchers' lazy imports of their own kernels."""
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 
-LIB = Path(__file__).resolve().parents[1] / "lib"
+import moelab
+
+LIB = Path(moelab.__file__).resolve().parents[1]  # the library these tests import (PYTHONPATH's, as run)
 
 # layer of each module: a module imports only modules of lower layers (ARCHITECTURE.md's flow, bottom up)
 LAYER = {
@@ -35,8 +40,11 @@ def _module(path: Path) -> str:
 
 
 def _imports(path: Path):
-    """(imported moelab module, at module level?) for every import statement of one file."""
+    """(imported moelab module, at module level?) for every import statement of one file. At module level: run
+    on import, i.e. not inside a function's body (an import in a module-level `if` / `try` block runs on import)."""
     tree = ast.parse(path.read_text())
+    lazy = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            for n in ast.walk(f) if n is not f}
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "moelab":
             names = [f"moelab.{a.name}" for a in node.names] if node.module == "moelab" else [node.module]
@@ -45,7 +53,7 @@ def _imports(path: Path):
         else:
             continue
         for name in names:
-            yield name, node in tree.body
+            yield name, id(node) not in lazy
 
 
 def test_every_module_has_a_layer():
@@ -72,3 +80,14 @@ def test_dispatch_imports_are_lazy():
     for mod in ("routing", "experts"):
         tops = [n for n, top in _imports(LIB / "moelab" / f"{mod}.py") if top and n.startswith("moelab.kernels")]
         assert not tops, f"moelab.{mod} imports {tops} at module level"
+
+
+def test_importing_the_dispatchers_loads_no_kernel_module():
+    """The same, by importing them in a fresh interpreter: neither Triton nor any moelab.kernels module is loaded
+    (also not by an import that hides from the source check, e.g. in a module-level block or another module)."""
+    code = ("import sys, moelab.routing, moelab.experts; "
+            "print(sorted(m for m in sys.modules if m == 'triton' or m.startswith(('triton.', 'moelab.kernels'))))")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(LIB), os.environ.get("PYTHONPATH"))))}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True,
+                         env=env)
+    assert out.stdout.strip() == "[]", f"import moelab.routing, moelab.experts loaded {out.stdout.strip()}"

@@ -28,6 +28,11 @@ def test_plan_stats_histogram():
     assert s["mean_k"] == pytest.approx(plan.k.float().mean().item())
     assert s["expert_reduction"] == pytest.approx(1 - s["mean_k"] / 2)
     assert plan_stats(route(logits, TopK(2), renormalize=True), 2)["expert_reduction"] == 0
+    # k_hist has k_max + 1 entries (k = 0..k_max) whatever the tokens keep: all at k = 1 here (entropy < 50 nats)
+    low = plan_stats(route(logits, EntropyAdaptiveK((1, 2, 4), (50.0, 60.0)), renormalize=True), native_k=2)
+    assert low["k_hist"] == [0, 100, 0, 0, 0] and low["kept_pairs"] == 100
+    empty = plan_stats(route(logits[:0], EntropyAdaptiveK((1, 2, 4), (1.0, 1.6)), renormalize=True), native_k=2)
+    assert empty["k_hist"] == [0] * 5 and empty["tokens"] == empty["kept_pairs"] == 0 and math.isnan(empty["mean_k"])
 
 
 def test_policy_stats_rows_route_the_same_logits():
@@ -75,6 +80,21 @@ def test_shapes_from_config_and_whole_forward(cfg, moe_layers, shared):
     assert whole == pytest.approx(0.5 * expert_part)
     with pytest.raises(ValueError, match="one per MoE layer"):
         s.forward_flops([1.0] * (moe_layers + 1), 256)
+
+
+def test_shapes_count_only_sparse_layers():
+    """decoder_sparse_step s: layer i (from 0) is MoE when (i + 1) % s == 0; first_k_dense_replace n: layers
+    0..n-1 are dense."""
+    from transformers import DeepseekV3Config
+
+    step2 = Qwen2MoeConfig(hidden_size=64, intermediate_size=256, moe_intermediate_size=32, num_hidden_layers=3,
+                           num_attention_heads=4, num_key_value_heads=4, num_experts=8, num_experts_per_tok=2,
+                           vocab_size=100, decoder_sparse_step=2)
+    assert ModelShapes.from_config(step2).moe_layers == 1  # layer 1 only, of 0, 1, 2
+    first1 = DeepseekV3Config(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
+                              num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
+                              num_experts_per_tok=2, vocab_size=100, first_k_dense_replace=1)
+    assert ModelShapes.from_config(first1).moe_layers == 2  # layers 1 and 2
 
 
 def _counted(model, ids, **kw):
@@ -262,6 +282,10 @@ def test_pool_layers_sums_pairs_and_histograms_per_policy():
     assert pooled.loc["ead", "kept_pairs"] == g.kept_pairs.sum() and pooled.loc["ead", "tokens"] == 192
     assert pooled.loc["ead", "expert_reduction"] == pytest.approx(1 - g.kept_pairs.sum() / (192 * 2))
     assert pooled.loc["ead", "k_hist"] == [sum(h[j] for h in g.k_hist) for j in range(3)]
+    assert pooled.loc["ead", "native_pairs"] == 192 * 2
+    assert pooled.loc["ead", "mean_k"] == pytest.approx(sum(j * n for j, n in enumerate(pooled.loc["ead", "k_hist"]))
+                                                        / 192)
+    assert pooled.loc["k1", "mean_k"] == 1.0 and pooled.loc["native", "mean_k"] == 2.0
     assert pooled.loc["ead", "forward_reduction"] == pytest.approx(shapes.forward_reduction(g.mean_k.tolist(), 32))
     assert pooled.loc["native", "expert_reduction"] == 0.0 and pooled.loc["native", "forward_reduction"] == 0.0
     assert pooled.loc["k1", "k_hist"] == [0, 192, 0]  # k_hist of width 2 padded to native k + 1

@@ -104,3 +104,84 @@ def test_split_heldout_holds_out_about_its_fraction_whatever_the_line_breaks():
     assert train.endswith("\n") and held.startswith("line ") and 0.05 <= len(held) / len(lines) < 0.1
     train, held = split_heldout("\n" + "y" * 99 + "\n" + "z" * 9)  # a break at 100 of 110: within the window
     assert held == "z" * 9
+
+
+def test_normalised_entropy_divides_by_the_log_of_all_experts():
+    """Entropy / log(E) counts idle experts in E: two of four equally used -> log 2 / log 4 = 0.5."""
+    import math
+
+    assert data.normalised_entropy([1, 1, 0, 0]) == pytest.approx(math.log(2) / math.log(4))
+    assert data.normalised_entropy([3, 3, 3]) == pytest.approx(1.0) and data.normalised_entropy([5, 0]) == 0.0
+    for bad in ([2, -1], [1], [0, 0], [1, float("nan")], [[1, 1]]):
+        with pytest.raises(ValueError, match="non-negative count per expert"):
+            data.normalised_entropy(bad)
+
+
+def test_split_heldout_ignores_a_line_break_beyond_one_more_fraction():
+    """A break between one and two fractions before the cut is not used: the cut stays mid-line at 95%."""
+    text = "a" * 880 + "\n" + "b" * 119  # 1000 characters; the 5% cut is at 950, the window [900, 950)
+    train, held = data.split_heldout(text)
+    cut = int(len(text) * (1 - data.HELDOUT_FRACTION))
+    assert train == text[:cut] and held == text[cut:]
+    text = "a" * 920 + "\n" + "b" * 79  # a break inside the window: cut after it
+    assert data.split_heldout(text) == (text[:921], text[921:])
+
+
+def _data_folder(path, files: dict):
+    """A data folder holding `files` {path under data/: bytes} and their SHA256SUMS."""
+    import hashlib
+
+    lines = []
+    for rel, raw in files.items():
+        (path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (path / rel).write_bytes(raw)
+        lines.append(f"{hashlib.sha256(raw).hexdigest()}  {rel}")
+    (path / "SHA256SUMS").write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_heldout_repeats_is_the_share_of_repeated_blocks(tmp_path, monkeypatch):
+    """One of the held-out slice's four 200-character blocks occurs in the training part: 1/4, not all or none."""
+    import random
+
+    rng = random.Random(0)
+
+    def noise(n):
+        return "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(n))
+
+    n = 16_000
+    held_len = n - int(n * (1 - data.HELDOUT_FRACTION))
+    blocks = [noise(data.REPEAT_BLOCK) for _ in range(held_len // data.REPEAT_BLOCK)]
+    train = blocks[0] + noise(n - held_len - data.REPEAT_BLOCK - 1) + "\n"
+    text = train + "".join(blocks)
+    assert len(text) == n and len(blocks) == 4
+    monkeypatch.setenv("MOELAB_DATA", str(_data_folder(tmp_path, {"text/toy.txt": text.encode()})))
+    assert data.split_heldout(data.load_text("toy")) == (train, "".join(blocks))
+    assert data.heldout_repeats("toy") == 1 / len(blocks)
+
+
+def test_a_plain_file_is_read_before_its_xz_copy(tmp_path, monkeypatch):
+    """Where both `rel` and `rel.xz` exist, the plain file is the one read (and hash-checked)."""
+    import lzma
+
+    d = _data_folder(tmp_path, {"text/toy.txt": b"the listed text\n", "text/old.txt": b"the listed text\n"})
+    for name in ("toy", "old"):
+        (d / "text" / f"{name}.txt.xz").write_bytes(lzma.compress(b"a stale copy\n"))
+    (d / "text" / "old.txt").unlink()  # the .xz alone is read, and its content must match the hash
+    monkeypatch.setenv("MOELAB_DATA", str(d))
+    assert data.load_text("toy") == "the listed text\n"
+    with pytest.raises(ValueError, match="old.txt.xz: sha256 .* does not match"):
+        data.load_text("old")
+
+
+def test_routing_counts_rows_follow_the_layer_order(tmp_path, monkeypatch):
+    """Row i of load_routing_counts is the i-th layer's Counter in the file (layers COUNT_LAYERS[i])."""
+    import collections
+
+    layers = [collections.Counter({0: 5}), collections.Counter({3: 2, 7: 4}), collections.Counter({1: 9})]
+    rel = "routing_counts/mistral/expert_counts/toy.pkl"
+    monkeypatch.setenv("MOELAB_DATA", str(_data_folder(tmp_path, {rel: pickle.dumps(layers)})))
+    c = data.load_routing_counts("mistral", "toy")
+    assert c.shape == (len(data.COUNT_LAYERS), data.COUNT_MODELS["mistral"])
+    for i, counter in enumerate(layers):
+        assert {e: int(n) for e, n in enumerate(c[i]) if n} == dict(counter)

@@ -150,3 +150,8 @@ def test_weights_that_do_not_fit_are_named(layer):
         ex.run_experts(x[None], plan, gu, dn)
     with pytest.raises(ValueError, match=r"dtypes x torch.bfloat16, gate_up torch.float32.*must be one dtype"):
         ex.run_experts(x.bfloat16(), plan, gu, dn)
+    with pytest.raises(ValueError, match=r"dtypes x torch.float32, gate_up torch.float32, down torch.bfloat16"):
+        ex.run_experts(x, plan, gu, dn.bfloat16())
+    # weights of 6 experts, consistent among themselves, for a plan over 8
+    with pytest.raises(ValueError, match=r"plan has num_experts=8 but the weights have E=6"):
+        ex.run_experts(x, plan, gu[:6], dn[:6])

@@ -453,6 +453,34 @@ def test_fraction_in_segments():
     assert fraction_in_segments([(1000, 50), (5100, 50)], segs) == 1.0
     assert fraction_in_segments([(1000, 50), (2000, 150)], segs) == 0.25
     assert fraction_in_segments([(1090, 20)], segs) == 0.0  # crosses the segment's end
+    assert fraction_in_segments([(1050, 50), (5000, 1000)], segs) == 1.0  # ending exactly at a segment's end
+    assert fraction_in_segments([(1050, 51)], segs) == 0.0  # one byte past it
+
+
+def test_pool_segments_and_blocks_read_one_pool_of_a_snapshot():
+    """From an allocator snapshot (torch.cuda.memory_snapshot's form): the segments and held blocks of the pool
+    asked for only (a segment without a pool id is the default pool (0, 0)); blocks without an address of their
+    own (older torch) lie one after another from their segment's address."""
+    snap = [
+        {"address": 0x10000, "total_size": 4096, "allocated_size": 768, "segment_pool_id": (1, 2),
+         "blocks": [{"size": 512, "state": "inactive"}, {"size": 256, "state": "active_allocated"},
+                    {"size": 2816, "state": "inactive"}, {"size": 512, "state": "active_allocated"}]},
+        {"address": 0x20000, "total_size": 2048, "allocated_size": 2048, "segment_pool_id": [0, 0],
+         "blocks": [{"size": 2048, "state": "active_allocated"}]},
+        {"address": 0x30000, "total_size": 1024, "allocated_size": 128,
+         "blocks": [{"size": 128, "state": "active_allocated", "address": 0x30000},
+                    {"size": 896, "state": "active_pending_free", "address": 0x30080}]},
+        {"address": 0x40000, "total_size": 8192, "allocated_size": 0, "segment_pool_id": (1, 2),
+         "blocks": [{"size": 8192, "state": "inactive"}]},
+    ]
+    from moelab.graphs import pool_segments
+
+    assert pool_segments((1, 2), snap) == [(0x10000, 4096, 768), (0x40000, 8192, 0)]
+    assert pool_segments((0, 0), snap) == [(0x20000, 2048, 2048), (0x30000, 1024, 128)]
+    assert pool_bytes((1, 2), snap) == {"reserved": 4096 + 8192, "allocated": 768, "segments": 2}
+    assert pool_blocks((1, 2), snap) == frozenset({(0x10000 + 512, 256), (0x10000 + 512 + 256 + 2816, 512)})
+    assert pool_blocks((0, 0), snap) == frozenset({(0x20000, 2048), (0x30000, 128)})
+    assert pool_blocks((3, 4), snap) == frozenset() and pool_segments((3, 4), snap) == []
 
 
 def test_merge_ranges_and_fraction_on_ranges():

@@ -109,6 +109,9 @@ def test_max_tiles_is_an_upper_bound():
     for N, E, bm in [(0, 3, 2), (1, 4, 4), (7, 3, 2), (9, 4, 3), (12, 2, 4), (10, 4, 4)]:
         worst = max(sum(-(-c // bm) for c in cs) for cs in itertools.product(range(N + 1), repeat=E) if sum(cs) <= N)
         assert worst <= max_tiles(N, E, bm) <= -(-N // bm) + E
+        if N <= E:  # at most N groups non-empty, one row each at worst: N tiles, exactly the worst case
+            assert max_tiles(N, E, bm) == worst == N
+    assert max_tiles(3, 64, 16) == 3  # decode: 3 rows over 64 experts
     assert max_tiles(32768, 64, 64) == 575  # T = 4096, k = 8, E = 64: 512 full tiles + at most 63 partial
 
 
@@ -343,6 +346,24 @@ def test_bad_input():
         fused_experts(x, lay, big, torch.zeros(257, 32, 1, device=DEV), plan)
 
 
+def test_precision_and_tuned_beats_cutlass(monkeypatch):
+    """fp32 operands go to tl.dot in full precision (not TF32). tuned_beats_cutlass: only a TUNED entry's
+    'beats_cutlass' says yes, above FEW_ROWS' rows per expert, and no entry means no (test_report checks the
+    table's flags against the committed tuning run)."""
+    assert gk._precision(torch.float32) == "ieee" and gk._precision(torch.float16) == "tf32"
+    monkeypatch.setattr(gk, "_device_name", lambda i: "NVIDIA H200")
+    cuda, N, E = torch.device("cuda", 0), 4096 * 8, 64
+    flags = {shape: entries[-1][1].get("beats_cutlass", False) for shape, entries in gk.TUNED["NVIDIA H200"].items()}
+    assert set(flags.values()) == {True, False}  # both answers are exercised
+    for (D, F), beats in flags.items():
+        assert gk.tuned_beats_cutlass(N, E, D, F, cuda) == beats, (D, F)
+    assert not gk.tuned_beats_cutlass(N, E, 2048, 512, cuda)  # no entry for this (D, F)
+    assert not gk.tuned_beats_cutlass(gk.FEW_ROWS[-1][0] * E, E, 2048, 1024, cuda)  # few rows per expert
+    assert not gk.tuned_beats_cutlass(N, E, 2048, 1024, torch.device("cpu"))
+    monkeypatch.setattr(gk, "_device_name", lambda i: "Another GPU")
+    assert not gk.tuned_beats_cutlass(N, E, 2048, 1024, cuda)
+
+
 def test_launch_config(monkeypatch):
     # by padded rows per expert N / E: 16-row tiles up to 64, 32-row up to 128, then DEFAULT's 64
     assert gk.launch_config(64 * 64, 64, 2048, 1024)["gate_up"]["BLOCK_M"] == 16
@@ -359,6 +380,9 @@ def test_launch_config(monkeypatch):
         assert got["down"] == {**gk.DEFAULT["down"], "BLOCK_N": 256} and got["gate_up"] == gk.DEFAULT["gate_up"]
         assert gk._launch_config(32769, 64, 2048, 1024, 0) == gk.DEFAULT
         assert gk._launch_config(32768, 64, 2048, 512, 0) == gk.DEFAULT  # another (D, F)
+        # few rows per expert: FEW_ROWS' tiles, the tuned entry (tuned at many rows per expert) not applied
+        assert gk._launch_config(64 * 64, 64, 2048, 1024, 0) == gk._launch_config(64 * 64, 64, 2048, 1024, -1)
+        assert gk._launch_config(64 * 64, 64, 2048, 1024, 0)["down"] == gk.FEW_ROWS[0][1]["down"]
     finally:
         gk._launch_config.cache_clear()
 

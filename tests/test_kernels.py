@@ -10,6 +10,7 @@ import os
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 if not torch.cuda.is_available():
     assert os.environ.get("TRITON_INTERPRET") == "1", "tests/conftest.py sets TRITON_INTERPRET=1 on a CPU"
@@ -148,13 +149,15 @@ def test_stats_accumulate_on_device():
     rng = torch.Generator().manual_seed(2)
     pol = EntropyAdaptiveK((1, 2, 4), (1.2, 1.7))
     mine, ref = RoutingStats.zeros(4, DEV), RoutingStats.zeros(4, DEV)
+    kept = 0
     for T in (0, 5, 33, 64):
         logits = (torch.randn(T, 8, generator=rng) * 2).to(DEV)
-        route_triton(logits, pol, True, stats=mine)
+        kept += int(route_triton(logits, pol, True, stats=mine).k.sum())
         ref.add_torch(route_torch(logits, pol, True))
     a, b = mine.summary(), ref.summary()
     assert a["tokens"] == b["tokens"] == 102
     assert a["k_hist"] == b["k_hist"] and a["k_hist"][0] == a["k_hist"][3] == 0
+    assert sum(a["k_hist"]) == 102 and a["mean_k"] == pytest.approx(kept / 102)  # kept pairs per token
     assert math.isclose(a["mean_entropy"], b["mean_entropy"], rel_tol=1e-6)
     mine.reset()
     assert mine.summary()["tokens"] == 0
@@ -267,22 +270,42 @@ def test_padded_layout_runs_the_same_experts(gemm, dtype):
     gu = (torch.randn(E, 2 * Fd, D, generator=g) / 4).to(DEV, dtype)
     dn = (torch.randn(E, D, Fd, generator=g) / 5).to(DEV, dtype)
     plan = route_torch((torch.randn(T, E, generator=g) * 2).to(DEV), EntropyAdaptiveK((1, 2), (1.5,)), True)
+    assert plan.kept_pairs() < T * 2  # tokens at k = 1: the padded layout has padding rows
     ex.set_gemm(gemm)
     try:
         ex.set_layout("exact")
         exact = ex.run_experts(x, plan, gu, dn)
+        exact_gelu = ex.run_experts(x, plan, gu, dn, act_fn=F.gelu)
         ex.set_layout("padded")
         padded = ex.run_experts(x, plan, gu, dn)
+        padded_gelu = ex.run_experts(x, plan, gu, dn, act_fn=F.gelu)  # not SiLU: the torch ops on padded rows
     finally:
         ex.set_layout("auto")
         ex.set_gemm("auto")
-    if dtype == torch.float32:
-        torch.testing.assert_close(padded, exact, atol=1e-5, rtol=1e-5)
-    else:  # bf16 intermediates rounded at other points: compare as a whole
-        assert float((padded.float() - exact.float()).norm() / exact.float().norm()) < 1e-2
+    assert padded.dtype == exact.dtype == padded_gelu.dtype == dtype  # run_experts returns x's dtype
+    for p, e in ((padded, exact), (padded_gelu, exact_gelu)):
+        if dtype == torch.float32:
+            torch.testing.assert_close(p, e, atol=1e-5, rtol=1e-5)
+        else:  # bf16 intermediates rounded at other points: compare as a whole
+            assert float((p.float() - e.float()).norm() / e.float().norm()) < 1e-2
 
 
 # ---------------------------------------------------------------- GPU: in full
+
+
+def test_swiglu_rows_round_like_torch():
+    """swiglu_rows: silu(gate) rounded to the data type (as F.silu(gate) is), then the product rounded: in fp16
+    the same bits as F.silu(g) * u on the rows below P = offsets[-1]."""
+    from moelab.kernels.experts import swiglu_rows
+
+    g = torch.Generator().manual_seed(4)
+    Fd = 48
+    h = (torch.randn(40, 2 * Fd, generator=g) * 3).to(DEV, torch.float16)
+    offsets = torch.tensor([10, 10, 29], dtype=torch.int32, device=DEV)  # P = 29 of 40 rows
+    a = swiglu_rows(h, offsets)
+    assert a.shape == (40, Fd) and a.dtype == torch.float16
+    ref = F.silu(h[:29, :Fd]) * h[:29, Fd:]
+    assert torch.equal(a[:29], ref)
 
 
 def test_launch_config_overrides(monkeypatch):
@@ -296,6 +319,8 @@ def test_launch_config_overrides(monkeypatch):
     table = {(64, 4): ["k4"], (64, 8): ["k8"], (8, 2): ["e8"]}
     assert kr._tuned_entries(table, 64, 4) == ["k4"] and kr._tuned_entries(table, 64, 16) == ["k8"]
     assert kr._tuned_entries(table, 64, 2) == ["k4"] and kr._tuned_entries(table, 128, 8) == []
+    # equally near BLOCK_Ks (one power of two either side): the larger
+    assert kr._tuned_entries({(64, 2): ["k2"], (64, 8): ["k8"]}, 64, 4) == ["k8"]
     # rows: up to k_max 8; fp32 logits (int64 keys, unrolled: compile time grows with E) up to BLOCK_E 64,
     # 16-bit logits (32-bit keys, a loop over chunks) any E; else rounds
     assert kr._select(8, "rowwise", 64) == kr._select(8, "rowwise", 256, 2) == 3
@@ -313,12 +338,15 @@ def test_launch_spec_separates_what_triton_specialises_on():
         SIXTEEN = 16
 
     assert len({_spec(1), _spec(2), _spec(16), _spec(2**31), _spec(2**31 + 1)}) == 5
+    assert _spec(8) != _spec(16) and _spec(24) != _spec(32) and _spec(8) == _spec(24)  # % 16, not % 8
     assert _spec(2**31) == _spec(-(2**31) - 16) != _spec(-(2**31))  # 64-bit either side, -2^31 fits 32
     assert _spec(3) == _spec(5) and _spec(32) == _spec(48) and _spec(N.SIXTEEN) == _spec(16)
     assert _spec(True) != _spec(1) and _spec(False) != _spec(0)
     assert _spec(0.5) == _spec(2.0) and _spec(None) != _spec(0.5)
     t = torch.zeros(16, dtype=torch.bfloat16)
     assert _spec(t) == (torch.bfloat16, True) and _spec(t[1:]) == (torch.bfloat16, False)
+    assert t.data_ptr() % 16 == 0 and _spec(t[4:]) == (torch.bfloat16, False)  # 8 bytes in: not 16-byte aligned
+    assert _spec(t[8:]) == _spec(t)  # 16 bytes in
     assert _spec(t.float()) != _spec(t)
 
 

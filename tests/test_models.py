@@ -241,3 +241,69 @@ def test_a_checkpoint_without_tokenizer_fails_before_loading_weights(tmp_path, m
     with pytest.raises(FileNotFoundError, match="no tokenizer files"):
         models.load(tmp_path / "ckpt")
     assert not called
+
+
+def test_router_stats_load_entropy_is_normalised_by_the_expert_count():
+    """load_entropy[l] is the entropy of layer l's load over log(E) (data.normalised_entropy's rule), so at most 1;
+    each token adds k selections; a seq_len longer than the model's context is clipped to it."""
+    from moelab.data import normalised_entropy
+
+    net = models.tiny_random("mixtral")
+    info = models.moe_info(net)
+    ids = torch.randint(0, 256, (512,), generator=torch.Generator().manual_seed(0))
+    st = models.router_stats(net, ids, seq_len=64)
+    assert st["tokens"] == 512 and len(st["load"]) == len(st["load_entropy"]) == net.config.num_hidden_layers
+    for ent, load in zip(st["load_entropy"], st["load"]):
+        assert len(load) == info["num_experts"] and sum(load) == st["tokens"] * info["native_k"]
+        assert ent == pytest.approx(normalised_entropy(load), abs=1e-9) and 0 < ent <= 1
+    ctx = models.model_context(net)
+    long = models.router_stats(net, ids[: 2 * ctx], seq_len=100 * ctx)  # clipped: two chunks of ctx tokens
+    assert long["tokens"] == 2 * ctx
+
+
+def test_check_ids_refuses_a_negative_id_and_names_its_position():
+    net = models.tiny_random("mixtral")
+    vocab = net.get_input_embeddings().num_embeddings
+    with pytest.raises(ValueError, match=rf"token id -1 at position 2: must be in \[0, vocab_size={vocab}\)"):
+        models.check_ids(net, torch.tensor([0, 5, -1, 2]))
+    ids = torch.tensor([0, vocab - 1])
+    assert models.check_ids(net, ids) is ids
+
+
+def test_build_refuses_k_outside_the_expert_count_and_n_params_counts_tied_weights_once():
+    E = models.configs()["tiny-mixtral"].num_local_experts
+    for k in (0, E + 1):
+        with pytest.raises(ValueError, match=rf"num_experts_per_tok={k}: must be in \[1, num_experts={E}\]"):
+            models.build("mixtral", num_experts_per_tok=k, num_local_experts=E)
+    tied = models.tiny_random("mixtral", tie_word_embeddings=True)
+    untied = models.tiny_random("mixtral", tie_word_embeddings=False)
+    assert tied.lm_head.weight is tied.get_input_embeddings().weight
+    # the tied model lacks exactly the untied one's separate output matrix (vocab x hidden)
+    assert models.n_params(untied) - models.n_params(tied) == untied.lm_head.weight.numel()
+    assert models.n_params(untied) == sum(p.numel() for _, p in untied.named_parameters(remove_duplicate=False))
+
+
+def test_fingerprint_covers_names_sizes_and_both_edges_only(tmp_path):
+    """sha256 over each file's name, size and first and last edge_bytes: a change at the end or a rename changes
+    it; a change between the two edges of a file longer than 2 * edge_bytes does not."""
+    (tmp_path / "config.json").write_text("{}")
+    f, edge = tmp_path / "model.safetensors", 100
+    buf = bytearray(3 * edge)
+    f.write_bytes(bytes(buf))
+    first = models.fingerprint(tmp_path, edge_bytes=edge)
+    buf[-1] = 1
+    f.write_bytes(bytes(buf))
+    tail = models.fingerprint(tmp_path, edge_bytes=edge)
+    assert tail != first
+    buf[0] = 1
+    f.write_bytes(bytes(buf))
+    head = models.fingerprint(tmp_path, edge_bytes=edge)
+    assert head != tail
+    whole = models.fingerprint(tmp_path)  # default edge_bytes: all of a small file
+    buf[len(buf) // 2] = 1  # outside both edges
+    f.write_bytes(bytes(buf))
+    assert models.fingerprint(tmp_path, edge_bytes=edge) == head
+    assert models.fingerprint(tmp_path) != whole
+    f.rename(tmp_path / "other.safetensors")  # same bytes, another name
+    assert models.fingerprint(tmp_path, edge_bytes=edge) != head
+    assert len(head) == 16

@@ -90,6 +90,11 @@ def test_routing_targets_limits():
     assert t.loc[("eager speed-up triton_adaptive vs trtllm_adaptive", 16), "met"]  # 8.05x
     assert not t.loc[("eager speed-up triton_adaptive_stats vs trtllm_adaptive_stats", 16), "met"]  # 7.95x
     assert not t.loc[("eager speed-up triton_adaptive vs trtllm_adaptive", 65536), "met"]  # 5x
+    # T = 4096 is the largest size the graph-time target covers (T <= 4096), E >= 64 or not
+    rows = [{**r, "T": 4096} for r in rows if r["T"] == 16]
+    t = routing_targets({"rows": rows}).set_index(["target", "T"])
+    assert [m for m in methods if ("graph time " + m, 4096) in t.index] == list(methods)
+    assert not any(x.startswith("fraction of HBM bound") for x, _ in t.index)
 
 
 def test_committed_layer_stages():
@@ -164,6 +169,28 @@ def test_committed_experts_tune_picks_what_grouped_tuned_holds():
         want += (" tma" if cfg["TMA"] else "") + (" persistent" if cfg.get("PERSISTENT") else "")
         want += " flatten" if cfg.get("FLATTEN") else ""
         assert set(g["tuned_config"]) == {want}
+
+
+def test_grouped_tuned_is_the_tuning_tables_rule_applied_to_the_committed_run():
+    """benchmarks/moe_kernels.py's tuned_experts_table on the committed experts-tune rows gives
+    moelab.kernels.grouped.TUNED for the H200: every shape, each GEMM's launch keys (a key TUNED leaves out is off)
+    and beats_cutlass, which decides whether set_gemm('auto') takes the Triton GEMMs at many rows per expert."""
+    import sys
+
+    from moelab.kernels import grouped as gk
+    from moelab.kernels.report import GEMM_KEYS
+
+    sys.path.insert(0, str(results.REPO / "benchmarks"))
+    import moe_kernels as mk
+
+    def norm(table):
+        return {shape: [(n, {**{g: {k: e[g].get(k, False) for k in GEMM_KEYS} for g in ("gate_up", "down")},
+                             "beats_cutlass": e["beats_cutlass"]}) for n, e in entries]
+                for shape, entries in table.items()}
+
+    got = mk.tuned_experts_table(results.load_results("experts-tune")["rows"])
+    want = gk.TUNED["NVIDIA H200"]
+    assert norm(got) == norm(want)
 
 
 def test_wide_router_launches_are_the_committed_tuning_runs_fastest():
@@ -316,6 +343,10 @@ def test_layer_runs_like_picks_the_pairs():
     assert list(layer_runs(docs, like=None).columns) == ["limit", "aaaaaaa", "bbbbbbb"]  # the most runs
     with pytest.raises(ValueError, match="like=3"):
         layer_runs(docs, like=3)
+    # like=None with as many runs on each pairs: the newest group (the later runs in the list)
+    tie = [doc("aaaaaaa", 70.0, 60), doc("bbbbbbb", 66.0, 58)]
+    assert list(layer_runs(tie, like=None).columns) == ["limit", "bbbbbbb"]
+    assert list(layer_runs(tie[::-1], like=None).columns) == ["limit", "aaaaaaa"]
 
 
 def test_batch_targets_per_input_batch():
@@ -377,6 +408,11 @@ def test_layer_targets_tile_share_follows_the_path_the_run_took():
     assert got["moelab_adaptive_cutlass"] == ("128-row tiles 0.600", 6 / 10)
     got = tiles({"(2048, 1024)": [[2**62, {"gate_up": {"BLOCK_M": 128}, "down": {}, "beats_cutlass": False}]]})
     assert got["moelab_adaptive"][0].startswith("128") and got["moelab_adaptive_triton"][0].startswith("128")
+    # a tuned entry that does not beat CUTLASS: 'auto' stays on CUTLASS (128-row tiles) whatever its BLOCK_M;
+    # the pinned Triton path takes the entry's 64-row tiles
+    got = tiles({"(2048, 1024)": [[2**62, {**gu, "beats_cutlass": False}]]})
+    assert got["moelab_adaptive"] == ("128-row tiles 0.600", 6 / 10)
+    assert got["moelab_adaptive_triton"] == ("64-row tiles 0.600", 15 / 25)
     got = tiles(None)
     assert got["moelab_adaptive"][0].startswith("128") and got["moelab_adaptive_triton"][0].startswith("64")
 
@@ -396,6 +432,9 @@ def test_policy_k_and_runs_line_read_what_the_rows_say():
     line = runs_line(docs)
     assert "NVIDIA H200" in line and "2 runs, 2 commits, abc1234 to def5678" in line
     assert "2026-11-30 to 2026-12-01" in line
+    line = runs_line(docs[::-1])  # given newest first: the span still runs from the earliest date
+    assert "2026-11-30 to 2026-12-01" in line and "2 commits, def5678 to abc1234" in line
+    assert runs_line(docs[:1]).endswith("1 runs, abc1234 · 2026-11-30")
     with pytest.raises(ValueError, match="docs=\\[\\]"):
         runs_line([])
 

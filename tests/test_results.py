@@ -221,3 +221,77 @@ def test_saving_a_name_again_replaces_its_result_in_either_format(tmp_path, monk
         results.save("m", Broken({"loss": [0.3]}))
     assert sorted(p.name for p in (tmp_path / "results").iterdir()) == ["m.parquet"]  # no temporary left
     assert results.load_saved(tmp_path)["m"]["loss"].tolist() == [0.2]
+
+
+def _git(repo: Path, *args: str) -> str:
+    import subprocess
+
+    return subprocess.run(["git", "-C", str(repo), "-c", "user.email=t@t", "-c", "user.name=t", *args],
+                          check=True, capture_output=True, text=True).stdout.strip()
+
+
+def test_commit_names_the_head_and_whether_the_tree_was_clean(tmp_path, monkeypatch):
+    """Without MOELAB_COMMIT: the repository's HEAD (40 hex digits); '-dirty' once a tracked file differs from it;
+    '-unverified' where HEAD is readable but `git status` fails (here: a corrupt index), so cleanliness is unknown."""
+    import re
+
+    monkeypatch.delenv("MOELAB_COMMIT", raising=False)
+    _git(tmp_path, "init", "-q")
+    (tmp_path / "f.txt").write_text("a\n")
+    _git(tmp_path, "add", "f.txt")
+    _git(tmp_path, "commit", "-qm", "first")
+    head = _git(tmp_path, "rev-parse", "HEAD")
+    monkeypatch.setattr(results, "REPO", tmp_path)
+    clean = results.commit()
+    assert re.fullmatch(r"[0-9a-f]{40}", clean) and clean == head
+    (tmp_path / "untracked.txt").write_text("x\n")  # untracked files do not count
+    assert results.commit() == head
+    (tmp_path / "f.txt").write_text("b\n")
+    assert results.commit() == head + "-dirty"
+    (tmp_path / ".git" / "index").write_bytes(b"not an index")
+    assert results.commit() == head + "-unverified"
+    monkeypatch.setenv("MOELAB_COMMIT", "feedbee")  # the GPU machine's copy: the variable wins
+    assert results.commit() == "feedbee"
+
+
+def test_write_results_adds_extra_fields_to_the_document(tmp_path, monkeypatch):
+    monkeypatch.setattr(results, "_WRITTEN", set())
+    path = results.write_results("topic-x", [{"v": 1}], out_dir=tmp_path, extra={"x": 1, "tuned": {"a": [2]}})
+    doc = json.loads(path.read_text())
+    assert doc["x"] == 1 and doc["tuned"] == {"a": [2]} and doc["rows"] == [{"v": 1}] and doc["schema"] == 1
+
+
+def test_archiving_skips_a_name_taken_by_a_compressed_run(tmp_path, monkeypatch):
+    """An archived run compressed to .json.xz still holds its name: the next run of that day and commit is
+    archived under the next number, and the compressed file stays as it was."""
+    monkeypatch.setenv("MOELAB_COMMIT", "ccccccc333")
+    monkeypatch.setattr(results, "_WRITTEN", set())
+    first = results.write_results("topic-x", [{"v": 1}], out_dir=tmp_path)
+    xz = tmp_path / "archive" / f"{first.stem}-ccccccc.json.xz"
+    xz.parent.mkdir()
+    old = lzma.compress(json.dumps({"created": "2026-01-01T00:00", "rows": [{"v": 0}]}).encode())
+    xz.write_bytes(old)
+    monkeypatch.setattr(results, "_WRITTEN", set())  # a new process
+    results.write_results("topic-x", [{"v": 2}], out_dir=tmp_path)
+    assert sorted(p.name for p in xz.parent.iterdir()) == sorted([xz.name, f"{first.stem}-ccccccc-2.json"])
+    assert json.loads((xz.parent / f"{first.stem}-ccccccc-2.json").read_text())["rows"] == [{"v": 1}]
+    assert xz.read_bytes() == old
+
+
+def test_save_refuses_names_that_are_not_a_plain_stem_or_are_taken(tmp_path, monkeypatch):
+    """A saved result's name is a file stem in the run's results/: a '/' (another folder) or a leading '.'
+    (hidden) is refused naming it, and 'summary' is the sweep's own table; nothing is written for any of them."""
+    monkeypatch.setenv("MOELAB_RUN_DIR", str(tmp_path))
+    for bad in ("sub/m", "../m", ".m", ""):
+        with pytest.raises(ValueError, match="plain file stem"):
+            results.save(bad, {"a": 1})
+    with pytest.raises(ValueError, match="'summary'"):
+        results.save("summary", {"a": 1})
+    assert not tmp_path.exists() or not any(tmp_path.rglob("*"))
+
+
+def test_paths_are_written_as_their_text(tmp_path, monkeypatch):
+    """A pathlib.Path in a saved result or a results row is written as its string (JSON has no path type)."""
+    monkeypatch.setenv("MOELAB_RUN_DIR", str(tmp_path))
+    results.save("where", {"file": tmp_path / "a.bin", "files": [Path("x/y")]})
+    assert results.load_saved(tmp_path)["where"] == {"file": str(tmp_path / "a.bin"), "files": ["x/y"]}
