@@ -195,6 +195,9 @@ def test_scratch_scope_rules():
             sb.release(torch.zeros(3))
         with pytest.raises(ValueError, match="shape"):
             sb.empty((-1, 2), torch.float32)
+        for bad in ((2.5,), (True, 4), (4, False)):  # a bool is an int to Python, not a size
+            with pytest.raises(ValueError, match=r"shape=.*: sizes must be ints"):
+                sb.empty(bad, torch.float32)
     with pytest.raises(ValueError, match="pool='default'"):
         with sb.forward(pool="default"):
             pass

@@ -499,3 +499,23 @@ def test_gpu_outputs_never_depend_on_unwritten_memory(shape, monkeypatch):
     x, gu, dn, logits = layer(*shape, torch.bfloat16, seed=4)
     policy = EntropyAdaptiveK((1, 2), (1.0,)) if shape[3] == 8 else EntropyAdaptiveK((4, 6, 8), (2.0, 3.0))
     same_with_empty_filled(monkeypatch, x, gu, dn, logits.to(torch.bfloat16), policy)
+
+
+@gpu
+@pytest.mark.gpu
+def test_gpu_fused_supported_boundaries():
+    """'auto' takes the fused Triton experts on CUDA for 16-bit operands of at most MAX_EXPERTS experts, up to
+    FUSED_MAX_ROWS_PER_EXPERT padded rows per expert, and above that only where a tuned entry beats CUTLASS."""
+    E, D, F = 8, 64, 32  # no tuned entry for (64, 32): above the decode rows, CUTLASS
+    x = torch.zeros(4, D, dtype=torch.bfloat16, device="cuda")
+    gu = torch.zeros(E, 2 * F, D, dtype=torch.bfloat16, device="cuda")
+    dn = torch.zeros(E, D, F, dtype=torch.bfloat16, device="cuda")
+    rows = ex.FUSED_MAX_ROWS_PER_EXPERT * E
+    assert ex.fused_supported(x, gu, dn, rows) and not ex.fused_supported(x, gu, dn, rows + 1)
+    assert not ex.fused_supported(x.float(), gu.float(), dn.float(), 1)  # fp32: the torch paths
+    assert not ex.fused_supported(x, gu.transpose(1, 2).contiguous().transpose(1, 2), dn, 1)  # not contiguous
+    wide = gk.MAX_EXPERTS + 1
+    gu_w = torch.zeros(wide, 2 * F, D, dtype=torch.bfloat16, device="cuda")
+    dn_w = torch.zeros(wide, D, F, dtype=torch.bfloat16, device="cuda")
+    assert not ex.fused_supported(x, gu_w, dn_w, 1)
+    assert ex.fused_supported(x, gu_w[: gk.MAX_EXPERTS], dn_w[: gk.MAX_EXPERTS], 1)
