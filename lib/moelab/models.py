@@ -364,13 +364,8 @@ def check_ids(model, ids: torch.Tensor) -> torch.Tensor:
 
 
 def n_params(model) -> int:
-    """Distinct parameters (tied embeddings counted once)."""
-    seen, total = set(), 0
-    for p in model.parameters():
-        if id(p) not in seen:
-            seen.add(id(p))
-            total += p.numel()
-    return total
+    """Distinct parameters: `parameters()` yields a tied tensor (the embeddings shared with the LM head) once."""
+    return sum(p.numel() for p in model.parameters())
 
 
 @torch.no_grad()
