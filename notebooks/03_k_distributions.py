@@ -96,12 +96,13 @@ width = 0.8 / len(samples)
 for j, (d, s) in enumerate(samples.items()):
     pos = np.arange(n_layers) + (j - (len(samples) - 1) / 2) * width
     data = [(s.entropy[layer] / np.log(E)).numpy() for layer in range(n_layers)]
-    bp = ax.boxplot(data, positions=pos, widths=width * 0.9, showfliers=False, patch_artist=True)
+    bp = ax.boxplot(data, positions=pos, widths=width * 0.9, showfliers=False, patch_artist=True,
+                    medianprops=dict(color="black", lw=1))
     for box in bp["boxes"]:
         box.set(facecolor=f"C{j}", alpha=0.6, lw=0.5)
     ax.plot([], [], color=f"C{j}", label=d, lw=4, alpha=0.6)
 ax.set(xticks=np.arange(n_layers), xticklabels=[f"layer {i}" for i in range(n_layers)],
-       ylabel="router entropy / log E", title=f"{tag}: per-token router entropy")
+       ylabel="router entropy / log E", title=f"{tag}: per-token router entropy, {tokens_per_domain} tokens per domain")
 ax.legend(frameon=False, fontsize=6, ncol=len(samples), loc="upper center", bbox_to_anchor=(0.5, -0.12))
 savefig(fig, f"03_entropy_by_layer_{tag}")
 plt.show()
@@ -192,7 +193,7 @@ for j, (src, g) in enumerate(loads.groupby("source")):
     m = g.groupby("domain")["normalised_entropy"].mean()
     ax.plot(m.index, m.values, "o", ms=4, label=src,  # markers only: the domains are not a sequence
             color=POLICY_COLORS["native"] if "real" in src else f"C{j}")
-ax.set(ylabel="expert-load entropy / log E", title=f"{tag} (mean over its {n_layers} layers) vs {counts_model} "
+ax.set(xlabel="text domain", ylabel="expert-load entropy / log E", title=f"{tag} (mean over its {n_layers} layers) vs {counts_model} "
        f"(mean over layers {', '.join(map(str, COUNT_LAYERS))})")
 ax.tick_params(axis="x", rotation=30)
 ax.legend(frameon=False, fontsize=6)

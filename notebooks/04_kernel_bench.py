@@ -41,6 +41,8 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 import pandas as pd
+from matplotlib.lines import Line2D
+from matplotlib.patches import Patch
 import torch
 from IPython.display import display
 
@@ -128,19 +130,24 @@ routing_figure(routing, routing_doc, "04_routing_graph_time")
 abl_doc = results.load_optional("routing-ablation", rdir)
 if abl_doc is not None:
     abl = results.rows_frame(abl_doc)
-    variants = ["memory_floor", "neither", "no_selection", "no_exp", "full"]
-    fig, axes = figure("full", aspect=0.28, ncols=abl["E"].nunique(), squeeze=False, layout="constrained")
+    variants = {"memory_floor": "memory-only kernel", "neither": "no selection, no exp",
+                "no_selection": "no selection", "no_exp": "no exp", "full": "full kernel (shipped)"}
+    colors = ["grey"] + ["C0"] * 3 + ["C1"]
+    fig, axes = figure("full", aspect=0.28, ncols=abl["E"].nunique(), squeeze=False)
     for ax, (E, d) in zip(axes.flat, abl.groupby("E")):
-        d = d.set_index("variant").loc[variants]
-        ax.barh(variants, d["graph_us"], color=["grey"] + ["C0"] * 3 + ["C1"])
-        ax.axvline(d["hbm_bound_us"].iloc[0] / HBM_FRACTION, ls="--", color="black", lw=0.8,
+        d = d.set_index("variant").loc[list(variants)]
+        ax.barh(list(variants.values()), d["graph_us"], color=colors)
+        ax.axvline(d["hbm_bound_us"].iloc[0] / HBM_FRACTION, ls="--", color="black", lw=0.8, zorder=1,
                    label=f"target: {HBM_FRACTION:g} of the HBM bound (bound time / {HBM_FRACTION:g})")
         for y, (us, frac) in enumerate(zip(d["graph_us"], d["frac_of_hbm_bound"])):
-            ax.text(us, y, f" {us:.2f} us ({frac:.0%})", va="center", fontsize=6,
+            ax.text(us, y, f" {us:.2f} us ({frac:.0%} of the bound)", va="center", fontsize=6, zorder=4,
                     bbox=dict(fc="white", ec="none", pad=0.3))
         ax.set(title=f"E={E}, k={d['k'].iloc[0]}, T={d['T'].iloc[0]}", xlabel="us per call (graph)",
-               xlim=(0, d["graph_us"].max() * 1.35))
-    fig.legend(*axes.flat[0].get_legend_handles_labels(), loc="outside lower center", fontsize=6)
+               xlim=(0, d["graph_us"].max() * 1.6))
+    key = [Patch(color="C1", label="shipped kernel"), Patch(color="C0", label="recompiled with parts taken out"),
+           Patch(color="grey", label="reads logits, writes the plan, nothing else")]
+    fig.legend(handles=key + axes.flat[0].get_legend_handles_labels()[0], loc="outside lower center", ncols=2,
+               fontsize=6)
     fig.suptitle(machine_line(abl_doc), fontsize=7)
     savefig(fig, "04_routing_ablation")
     plt.show()
@@ -211,7 +218,7 @@ if host_doc is not None:
     host_r = host[host_methods].dropna()
     decode = host[["experts", "experts_public_launch"]].dropna() if "experts" in host else None
     fig, axes = figure("full", aspect=0.35, ncols=2 if decode is not None else 1, squeeze=False,
-                       layout="constrained", width_ratios=[2, 1] if decode is not None else None)
+                       width_ratios=[4, 3] if decode is not None else None)
     ax = axes[0, 0]
     host_r.plot.bar(ax=ax, width=0.8, rot=0)
     ax.set(ylabel="us per eager call", xlabel="routing call", ylim=(0, 1.4 * host_r.values.max()))
@@ -239,22 +246,28 @@ if host_doc is not None:
 # events); dashed: ours inside a CUDA graph (T <= 4096).
 
 # %%
-VARIANTS = [v for v in ["moelab_topk", "moelab_adaptive", "moelab_topk_triton", "moelab_topk_cutlass",
-                        "hf_grouped_mm", "hf_eager"] if v in set(layer["variant"])]
+VARIANT_LABELS = {"moelab_topk": "moelab, native top-k", "moelab_adaptive": "moelab, adaptive-k",
+                  "moelab_topk_triton": "moelab, native top-k, Triton GEMMs",
+                  "moelab_topk_cutlass": "moelab, native top-k, CUTLASS GEMMs",
+                  "hf_grouped_mm": "transformers, grouped_mm experts", "hf_eager": "transformers, eager experts"}
+VARIANTS = [v for v in VARIANT_LABELS if v in set(layer["variant"])]
 lshapes = list(dict.fromkeys(layer["shape"]))
 fig, axes = figure("full", aspect=0.32, ncols=len(lshapes), squeeze=False, layout="constrained")
 for ax, shape in zip(axes.flat, lshapes):
     d = layer[layer["shape"] == shape]
     for v in VARIANTS:
         dv = d[d["variant"] == v].sort_values("T")
-        line = ax.plot(dv["T"], dv["time_us"] / 1e3, marker="o", ms=3, label=v)[0]
+        line = ax.plot(dv["T"], dv["time_us"] / 1e3, marker="o", ms=3, label=VARIANT_LABELS[v])[0]
         if dv["graph_us"].notna().any():
             ax.plot(dv["T"], dv["graph_us"] / 1e3, "--", color=line.get_color(), lw=0.8)
     r = d.iloc[0]
     extra = f" +shared {r.shared_ffn}" if r.shared_ffn else ""
     ax.set(xscale="log", yscale="log", xlabel="tokens T", ylabel="ms per layer",
            title=f"{shape}\nD={r.D} F={r.F} E={r.E} k={r.native_k}{extra}")
-axes.flat[0].legend(fontsize=6)
+timers = [Line2D([], [], color="black", marker="o", ms=3, label="eager launch (CUDA events)"),
+          Line2D([], [], color="black", ls="--", lw=0.8, label="inside a CUDA graph (ours, T <= 4096)")]
+fig.legend(handles=axes.flat[0].get_legend_handles_labels()[0] + timers, loc="outside lower center", ncols=4,
+           fontsize=6)
 fig.suptitle(machine_line(layer_doc), fontsize=7)
 savefig(fig, "04_moe_layer_time")
 plt.show()
@@ -273,15 +286,19 @@ tune_doc = results.load_optional("experts-tune", rdir)
 if tune_doc is not None:
     gemms = expert_gemms(tune_doc)
     gshapes = list(dict.fromkeys(gemms["shape"]))
-    fig, axes = figure("full", aspect=0.3, ncols=len(gshapes), squeeze=False, layout="constrained")
+    plan_names = {"native": "native", "adaptive": "terciles", "adaptive_q50": "median"}
+    tune_T = max(r["T"] for r in tune_doc["rows"])
+    fig, axes = figure("full", aspect=0.3, ncols=len(gshapes), squeeze=False)
     colors = {"cutlass": "grey", "triton_pointer": "C0", "triton_tma": "C1", "triton_persistent": "C2",
               "triton_flatten": "C4", "tuned": "C3"}
     for ax, shape in zip(axes.flat, gshapes):
         d = gemms[gemms["shape"] == shape].set_index(["kernel", "plan"])
         cols = [c for c in colors if c in d and d[c].notna().any()]  # older runs: no persistent or flattened ones
-        d[cols].plot.bar(ax=ax, width=0.8, legend=False, color=[colors[c] for c in cols])
-        ax.set(title=shape, xlabel="", ylabel="us (CUDA events)" if shape == gshapes[0] else "")
-        ax.tick_params(axis="x", labelsize=6, rotation=30)
+        d.index = [f"{kernel}\n{plan_names.get(plan, plan)}" for kernel, plan in d.index]
+        d[cols].plot.bar(ax=ax, width=0.8, legend=False, color=[colors[c] for c in cols], rot=0)
+        ax.set(title=f"{shape}, T={tune_T}, bf16", xlabel="GEMM, routing plan",
+               ylabel="us per GEMM (CUDA events)" if shape == gshapes[0] else "")
+        ax.tick_params(axis="x", labelsize=5)
     handles, labels = axes.flat[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="outside lower center", ncols=6, fontsize=6)
     fig.suptitle(machine_line(tune_doc), fontsize=7)
@@ -293,21 +310,24 @@ if tune_doc is not None:
 # ## 3c · Pair layout
 # `benchmarks/pair_layout.py`: the padded pair layout alone (per-block expert counts, a scan over the
 # blocks, a per-block sort and scatter; no host sync), GPU time per call in a CUDA graph, on native and adaptive plans.
-# Dotted: the time to move the bytes it must read and write at the measured copy bandwidth (below 1 us,
-# off the plot, up to about 10^4 tokens).
+# Dotted: the time to move the bytes it must read and write at the measured copy bandwidth (below 0.1 us,
+# off the plot, up to a few thousand tokens; the E = 64, 128 and 256 shapes, all k = 8, move nearly the
+# same bytes: one line).
 
 # %%
 layout_doc = results.load_optional("pair-layout", rdir)
 if layout_doc is not None:
     pl = pd.DataFrame(layout_doc["rows"])
-    fig, ax = figure("column", aspect=0.8, layout="constrained")
+    fig, ax = figure("column", aspect=0.8)
     for i, (shape, d) in enumerate(pl[pl["plan"] == "native"].groupby("shape", sort=False)):
         d = d.sort_values("T")
         ax.plot(d["T"], d["graph_us"], marker="o", ms=3, color=f"C{i}", label=f"{shape} (E={d['E'].iloc[0]})")
         ax.plot(d["T"], d["copy_us"], ":", color=f"C{i}", lw=0.8)
-    ax.set(xscale="log", yscale="log", ylim=(1, None), xlabel="tokens T", ylabel="us per call (graph)",
-           title="pair layout, native plan")  # the copy time of a few tokens lies far below 1 us
-    ax.legend(fontsize=6)
+    ax.set(xscale="log", yscale="log", ylim=(0.1, None), xlabel="tokens T", ylabel="us per call (graph)",
+           title="pair layout, native plan")  # the copy time of a few tokens lies far below 0.1 us
+    ax.legend(handles=ax.get_legend_handles_labels()[0]
+              + [Line2D([], [], color="grey", ls=":", lw=0.8, label="dotted: its bytes at the copy bandwidth")],
+              fontsize=6, loc="upper left")
     fig.suptitle(machine_line(layout_doc), fontsize=7)
     savefig(fig, "04_pair_layout")
     plt.show()
@@ -356,7 +376,8 @@ for ax, shape in zip(axes.flat, lshapes):
     if shape in limit.index:
         ax.plot(limit.loc[shape, "T"], limit.loc[shape, "limit"], "_", color="black", ms=10, mew=1.5,
                 label=f"limit at T = {limit.loc[shape, 'T']}")
-    ax.set(xscale="log", xlabel="tokens T", title=shape, ylim=(0, 1.3))
+    ax.set(xscale="log", xlabel="tokens T", title=shape,
+           ylim=(0, max(1.3, 1.05 * float(saving[list(SAVING)].max().max()))))  # every ratio on the plot
 axes.flat[0].set_ylabel("adaptive / native")
 fig.legend(*axes.flat[0].get_legend_handles_labels(), loc="outside lower center", ncols=4, fontsize=6)
 fig.suptitle(machine_line(layer_doc), fontsize=7)
@@ -382,18 +403,18 @@ for path in stage_paths(stages_doc) if stages_doc is not None else []:
     col = stage_time(stages_doc, path)
     stages, scaling = stage_table(stages_doc, path, col), gemm_scaling(stages_doc, path, col)
     sshapes = list(dict.fromkeys(stages.index.get_level_values("shape")))
-    fig, axes = figure("full", aspect=0.22 * len(sshapes), nrows=len(sshapes), ncols=2, squeeze=False,
-                       layout="constrained")
+    fig, axes = figure("full", aspect=0.22 * len(sshapes), nrows=len(sshapes), ncols=2, squeeze=False)
     for (ax, ax2), shape in zip(axes, sshapes):
         d = stages.loc[shape]
         left = pd.Series(0.0, index=d.index)
-        for i, stage in enumerate(s for s in STAGES if s in d.columns and d[s].notna().all()):
-            ax.barh(d.index, d[stage], left=left, color=f"C{i}", label=stage)
+        for stage in (s for s in STAGES if s in d.columns and d[s].notna().all()):
+            ax.barh(d.index, d[stage], left=left, color=f"C{STAGES.index(stage) % 10}", label=stage)
             left += d[stage]
         ax.scatter(d["layer"], d.index, marker="|", s=200, color="black", zorder=3, label="layer, one call")
         ax.set(title=f"{shape}, T={max(r['T'] for r in stages_doc['rows'])}, {path} experts",
                xlabel="us, GPU time in a CUDA graph" if col == "graph_us" else "us, eager call (CUDA events)")
         r = scaling[scaling["shape"] == shape].set_index(["plan", "gemm"])[["grouped", "dense", "kept pairs"]]
+        r.index = [f"{gemm}, {plan}" for plan, gemm in r.index]
         r.plot.barh(ax=ax2, width=0.8, color=["C1", "C0", "grey"], legend=shape == sshapes[0])
         ax2.set(title="adaptive / native", xlim=(0, 1.35), ylabel="")
     handles, labels = axes[-1, 0].get_legend_handles_labels()  # the last shape's stages (qwen15: + shared)
@@ -436,21 +457,30 @@ if per_batch.empty:
 else:
     display(batch_summary(layer_doc).round(3))
     pb = per_batch[per_batch["variant"].notna() & per_batch["variant"].isin(["moelab_adaptive", "moelab_adaptive_q50"])]
-    fig, (ax1, ax2) = figure("full", aspect=0.35, ncols=2, layout="constrained")
+    fig, (ax1, ax2) = figure("full", aspect=0.35, ncols=2)
+    shape_color = {sh: f"C{i}" for i, sh in enumerate(dict.fromkeys(pb["shape"]))}
+    marks = {("moelab_adaptive", "time_us"): "o", ("moelab_adaptive", "graph_us"): "x",
+             ("moelab_adaptive_q50", "time_us"): "s", ("moelab_adaptive_q50", "graph_us"): "+"}
     for i, ((shape, var), g) in enumerate(pb.groupby(["shape", "variant"], sort=False)):
-        for timer, mark in (("time_us", "o"), ("graph_us", "x")):
+        for timer in ("time_us", "graph_us"):
             gt = g[g["timer"] == timer]
-            ax1.plot(gt["batch"] + 0.08 * i, gt["measured"], mark, color=f"C{i}", ms=3,
-                     label=f"{shape} {var.removeprefix('moelab_')}" if timer == "time_us" else None)
-            ax2.plot(gt["tiles"], gt["measured"], mark, color=f"C{i}", ms=3)
-        ax1.plot(g["batch"] + 0.08 * i, g["limit"], "_", color=f"C{i}", ms=9)
-    ax1.set(xlabel="input batch", ylabel="adaptive / native (o eager, x graph; dash: limit)",
-            xticks=sorted(pb["batch"].unique()))
+            kw = dict(color=shape_color[shape], ms=3, ls="none", marker=marks[var, timer])
+            if marks[var, timer] == "s":
+                kw["mfc"] = "none"
+            ax1.plot(gt["batch"] + 0.08 * i, gt["measured"], **kw)
+            ax2.plot(gt["tiles"], gt["measured"], **kw)
+        ax1.plot(g["batch"] + 0.08 * i, g["limit"], "_", color=shape_color[shape], ms=9)
+    key = [Line2D([], [], color=c, marker="o", ls="none", ms=3, label=sh) for sh, c in shape_color.items()]
+    key += [Line2D([], [], color="black", ls="none", ms=3, marker=m, mfc="none" if m == "s" else None,
+                   label=f"{'terciles' if v == 'moelab_adaptive' else 'median'} policy, "
+                         f"{'eager' if t == 'time_us' else 'CUDA graph'}") for (v, t), m in marks.items()]
+    key.append(Line2D([], [], color="black", ls="none", marker="_", ms=9, label="limit (left)"))
+    ax1.set(xlabel="input batch", ylabel="adaptive / native layer time", xticks=sorted(pb["batch"].unique()))
     ax2.set(xlabel="share of the native plan's GEMM row tiles", ylabel="adaptive / native")
     lo, hi = ax2.get_xlim()
     ax2.plot([lo, hi], [lo * LAYER_SLACK, hi * LAYER_SLACK], ":", color="grey", lw=0.8)
     ax2.text(hi, hi * LAYER_SLACK, f"{LAYER_SLACK:g} x tile share", fontsize=5, ha="right", va="bottom", color="grey")
-    fig.legend(loc="outside lower center", ncols=3, fontsize=5)
+    fig.legend(handles=key, loc="outside lower center", ncols=4, fontsize=5)
     fig.suptitle(machine_line(layer_doc), fontsize=7)
     savefig(fig, "04_layer_batches")
     plt.show()
@@ -490,7 +520,8 @@ for ax in axes.flat:  # the k values differ between shapes: a legend per panel, 
     lo, hi = ax.get_ylim()
     ax.set_ylim(lo, hi + 0.6 * (hi - lo))
     ax.legend(fontsize=5, loc="upper center")
-fig.suptitle(runs_line(shown), fontsize=7)
+fig.suptitle(runs_line(shown) + "\nthe committed runs that routed the same pairs (the run of sections 4-5 need not be"
+             " among them)", fontsize=7)
 savefig(fig, "04_layer_runs")
 plt.show()
 traces = sorted((REPO / "data" / "results" / "logs").glob("smi-trace-*.csv"))

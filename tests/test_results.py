@@ -127,6 +127,13 @@ def test_figures_and_tables_are_written_into_figures_only(tmp_path, monkeypatch)
     for bad in ("wide", 0, -3.0, True, None):
         with pytest.raises(ValueError, match=rf"width={bad!r}: must be 'column', 'full' or a width in inches"):
             plots.figure(bad)
+    fig, axes = plots.figure("full", aspect=0.3, ncols=3)  # constrained layout: the suptitle clears the titles
+    for ax in axes:
+        ax.set_title("layer 15")
+    sup = fig.suptitle("a figure-wide title as long as the row of panels beneath it, or nearly so")
+    fig.canvas.draw()
+    r = fig.canvas.get_renderer()
+    assert not any(sup.get_window_extent(r).overlaps(ax.title.get_window_extent(r)) for ax in axes)
     fig, ax = plots.figure()
     ax.plot([0, 1], [1, 0])
     for bad in ("../escaped", "sub/t", "a\\b", "..", "x.png"):

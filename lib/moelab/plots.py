@@ -58,11 +58,16 @@ def figures_dir() -> Path:
 
 
 def figure(width: str | float = "column", aspect: float = 0.75, **kw):
-    """A new styled figure: width 'column' (3.4 in), 'full' (7 in) or inches."""
+    """A new styled figure: width 'column' (3.4 in), 'full' (7 in) or inches.
+
+    Constrained layout unless `layout=` says otherwise, so a suptitle or an outside legend never overlaps
+    the panels' titles and labels.
+    """
     w = {"column": COLUMN_WIDTH_IN, "full": FULL_WIDTH_IN}.get(width, width) if isinstance(width, str) else width
     if isinstance(w, (str, bool)) or not isinstance(w, (int, float)) or not 0 < w < 100:
         raise ValueError(f"width={width!r}: must be 'column', 'full' or a width in inches (0 < w < 100)")
     setup_style()
+    kw.setdefault("layout", "constrained")
     return plt.subplots(figsize=(w, w * aspect), **kw)
 
 
