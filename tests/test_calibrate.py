@@ -225,8 +225,8 @@ def test_calibration_ids_from_heldout_only():
     assert " ".join(map(str, ev)) not in s
     with pytest.raises(ValueError, match="unknown"):
         calibration_ids(tok, 100, names=["wikitext2_test.raw"])
-    with pytest.raises(ValueError, match="unknown"):  # its last 5% repeats its training part
-        calibration_ids(tok, 100, names=["olmoe_c4"])
+    with pytest.raises(ValueError, match=r"\['olmoe_c4'\]: left out, their held-out part repeats their training"):
+        calibration_ids(tok, 100, names=["olmoe_c4"])  # its last 5% repeats its training part
     # ids a model can embed: the tokenizer's own vocabulary
     assert ids.dtype == torch.long and 0 <= int(ids.min()) and int(ids.max()) < len(tok)
 
@@ -283,7 +283,7 @@ def test_paper_rows_checks_its_arguments_before_any_evaluation(model, monkeypatc
     monkeypatch.setattr(cal, "evaluate", no_forward)
     ids = torch.randint(0, 256, (256,), generator=torch.Generator().manual_seed(1))
     with pytest.raises(ValueError, match=match):
-        cal.paper_rows(model, "x", ids, ids, context=CTX, **kw)
+        cal.paper_rows(model, "x", ids, ids.flip(0), context=CTX, **kw)
 
 
 def test_matched_compute_and_thresholds_reject_bad_ks(model, sample):
@@ -302,9 +302,111 @@ def test_paper_rows_fixed_k_above_16_experts_is_sampled():
 
     net = tiny_random("olmoe", num_experts=32, num_hidden_layers=1)
     ids = torch.randint(0, 256, (128,), generator=torch.Generator().manual_seed(2))
-    out = cal.paper_rows(net, "x", ids, ids, context=CTX, stride=CTX, batch_size=2, budget_steps=0, targets=(),
+    out = cal.paper_rows(net, "x", ids, ids.flip(0), context=CTX, stride=CTX, batch_size=2, budget_steps=0, targets=(),
                          fixed_ks=[20], per_layer=False, progress=False)
     assert out["sample"].k_cap >= 20
     assert any(r.get("kind") == "TopK" and r.get("k_max") == 20 for r in out["rows"])
     with pytest.raises(ValueError, match=r"fixed_ks=\[40\]: \[40\] not ints in \[1, 32\] \(num_experts=32\)"):
-        cal.paper_rows(net, "x", ids, ids, context=CTX, fixed_ks=[40])
+        cal.paper_rows(net, "x", ids, ids.flip(0), context=CTX, fixed_ks=[40])
+
+
+@pytest.mark.parametrize("cal_ids, match", [
+    (torch.tensor([], dtype=torch.long), r"cal_ids of 0 tokens: need at least 2"),
+    (torch.tensor([5]), r"cal_ids of 1 tokens: need at least 2"),
+    (torch.tensor([5, 300, 7]), r"cal_ids: token id 300 at position 1: must be in \[0, vocab_size=256\)"),
+    (torch.tensor([5.0, 6.0]), r"cal_ids: token ids of dtype torch.float32"),
+    ("some text", r"cal_ids: text given as a str but tokenizer=None"),
+    (None, r"cal_ids: the same 256 tokens as eval_ids"),  # the evaluation ids themselves, or a copy
+])
+def test_paper_rows_checks_cal_ids_before_any_evaluation(model, monkeypatch, cal_ids, match):
+    """Bad or evaluation-text calibration ids fail before the first evaluation on eval_ids, not after it."""
+    import moelab.calibrate as cal
+
+    def no_forward(*a, **k):
+        raise AssertionError("evaluated before checking the arguments")
+
+    monkeypatch.setattr(cal, "evaluate", no_forward)
+    ids = torch.randint(0, 256, (256,), generator=torch.Generator().manual_seed(1))
+    for bad in [ids, ids.clone().tolist()] if cal_ids is None else [cal_ids]:
+        with pytest.raises(ValueError, match=match):
+            cal.paper_rows(model, "x", ids, bad, context=CTX)
+    with pytest.raises(ValueError, match=r"eval_ids of 1 tokens"):
+        cal.paper_rows(model, "x", ids[:1], ids, context=CTX)
+
+
+@pytest.fixture(scope="module")
+def tied_sample():
+    """Every router uniform (zero gate weights): all tokens share one entropy and tied probabilities."""
+    m = tiny_random("olmoe", num_hidden_layers=1)
+    for layer in moe_layers(m):
+        torch.nn.init.zeros_(layer.block.gate.weight)
+    ids = torch.randint(0, 256, (64,), generator=torch.Generator().manual_seed(0))
+    return router_sample(m, ids, context=32, progress=False)
+
+
+@pytest.mark.parametrize("kind, reachable", [("EntropyAdaptiveK", 0.0), ("TopP", 0.25), ("RatioSkip", 0.0)])
+def test_target_out_of_reach_through_ties_warns_with_the_closest(tied_sample, kind, reachable):
+    """Tied signals reach only a few reductions: the closest comes back, with a warning naming both numbers."""
+    S = tied_sample
+    assert S.native_k == 8 and (S.entropy[0] == S.entropy[0][0]).all()
+    with pytest.warns(UserWarning, match=rf"target_reduction=0.3: {kind} .*reaches {reachable:.3f} .*ties"):
+        pol = match_policy(S, kind, 0.3, k_min=2, k_max=8, k_values=(2, 8))
+    assert estimate(S, pol)["expert_reduction"] == pytest.approx(reachable)
+    with pytest.warns(UserWarning, match=r"target_reduction=0.3: EntropyAdaptiveK k_values=\[2, 8\] reaches 0.000"):
+        calibrate_thresholds(S, (2, 8), 0.3)
+    # a reduction the tied signal does reach comes back without a warning, also at the range's ends
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert estimate(S, match_policy(S, "TopP", 0.25, k_min=2))["expert_reduction"] == pytest.approx(0.25)
+        for t in (0.0, 0.75):
+            assert estimate(S, calibrate_thresholds(S, (2, 8), t))["expert_reduction"] == pytest.approx(t)
+
+
+def test_match_policy_checks_its_k_range(sample):
+    for kw, match in [(dict(k_max=0), r"k_max=0: must be an int >= 1 or None"),
+                      (dict(k_min=0), r"k_min=0: must be an int >= 1"),
+                      (dict(k_max=2.5), r"k_max=2.5: must be an int"),
+                      (dict(k_min=6, k_max=4), r"k_min=6 > k_max=4")]:
+        for kind in ("TopP", "RatioSkip", "EntropyAdaptiveK"):
+            with pytest.raises(ValueError, match=match):
+                match_policy(sample, kind, 0.2, **kw)
+    assert match_policy(sample, "TopP", 0.2, k_max=None) == match_policy(sample, "TopP", 0.2, k_max=2)
+
+
+def test_calibration_arguments_of_the_wrong_type_are_named(sample):
+    for target in ("0.2", None, True):
+        with pytest.raises(ValueError, match=rf"target_reduction={target!r}: must be a number"):
+            calibrate_thresholds(sample, (1, 2), target)
+        with pytest.raises(ValueError, match=rf"target_reduction={target!r}: must be a number"):
+            match_policy(sample, "TopP", target)
+    with pytest.raises(ValueError, match=r"u='0.5': must be a number in \[0, 1\]"):
+        thresholds_at(sample, (1, 2), "0.5")
+    with pytest.raises(ValueError, match=r"k_values=8: must be a sequence of ints"):
+        calibrate_thresholds(sample, 8, 0.2)
+    with pytest.raises(ValueError, match=r"reduction of shape \(2,\), ppl of shape \(1,\)"):
+        pareto_mask([0.1, 0.2], [1.0])
+    with pytest.raises(ValueError, match=r"frame without columns \['kind', 'target_reduction'"):
+        verdict(pd.DataFrame())
+    with pytest.raises(ValueError, match=r"frame without columns \['k_max'\]"):
+        verdict(_frame({"TopP": [1.0]}, topk=[(1, 0.5, 2.0)]).drop(columns="k_max"))
+    # numpy scalars are numbers
+    import numpy as np
+
+    assert calibrate_thresholds(sample, np.array([1, 2]), np.float64(0.2)) == calibrate_thresholds(sample, (1, 2), 0.2)
+
+
+def test_compare_at_matched_compute_takes_one_kind_as_a_string(model, sample):
+    ev_ids = torch.randint(0, 256, (128,), generator=torch.Generator().manual_seed(2))
+    f = compare_at_matched_compute(model, sample, ev_ids, [0.25], (1, 2), 10.0, kinds="TopP", fixed_ks=[],
+                                   context=CTX, stride=CTX, progress=False)
+    assert f["kind"].tolist() == ["TopP"]
+
+
+def test_calibration_k_values_refuses_k_below_one():
+    from moelab.calibrate import calibration_k_values
+
+    for k in (0, -2, 2.0, None):
+        with pytest.raises(ValueError, match=rf"native_k={k!r}: must be an int >= 1"):
+            calibration_k_values("mixtral", k)

@@ -294,3 +294,33 @@ def test_pool_layers_sums_pairs_and_histograms_per_policy():
     assert pool_layers(mixed, 2).loc[0, "k_hist"] == [0, 192, 0, 0]
     with pytest.raises(ValueError, match="context=None"):
         pool_layers(per_layer, 2, shapes)
+
+
+def test_bad_native_k_policies_and_context_are_named():
+    import numpy as np
+
+    from moelab.compute import policy_stats
+
+    logits = torch.randn(16, 8)
+    plan = route(logits, TopK(2), renormalize=True)
+    for bad, match in ((2.5, "native_k=2.5: must be an int"), ("2", "native_k='2': must be an int"),
+                       (None, "native_k=None: must be an int"), (0, "native_k=0: must be >= 1")):
+        with pytest.raises(ValueError, match=match):
+            plan_stats(plan, bad)
+        with pytest.raises(ValueError, match=match):
+            expert_reduction(1.0, bad)
+        with pytest.raises(ValueError, match=match):
+            policy_stats(logits, {"a": TopK(1)}, bad, True)
+    assert plan_stats(plan, np.int64(2))["expert_reduction"] == expert_reduction(2.0, np.int64(2)) == 0.0
+    with pytest.raises(ValueError, match=r"policies=\[TopK\(k=2.*must be a dict \{label: policy\}"):
+        policy_stats(logits, [TopK(2)], 2, True)
+    s = ModelShapes.from_config(MixtralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                              num_attention_heads=4, num_key_value_heads=2, num_local_experts=8,
+                                              num_experts_per_tok=2, vocab_size=100))
+    for bad in (-5, 0, 0.5, float("nan"), float("inf"), True, "64", None):
+        with pytest.raises(ValueError, match=rf"context={bad!r}: must be a finite number >= 1".replace("(", r"\(")):
+            s.forward_reduction(1.5, context=bad)
+    assert s.forward_reduction(np.float32(1.5), context=np.int64(64)) == s.forward_reduction(1.5, context=64) > 0
+    assert s.forward_reduction(np.array([1.5, 1.5]), 64) == s.forward_reduction(1.5, 64)
+    with pytest.raises(ValueError, match=r"mean_k_per_layer=tensor\(1.5000\): must be a number or a list"):
+        s.forward_reduction(torch.tensor(1.5), context=64)

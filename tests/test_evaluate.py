@@ -153,3 +153,42 @@ def test_a_hybrid_model_with_512_experts_evaluates_with_its_routing_changed():
     assert half.summary["expert_reduction"] == pytest.approx(0.5) and half.summary["mean_k"] == 5.0
     assert half.summary["ppl"] != pytest.approx(base.summary["ppl"], rel=1e-6)
     assert 0 < half.summary["forward_reduction"] < 0.5  # the mixers, the shared expert and the head are not skipped
+
+
+def test_an_empty_policy_dict_is_refused_before_the_run(model, ids):
+    forwards = []
+    handle = model.register_forward_pre_hook(lambda *a: forwards.append(1))
+    try:
+        with pytest.raises(ValueError, match=r"policy=\{\}: a dict needs at least one"):
+            evaluate(model, {}, ids, context=CTX, progress=False)
+    finally:
+        handle.remove()
+    assert forwards == []
+
+
+def test_numpy_baseline_ppl_is_accepted(model, ids, base):
+    ppl = base.summary["ppl"]
+    ev = evaluate(model, TopK(2), ids, context=CTX, stride=CTX // 2, baseline_ppl=np.float32(ppl), progress=False)
+    assert ev.summary["ppl_change"] == pytest.approx(0.0, abs=1e-5)
+
+
+@pytest.mark.parametrize("bad", [-1000, 0, 0.4, float("nan"), float("inf"), "64", True])
+def test_bad_attended_is_named(model, ids, bad):
+    sample = router_sample(model, ids[:128], context=CTX, progress=False)
+    with pytest.raises(ValueError, match=r"attended=.*: must be a finite number >= 1"):
+        estimate(sample, TopK(1), attended=bad)
+    assert estimate(sample, TopK(1), attended=np.float64(32.0)) == estimate(sample, TopK(1), attended=32)
+
+
+def test_router_sample_keeps_expert_ids_above_the_int16_range():
+    """E = 33000: the recorded ids do not wrap around, and expert_load counts the pairs on the experts they name."""
+    m = tiny_random("mixtral", num_hidden_layers=1, num_local_experts=33000, intermediate_size=4, hidden_size=16,
+                    num_attention_heads=2, num_key_value_heads=1)
+    (layer,) = moe_layers(m)
+    with torch.no_grad():
+        layer.block.gate.weight[:32768] = 0  # only experts 32768..32999 have non-zero logits: the top ones
+    sample = router_sample(m, torch.arange(8), context=8, progress=False)
+    top = sample.top_ids[0]
+    assert top.dtype == torch.int32 and int(top[:, 0].min()) >= 32768
+    load = sample.expert_load()
+    assert load.sum() == 8 * 2 and load[0, :32768].sum() == 0

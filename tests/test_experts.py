@@ -155,3 +155,33 @@ def test_weights_that_do_not_fit_are_named(layer):
     # weights of 6 experts, consistent among themselves, for a plan over 8
     with pytest.raises(ValueError, match=r"plan has num_experts=8 but the weights have E=6"):
         ex.run_experts(x, plan, gu[:6], dn[:6])
+
+
+def test_a_plan_that_does_not_fit_is_named(layer):
+    """Bad plans are refused before any GEMM, naming what is wrong; ids out of range only on CPU (no host sync on
+    CUDA, so a forward stays capturable)."""
+    import dataclasses
+
+    x, gu, dn, logits = layer
+    plan = route(logits, TopK(2, renormalize=True))
+    with pytest.raises(ValueError, match="plan=None: must be a RoutingPlan"):
+        ex.run_experts(x, None, gu, dn)
+    with pytest.raises(ValueError, match=r"weights \(256, 1\).*must be \[T, K\], \[T, K\] and \[T\]"):
+        ex.run_experts(x, dataclasses.replace(plan, weights=plan.weights[:, :1]), gu, dn)
+    with pytest.raises(ValueError, match=r"k \(2,\): must be \[T, K\]"):
+        ex.run_experts(x, dataclasses.replace(plan, k=plan.k[:2]), gu, dn)
+    with pytest.raises(ValueError, match="expert_ids torch.float32.*must be integer ids"):
+        ex.run_experts(x, dataclasses.replace(plan, expert_ids=plan.expert_ids.float()), gu, dn)
+    with pytest.raises(ValueError, match="dtypes x torch.int64.*must be one dtype, a floating-point one"):
+        ex.run_experts(x.long(), plan, gu.long(), dn.long())
+    for bad in (8, -5):
+        ids = plan.expert_ids.clone()
+        ids[3, 1] = bad
+        with pytest.raises(ValueError, match=rf"plan.expert_ids holds {bad}: must be -1 \(unused\) or .*E=8"):
+            ex.run_experts(x, dataclasses.replace(plan, expert_ids=ids), gu, dn)
+    # num_experts agrees with the weights' 4 experts, but the ids reach 7
+    with pytest.raises(ValueError, match=r"plan.expert_ids holds [4-7]: .*E=4"):
+        ex.run_experts(x, dataclasses.replace(plan, num_experts=4), gu[:4], dn[:4])
+    with pytest.raises(ValueError, match=r"plan k \(2,\), expert_ids \(256, 2\): k must be \[T\]"):
+        plan_stats(dataclasses.replace(plan, k=plan.k[:2]), 2)
+    assert ex.run_experts(x, dataclasses.replace(plan, weights=plan.weights.half()), gu, dn).shape == x.shape

@@ -6,6 +6,7 @@ import random
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -77,6 +78,11 @@ def test_check_buckets_and_capture_order():
         check_buckets([])
     with pytest.raises(ValueError, match=">= 1"):
         check_buckets([0, 4])
+    assert check_buckets(np.array([4, 1, 2])) == [1, 2, 4] and type(check_buckets(np.array([2]))[0]) is int
+    assert check_buckets(b for b in (2, 1)) == [1, 2]
+    for bad in (4, None):
+        with pytest.raises(TypeError, match=f"buckets={bad!r}: must be an iterable of batch sizes"):
+            check_buckets(bad)
 
 
 # ----- best fit
@@ -445,6 +451,15 @@ def test_runner_validates_arguments():
         GraphRunner(lambda x: x, lambda b: (torch.zeros(b),), [1, 2], device="cpu", eager_example=torch.tensor(1.0))
     with pytest.raises(ValueError, match="no shared pool yet: capture"):
         r.scratch_fraction_in_pool(torch.zeros(2, 8))
+    assert r.pool_bytes() == {}  # no graphs: no pools, and no CUDA allocator to ask on a CPU runner
+    missing = "cuda" if not torch.cuda.is_available() else f"cuda:{torch.cuda.device_count()}"
+    for bad, match in (("gpu", "device='gpu': must be 'cpu' or a CUDA device"),
+                       ("meta", "device='meta': must be 'cpu' or a CUDA device"),
+                       (missing, f"device='{missing}': this machine has {torch.cuda.device_count()} CUDA device")):
+        with pytest.raises(ValueError, match=match):
+            GraphRunner(lambda x: x, lambda b: (torch.zeros(b),), [1, 2], device=bad)
+        with pytest.raises(ValueError, match=match):
+            ScratchBuffers(bad)
     # a CPU runner is one for eager forwards: it runs step_fn as it is, without grad
     w = torch.ones(8, requires_grad=True)
     out = GraphRunner(lambda x: x * w, lambda b: (torch.zeros(b, 8),), [1, 2], device="cpu").eager(torch.ones(2, 8))

@@ -241,6 +241,9 @@ def test_bad_policies_raise(model):
     with pytest.raises(ValueError, match=r"policy keys \[True\]: must be MoE layer ordinals \(ints, not bools\)"):
         with patched(model, {True: TopK(1)}):  # bool is an int subclass: it would have patched layer 1
             pass
+    with pytest.raises(ValueError, match=r"policy=\{\}: a dict needs at least one \{moe layer: policy\}"):
+        with patched(model, {}):  # nothing patched, nothing counted: evaluate's summary would have no policy
+            pass
     with patched(model, {np.int64(0): TopK(1)}, record=True) as p:  # numpy ints from a sweep's table
         model(input_ids=ids(n=6))
     assert list(p.mean_k()) == [0] and p.mean_k()[0] == 1.0

@@ -3,6 +3,7 @@
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -307,3 +308,60 @@ def test_fingerprint_covers_names_sizes_and_both_edges_only(tmp_path):
     f.rename(tmp_path / "other.safetensors")  # same bytes, another name
     assert models.fingerprint(tmp_path, edge_bytes=edge) != head
     assert len(head) == 16
+
+
+@pytest.mark.parametrize("k", [0, 20])
+def test_load_refuses_a_checkpoint_whose_k_is_outside_the_expert_count(tmp_path, k):
+    """The config alone is enough: no tokenizer or weights are there, so the check comes before both."""
+    cfg = models.tiny_random("mixtral").config
+    cfg.num_experts_per_tok = k
+    cfg.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=rf"{tmp_path}: num_experts_per_tok={k}: must be in \[1, num_experts=8\]"):
+        models.load(tmp_path)
+    with pytest.raises(ValueError, match=rf"num_experts_per_tok={k}: must be in \[1, num_experts=8\]"):
+        models.moe_info(cfg)
+
+
+def test_build_checks_override_names_and_sizes():
+    with pytest.raises(TypeError, match=r"num_expert=4: not a MixtralConfig field; valid overrides: \[.*'num_local_e"):
+        models.build("mixtral", num_expert=4)
+    for key, v in (("num_hidden_layers", -1), ("vocab_size", 0), ("hidden_size", 64.0), ("num_local_experts", True)):
+        with pytest.raises(ValueError, match=rf"{key}={v!r}: must be an int >= 1"):
+            models.build("mixtral", **{key: v})
+    net = models.build("mixtral", num_local_experts=np.int64(4), num_experts_per_tok=np.int32(1), head_dim=None)
+    assert models.moe_info(net) | {"family": None} == {"num_experts": 4, "native_k": 1, "renormalize": True,
+                                                       "family": None}  # numpy ints are ints
+    assert models.build("tiny-mixtral", num_hidden_layers=1).config.num_hidden_layers == 1
+
+
+def test_load_refuses_an_empty_path_and_names_a_truncated_weights_file(tmp_path, tok):
+    with pytest.raises(ValueError, match=r"name_or_path='': empty"):
+        models.load("")
+    with pytest.raises(TypeError, match=r"name_or_path=None: must be a str or a path"):
+        models.load(None)
+    models.tiny_random("mixtral").save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    f = tmp_path / "model.safetensors"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    with pytest.raises(ValueError, match=rf"{f}: .*incomplete metadata.* \(a truncated or corrupt weights file\?\)"):
+        models.load(tmp_path)
+
+
+def test_check_ids_and_router_stats_refuse_ids_of_the_wrong_type():
+    net = models.tiny_random("mixtral")
+    with pytest.raises(TypeError, match=r"ids=\[1, 2\]: must be a torch.Tensor of token ids"):
+        models.check_ids(net, [1, 2])
+    with pytest.raises(TypeError, match=r"ids='hello': must be token ids \(a list, array or tensor of ints\)"):
+        models.router_stats(net, "hello")
+    assert models.router_stats(net, list(range(64)), seq_len=32)["tokens"] == 64  # a list of ints still counts
+
+
+def test_unigram_perplexity_refuses_ids_outside_the_vocabulary(tok):
+    V = len(tok)
+    for bad in (V, 999999, -3):
+        rule = rf"must be in \[0, vocab_size={V}\)"
+        with pytest.raises(ValueError, match=rf"eval_text: token id {bad} at position 1: {rule}"):
+            unigram_perplexity(tok, "hello", [3, bad])
+    with pytest.raises(ValueError, match=rf"train_text: token id {V} at position 0"):
+        unigram_perplexity(tok, [V], [3])
+    assert unigram_perplexity(tok, [0, V - 1], [V - 1])["scored_tokens"] == 1

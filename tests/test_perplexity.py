@@ -1,7 +1,9 @@
 """Sliding-window perplexity: every token after the first is scored once, with the right context."""
 
 import math
+import re
 
+import numpy as np
 import pytest
 import torch
 from transformers import MixtralConfig, MixtralForCausalLM
@@ -111,3 +113,34 @@ def test_ids_past_max_tokens_are_not_checked(model):
     r = perplexity(model, None, ids, context=16, stride=8, max_tokens=24, progress=False)
     assert r == perplexity(model, None, ids[:24], context=16, stride=8, progress=False)
     assert r["scored_tokens"] == 23 and math.isfinite(r["ppl"])
+
+
+def test_non_finite_logits_raise_at_the_first_bad_window():
+    """A NaN weight fails the window that reads it, as the patched path's router check does, and the later windows
+    are not run; the message names the logit and the window."""
+    from moelab.models import tiny_random
+
+    net = tiny_random("mixtral", tie_word_embeddings=False)
+    with torch.no_grad():
+        net.model.embed_tokens.weight[5] = float("nan")
+    ids = torch.arange(10, 42)
+    ids[20] = 5
+    forwards = []
+    net.register_forward_hook(lambda *a: forwards.append(1))
+    with pytest.raises(ValueError, match=r"logits\[0, \d+, \d+\]=nan in the window ids\[16:24\]: logits must be fin"):
+        perplexity(net, None, ids, context=8, stride=8, progress=False)
+    assert len(forwards) == 3  # of 4 windows
+    assert math.isfinite(perplexity(net, None, ids[:16], context=8, stride=8, progress=False)["ppl"])
+
+
+def test_ids_of_a_wrong_type_and_numpy_ints(model):
+    with pytest.raises(ValueError, match=r"token ids of dtype torch.complex64: must be integers"):
+        token_ids(None, torch.ones(4, dtype=torch.complex64))
+    for bad in (None, ["a", "b"]):
+        with pytest.raises(TypeError, match=rf"text_or_ids={re.escape(repr(bad))}: must be a str \(with a tokenizer\)"):
+            perplexity(model, None, bad, progress=False)
+    ids = torch.arange(40) % 97
+    want = perplexity(model, None, ids, context=16, stride=8, max_tokens=30, batch_size=2, progress=False)
+    got = perplexity(model, None, ids, context=np.int64(16), stride=np.int32(8), max_tokens=np.int64(30),
+                     batch_size=np.int64(2), progress=False)
+    assert got == want and type(got["context"]) is int

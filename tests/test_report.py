@@ -14,6 +14,7 @@ from moelab.kernels.report import (
     layer_targets,
     layout_sweep,
     least_regret,
+    machine_line,
     power_trace,
     routing_targets,
     stage_paths,
@@ -448,3 +449,26 @@ def test_layer_targets_of_a_run_without_the_target_size_keep_their_columns():
     assert len(lt) and {"variant", "timer", "kept", "tiles"} <= set(lt.columns) and lt["variant"].isna().all()
     assert lt[(lt["variant"] == "moelab_adaptive") & (lt["timer"] == "time_us")].empty
     assert (layer_targets(doc)["variant"] == "moelab_adaptive").any()
+
+
+def test_report_tables_refuse_another_topics_document():
+    """Each table reads one topic: another topic's document, one without rows, or rows without the table's
+    columns raise naming the topic expected and what was given; machine_line names the fields it lacks."""
+    routing = {"topic": "routing-kernel", "rows": [{"shape": "s", "T": 1, "method": "m", "E": 8}]}
+    for table, topic in ((layer_targets, "moe-layer"), (stage_table, "layer-stages"), (expert_gemms, "experts-tune"),
+                         (layout_sweep, "pair-layout-sweep")):
+        with pytest.raises(ValueError, match=f"doc of topic 'routing-kernel': needs a results document of topic "
+                                             f"'{topic}'"):
+            table(routing)
+    with pytest.raises(ValueError, match="doc of topic 'moe-layer': needs a results document of topic 'routing-k"):
+        routing_targets({**routing, "topic": "moe-layer"})
+    with pytest.raises(ValueError, match=r"doc \(keys \[\]\): needs a results document of topic 'routing-kernel', "
+                                         "with a 'rows' list"):
+        routing_targets({})
+    with pytest.raises(ValueError, match=r"its rows lack \['method', 'E'\] \(have \['shape', 'T'\]\): not "
+                                         "'routing-kernel' rows"):
+        routing_targets({"rows": [{"shape": "s", "T": 1}]})
+    with pytest.raises(TypeError, match="doc: a list, needs a results document"):
+        layer_targets([])
+    with pytest.raises(ValueError, match=r"lacks \['machine', 'commit', 'created'\]"):
+        machine_line({})

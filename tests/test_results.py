@@ -2,6 +2,7 @@
 
 import json
 import lzma
+import re
 import stat
 from pathlib import Path
 
@@ -302,3 +303,76 @@ def test_paths_are_written_as_their_text(tmp_path, monkeypatch):
     monkeypatch.setenv("MOELAB_RUN_DIR", str(tmp_path))
     results.save("where", {"file": tmp_path / "a.bin", "files": [Path("x/y")]})
     assert results.load_saved(tmp_path)["where"] == {"file": str(tmp_path / "a.bin"), "files": ["x/y"]}
+
+
+def test_write_results_refuses_a_topic_that_is_no_plain_stem_or_extra_that_replaces_its_fields(tmp_path, monkeypatch):
+    """The topic names the file: one with a '/' (a file outside out_dir), an empty or hidden one, or no str is
+    refused naming it; extra keys that would replace the document's own fields too. Nothing is written."""
+    monkeypatch.setattr(results, "_WRITTEN", set())
+    out = tmp_path / "out"
+    for bad in ("a/../../escape", "", ".hidden"):
+        with pytest.raises(ValueError, match=f"topic {bad!r}: must be a plain file stem"):
+            results.write_results(bad, [], out_dir=out)
+    with pytest.raises(TypeError, match="topic 5: must be a str"):
+        results.write_results(5, [], out_dir=out)
+    with pytest.raises(ValueError, match=r"extra keys \['rows', 'schema'\]: taken by the document's own fields"):
+        results.write_results("topic-x", [{"v": 1}], out_dir=out, extra={"rows": "gone", "schema": 99, "x": 1})
+    assert not any(tmp_path.rglob("*"))
+
+
+def test_save_refuses_a_name_that_is_not_a_str(tmp_path, monkeypatch):
+    monkeypatch.setenv("MOELAB_RUN_DIR", str(tmp_path))
+    with pytest.raises(TypeError, match="result name 5: must be a str, not int"):
+        results.save(5, 1)
+    assert not any(tmp_path.rglob("*"))
+
+
+def test_damaged_results_files_raise_naming_the_file(tmp_path, capsys):
+    """A results file that is no JSON object (bad JSON, binary, empty, a list, a bad .xz) raises ValueError naming
+    it; load_optional lets that through (None only where there is no file); rows_frame names what it got."""
+    files = {"bad-20260101.json": b"{not json", "bin-20260101.json": b"\xff\xfe\x00junk", "empty-20260101.json": b"",
+             "list-20260101.json": b"[1, 2]"}
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+        with pytest.raises(ValueError, match=re.escape(str(tmp_path / name))):
+            results.load_results(name.split("-")[0], tmp_path)
+    with pytest.raises(ValueError, match="list-20260101.json: holds a JSON list"):
+        results.read_file(tmp_path / "list-20260101.json")
+    (tmp_path / "x.json.xz").write_bytes(b"not xz")
+    with pytest.raises(ValueError, match=r"x\.json\.xz: not readable as JSON \(xz\)"):
+        results.read_file(tmp_path / "x.json.xz")
+    with pytest.raises(ValueError, match="bad-20260101.json: not readable as JSON"):
+        results.load_optional("bad", tmp_path)
+    with pytest.raises(ValueError, match=r"doc \(keys \['schema'\]\): not a results document, which has a 'rows'"):
+        results.rows_frame({"schema": 1})
+    with pytest.raises(TypeError, match="doc: a list, not a results document"):
+        results.rows_frame([1, 2])
+
+
+def test_load_runs_leaves_out_a_damaged_run_with_a_warning(tmp_path, caplog):
+    """One damaged archive (or one without `created`) does not hide a topic's history: it is left out and a
+    warning names it; a topic with no readable run raises ValueError."""
+    (tmp_path / "archive").mkdir()
+    (tmp_path / "moe-layer-20261130.json").write_text(json.dumps({"created": "2026-11-30T23:00", "rows": []}))
+    (tmp_path / "archive/moe-layer-20261129-abc1234.json.xz").write_bytes(b"not xz")
+    (tmp_path / "archive/moe-layer-20261128-def5678.json").write_text(json.dumps({"rows": []}))
+    with caplog.at_level("WARNING", logger="moelab.results"):
+        got = results.load_runs("moe-layer", tmp_path)
+    assert [d["created"] for d in got] == ["2026-11-30T23:00"]
+    assert "moe-layer-20261129-abc1234.json.xz: not readable" in caplog.text
+    assert "moe-layer-20261128-def5678.json: no 'created'" in caplog.text
+    (tmp_path / "moe-layer-20261130.json").write_text("{")
+    with pytest.raises(ValueError, match="no readable results for topic 'moe-layer'"):
+        results.load_runs("moe-layer", tmp_path)
+
+
+def test_load_saved_names_a_damaged_file(tmp_path):
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "good.json").write_text('{"a": 1}')
+    (tmp_path / "results" / "broken.json").write_text('{"a": ')
+    with pytest.raises(ValueError, match="broken.json: not readable as JSON"):
+        results.load_saved(tmp_path)
+    (tmp_path / "results" / "broken.json").unlink()
+    (tmp_path / "results" / "frame.parquet").write_bytes(b"PAR1junk")
+    with pytest.raises(ValueError, match="frame.parquet: not readable as parquet"):
+        results.load_saved(tmp_path)

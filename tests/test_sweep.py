@@ -410,6 +410,30 @@ def test_collect_keeps_its_own_columns_when_names_collide(tmp_path):
         results.save("summary", {"y": 1})
 
 
+def test_collect_leaves_out_a_run_whose_files_cannot_be_read(tmp_path, caplog):
+    """A damaged params.json, done marker or saved result leaves that run out of the summary with a warning
+    naming the run and the file; the other runs' rows and tables are written."""
+    def run(h, params=None, done='{"elapsed_s": 1}', metrics='{"y": 1}'):
+        d = tmp_path / h
+        (d / "results").mkdir(parents=True)
+        (d / "params.json").write_text(params or json.dumps({"notebook": "toy.ipynb", "parameters": {"x": h}}))
+        (d / "done").write_text(done)
+        (d / "results" / "metrics.json").write_text(metrics)
+
+    run("good")
+    run("badparams", params="{")
+    run("noparams", params="[1]")
+    run("baddone", done="{")
+    run("badresult", metrics='{"y": ')
+    with caplog.at_level("WARNING", logger="moelab.sweep"):
+        tables = sweep.collect(tmp_path, ["good", "badparams", "noparams", "baddone", "badresult"], "t")
+    assert pd.read_csv(tables["summary.csv"])["run"].tolist() == ["good"]
+    for h, file in (("badparams", "params.json"), ("noparams", "params.json"), ("baddone", "done"),
+                    ("badresult", "metrics.json")):
+        assert f"run {h}: left out of the summary" in caplog.text and str(tmp_path / h) in caplog.text
+        assert any(h in r.getMessage() and file in r.getMessage() for r in caplog.records)
+
+
 def test_a_sweep_leaves_other_attempts_folders_alone(toy, tmp_path):
     """Only attempt folders whose attempt is over are cleaned up: this host's whose process is gone, another
     host's once it started longer ago than the grid's timeout. Another sweep on the same file system may be

@@ -16,6 +16,8 @@ from __future__ import annotations
 import logging
 import math
 import numbers
+import warnings
+from collections.abc import Iterable
 
 import numpy as np
 import pandas as pd
@@ -49,12 +51,16 @@ log = logging.getLogger(__name__)
 
 def calibration_ids(tokenizer, max_tokens: int, names=None) -> torch.Tensor:
     """Token ids of held-out text for calibration: an equal share of each held-out slice, concatenated."""
-    from moelab.data import heldout_texts
+    from moelab.data import TRAIN_TEXTS, heldout_texts
 
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 2:
+    if not _is_int(max_tokens) or max_tokens < 2:
         raise ValueError(f"max_tokens={max_tokens!r}: must be an int >= 2")
     texts = heldout_texts()
     names = [names] if isinstance(names, str) else list(names or texts)
+    seen = [n for n in names if n in TRAIN_TEXTS and n not in texts]
+    if seen:
+        raise ValueError(f"calibration texts {seen}: left out, their held-out part repeats their training text; "
+                         f"choose from {sorted(texts)}")
     bad = [n for n in names if n not in texts]
     if bad:
         raise ValueError(f"calibration texts {bad}: unknown; choose from {sorted(texts)}")
@@ -86,10 +92,35 @@ def _is_int(k) -> bool:
     return isinstance(k, numbers.Integral) and not isinstance(k, bool)
 
 
+def _is_real(x) -> bool:
+    """A real number (numpy's too), not a bool: what a reduction, u or p may be."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def _check_real(name: str, x) -> None:
+    if not _is_real(x):
+        raise ValueError(f"{name}={x!r}: must be a number")
+
+
+def _tol(sample: RouterSample, k_min: int, k_max: int) -> float:
+    """The bisection's tolerance on a reduction: one token of each layer changing k from k_max to k_min."""
+    return (k_max - k_min) / (sample.native_k * sample.num_tokens) + 1e-9
+
+
+def _warn_missed(sample: RouterSample, pol, target: float, k_min: int, k_max: int, what: str):
+    """pol, with a warning where its estimated reduction misses the target by more than the bisection's
+    tolerance: many tokens change k at the same point, i.e. ties in the signal."""
+    got = estimate(sample, pol)["expert_reduction"]
+    if abs(got - target) > _tol(sample, k_min, k_max):
+        warnings.warn(f"target_reduction={target}: {what} reaches {got:.3f} at the closest, not the target "
+                      f"(ties in the routing signal on the sample: many tokens change k at once)", stacklevel=3)
+    return pol
+
+
 def _check_budget(budget: float, steps: int) -> None:
-    if isinstance(budget, bool) or not isinstance(budget, numbers.Real) or not budget > 0:
+    if not _is_real(budget) or not budget > 0:
         raise ValueError(f"budget={budget}: must be > 0 (relative perplexity increase, e.g. 0.005)")
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+    if not _is_int(steps) or steps < 0:
         raise ValueError(f"steps={steps!r}: the budget search's bisection steps must be an int >= 0")
 
 
@@ -103,8 +134,9 @@ def _check_fixed_ks(fixed_ks, k_cap: int, what: str = "the router sample's k_cap
 
 def _check_k_values(k_values, k_cap: int, what: str = "the sample's k_cap") -> tuple[int, ...]:
     """At least two strictly ascending ints in [1, k_cap]."""
-    k_values = k_values if isinstance(k_values, (str, bytes)) else list(k_values)
-    if isinstance(k_values, (str, bytes)) or not all(_is_int(k) for k in k_values):
+    seq = isinstance(k_values, Iterable) and not isinstance(k_values, (str, bytes))
+    k_values = list(k_values) if seq else k_values
+    if not seq or not all(_is_int(k) for k in k_values):
         raise ValueError(f"k_values={k_values!r}: must be a sequence of ints")
     kv = tuple(int(k) for k in k_values)
     if len(kv) < 2:
@@ -118,8 +150,8 @@ def _check_k_values(k_values, k_cap: int, what: str = "the sample's k_cap") -> t
 
 def thresholds_at(sample: RouterSample, k_values, u: float, per_layer: bool = False):
     """EntropyAdaptiveK (shared) or a per-layer list of them with thresholds at the family's quantiles."""
-    if not 0.0 <= u <= 1.0:
-        raise ValueError(f"u={u}: must be in [0, 1]")
+    if not _is_real(u) or not 0.0 <= u <= 1.0:
+        raise ValueError(f"u={u!r}: must be a number in [0, 1]")
     kv = _check_k_values(k_values, sample.k_cap)
     q = torch.tensor(_levels(u, len(kv)), dtype=torch.float64)
 
@@ -134,36 +166,47 @@ def thresholds_at(sample: RouterSample, k_values, u: float, per_layer: bool = Fa
     return make(sample.entropy_all())
 
 
-def _bisect(f, lo: float, hi: float, target: float, increasing: bool, iters: int = 40) -> float:
-    """x in [lo, hi] with f(x) ~ target for a monotone f."""
+def _bisect(f, lo: float, hi: float, target: float, increasing: bool, iters: int = 40, tol: float = 0.0) -> float:
+    """x in [lo, hi] with f(x) ~ target for a monotone f: the last bracket's middle, or where f misses the target
+    there by more than tol (f jumps over it: ties), whichever of the middle and the bracket's ends is closest."""
     for _ in range(iters):
         mid = (lo + hi) / 2
         if (f(mid) < target) == increasing:
             lo = mid
         else:
             hi = mid
-    return (lo + hi) / 2
+    mid = (lo + hi) / 2
+    return mid if abs(f(mid) - target) <= tol else min((mid, lo, hi), key=lambda x: abs(f(x) - target))
 
 
 def calibrate_thresholds(sample: RouterSample, k_values, target_reduction: float, per_layer: bool = False):
-    """Thresholds whose estimated routed-expert reduction on the sample reaches target_reduction."""
+    """Thresholds whose estimated routed-expert reduction on the sample reaches target_reduction (where tied
+    entropies leave it out of reach, the closest, with a warning)."""
     kv = _check_k_values(k_values, sample.k_cap)
     native = sample.native_k
     lo_r, hi_r = 1 - kv[-1] / native, 1 - kv[0] / native
+    _check_real("target_reduction", target_reduction)
     if not lo_r <= target_reduction <= hi_r:
         raise ValueError(
             f"target_reduction={target_reduction}: k_values={list(kv)} on native k={native} reach only "
             f"[{lo_r:.3f}, {hi_r:.3f}]"
         )
     red = lambda u: estimate(sample, thresholds_at(sample, kv, u, per_layer))["expert_reduction"]  # noqa: E731
-    u = _bisect(red, 0.0, 1.0, target_reduction, increasing=True, iters=30)
-    return thresholds_at(sample, kv, u, per_layer)
+    u = _bisect(red, 0.0, 1.0, target_reduction, increasing=True, iters=30, tol=_tol(sample, kv[0], kv[-1]))
+    return _warn_missed(sample, thresholds_at(sample, kv, u, per_layer), target_reduction, kv[0], kv[-1],
+                        f"EntropyAdaptiveK k_values={list(kv)}")
 
 
 def match_policy(sample: RouterSample, kind: str, target_reduction: float, k_min: int = 1, k_max: int | None = None,
                  k_values=None, per_layer: bool = False) -> Policy:
-    """A policy of a kind ('EntropyAdaptiveK', 'TopP', 'RatioSkip') whose estimated reduction hits the target."""
-    k_max = k_max or sample.native_k
+    """A policy of a kind ('EntropyAdaptiveK', 'TopP', 'RatioSkip') whose estimated reduction hits the target
+    (k_max None: the native k). Where ties in the signal leave it out of reach, the closest, with a warning."""
+    k_max = sample.native_k if k_max is None else k_max
+    for name, k in (("k_min", k_min), ("k_max", k_max)):
+        if not _is_int(k) or k < 1:
+            raise ValueError(f"{name}={k!r}: must be an int >= 1" + (" or None (native k)" if name == "k_max" else ""))
+    if k_min > k_max:
+        raise ValueError(f"k_min={k_min} > k_max={k_max}: must be k_min <= k_max")
     if kind == "EntropyAdaptiveK":
         if k_values is None:  # k_min, the native k (if inside the range) and k_max
             k_values = sorted({k_min, min(max(sample.native_k, k_min), k_max), k_max})
@@ -171,19 +214,22 @@ def match_policy(sample: RouterSample, kind: str, target_reduction: float, k_min
                 raise ValueError(f"k_min={k_min}, k_max={k_max}: EntropyAdaptiveK needs k_min < k_max "
                                  "(or pass k_values)")
         return calibrate_thresholds(sample, k_values, target_reduction, per_layer)
+    if kind not in ("TopP", "RatioSkip"):
+        raise ValueError(f"kind={kind!r}: must be 'EntropyAdaptiveK', 'TopP' or 'RatioSkip'")
+    _check_real("target_reduction", target_reduction)
     lo_r, hi_r = 1 - k_max / sample.native_k, 1 - k_min / sample.native_k
     if not lo_r <= target_reduction <= hi_r:
         raise ValueError(f"target_reduction={target_reduction}: k in [{k_min}, {k_max}] reaches only "
                          f"[{lo_r:.3f}, {hi_r:.3f}] on native k={sample.native_k}")
     if kind == "TopP":  # larger p keeps more experts: reduction falls
         red = lambda p: estimate(sample, TopP(max(p, 1e-9), k_max, k_min))["expert_reduction"]  # noqa: E731
-        p = _bisect(red, 0.0, 1.0, target_reduction, increasing=False)
-        return TopP(float(min(max(p, 1e-9), 1.0)), k_max, k_min)
-    if kind == "RatioSkip":  # larger beta drops more experts: reduction rises
+        p = _bisect(red, 0.0, 1.0, target_reduction, increasing=False, tol=_tol(sample, k_min, k_max))
+        pol = TopP(float(min(max(p, 1e-9), 1.0)), k_max, k_min)
+    else:  # RatioSkip: larger beta drops more experts: reduction rises
         red = lambda b: estimate(sample, RatioSkip(b, k_max, k_min))["expert_reduction"]  # noqa: E731
-        b = _bisect(red, 0.0, 1.0, target_reduction, increasing=True)
-        return RatioSkip(float(b), k_max, k_min)
-    raise ValueError(f"kind={kind!r}: must be 'EntropyAdaptiveK', 'TopP' or 'RatioSkip'")
+        b = _bisect(red, 0.0, 1.0, target_reduction, increasing=True, tol=_tol(sample, k_min, k_max))
+        pol = RatioSkip(float(b), k_max, k_min)
+    return _warn_missed(sample, pol, target_reduction, k_min, k_max, f"{kind} k in [{k_min}, {k_max}]")
 
 
 def budget_search(
@@ -264,8 +310,10 @@ def compare_at_matched_compute(
 
     TopP and RatioSkip get the same k range as the entropy policy's k_values; lower fixed k (TopK with k
     below native) gives points of its own. Rows: measured evaluations plus target and matched-on columns.
+    kinds: kind names, or one name.
     """
     kv = _check_k_values(k_values, sample.k_cap)  # checked before any measured evaluation runs
+    kinds = (kinds,) if isinstance(kinds, str) else kinds
     k_min, k_max = kv[0], kv[-1]
     fixed_ks = list(range(max(1, k_min), sample.native_k)) if fixed_ks is None else _check_fixed_ks(fixed_ks,
                                                                                                     sample.k_cap)
@@ -287,6 +335,8 @@ def compare_at_matched_compute(
 def pareto_mask(reduction, ppl) -> np.ndarray:
     """True where no other point has at least the reduction and at most the perplexity (one strictly)."""
     r, p = np.asarray(reduction, float), np.asarray(ppl, float)
+    if r.ndim != 1 or r.shape != p.shape:
+        raise ValueError(f"reduction of shape {r.shape}, ppl of shape {p.shape}: must be 1-D and of one length")
     out = np.ones(len(r), dtype=bool)
     for i in range(len(r)):
         dominated = (r >= r[i]) & (p <= p[i]) & ((r > r[i]) | (p < p[i]))
@@ -302,6 +352,11 @@ def verdict(frame: pd.DataFrame, kinds=("EntropyAdaptiveK", "TopP", "RatioSkip")
     were matched to on calibration text); without such a range, a curve's end point stands in up to
     `tol` beyond it. Lower fixed k points are compared the same way.
     """
+    need = ["kind", "target_reduction", "expert_reduction", "ppl"]
+    need += ["k_max"] if "kind" in frame.columns and frame["kind"].eq("TopK").any() else []
+    missing = [c for c in need if c not in frame.columns]
+    if missing:
+        raise ValueError(f"frame without columns {missing}: pass compare_at_matched_compute's frame")
     f = frame[frame["kind"].isin(kinds)]
     curves = {}
     for kind, g in f.groupby("kind"):
@@ -403,6 +458,8 @@ def calibration_k_values(family: str, native_k: int) -> tuple[int, ...]:
     The family's published preset if it ends at native k (Qwen-MoE [1, 2, 4]), else the ladder
     {native/4, native/2, native} (Mixtral [1, 2], OLMoE [2, 4, 8]).
     """
+    if not _is_int(native_k) or native_k < 1:
+        raise ValueError(f"native_k={native_k!r}: must be an int >= 1 (the model's top-k)")
     preset = {"mixtral": "sdk-mixtral", "qwen2_moe": "sdk-qwen-moe", "olmoe": "sdk-olmoe"}.get(family)
     if preset and PUBLISHED[preset][0][-1] == native_k:
         return PUBLISHED[preset][0]
@@ -415,6 +472,20 @@ def calibration_k_values(family: str, native_k: int) -> tuple[int, ...]:
 def lower_fixed_ks(native_k: int) -> list[int]:
     """The lower fixed k the paper tables compare against: 1, native/2 and 3*native/4 where below native."""
     return sorted({k for k in (1, native_k // 2, (3 * native_k) // 4) if 1 <= k < native_k})
+
+
+def _stream(model, name: str, ids) -> torch.Tensor:
+    """ids as one stream of >= 2 token ids inside the model's vocabulary; errors name the argument."""
+    from moelab.models import check_ids
+    from moelab.perplexity import token_ids
+
+    try:
+        ids = check_ids(model, token_ids(None, ids))
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"{name}: {e}") from None
+    if ids.numel() < 2:
+        raise ValueError(f"{name} of {ids.numel()} tokens: need at least 2 to score one")
+    return ids
 
 
 def paper_rows(
@@ -440,7 +511,8 @@ def paper_rows(
     (thresholds calibrated on held-out text to the PR's claimed reduction), calibrated (largest reduction
     within `budget` on held-out text, shared and per-layer thresholds), matched (EntropyAdaptiveK, TopP,
     RatioSkip at the same compute, and lower fixed k). Perplexity is always on eval_ids; thresholds only
-    ever see cal_ids. targets=() with fixed_ks=None skips the matched section.
+    ever see cal_ids, which must not be the evaluation text itself (refused where cal_ids equal eval_ids; a
+    stream that overlaps it only in part is not detected). targets=() with fixed_ks=None skips the matched section.
     Returns dict(rows: list of dicts, traces: DataFrame, verdict: str, sample: RouterSample).
     """
     import time
@@ -451,8 +523,12 @@ def paper_rows(
     info = moe_info(model)
     family, native_k, E = info["family"], info["native_k"], info["num_experts"]
     # every argument checked before the first (long) evaluation
+    eval_ids, cal_ids = _stream(model, "eval_ids", eval_ids), _stream(model, "cal_ids", cal_ids)
+    if eval_ids.shape == cal_ids.shape and torch.equal(eval_ids.cpu(), cal_ids.cpu()):
+        raise ValueError(f"cal_ids: the same {cal_ids.numel()} tokens as eval_ids; calibrate on held-out text "
+                         "(calibration_ids), never on the evaluation text")
     _check_budget(budget, budget_steps)
-    bad = [t for t in targets if not 0 < float(t) < 1]
+    bad = [t for t in targets if not _is_real(t) or not 0 < t < 1]
     if bad:
         raise ValueError(f"targets={list(targets)}: {bad} not in (0, 1) (routed-expert reductions against native k)")
     if fixed_ks is not None:

@@ -7,15 +7,23 @@ saves 25%, whatever its k_max.
 
 from __future__ import annotations
 
+import math
+import numbers
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 
 import torch
 
-from moelab.routing import RoutingPlan, route
+from moelab.routing import RoutingPlan, _check_int, route
 
 
 def plan_stats(plan: RoutingPlan, native_k: int) -> dict:
     """Kept pairs, mean k, k histogram and routed-expert reduction of one plan (one host sync)."""
+    _check_int("native_k", native_k)
+    if not isinstance(plan, RoutingPlan):
+        raise ValueError(f"plan={plan!r}: must be a RoutingPlan")
+    if plan.k.shape != plan.expert_ids.shape[:1]:
+        raise ValueError(f"plan k {tuple(plan.k.shape)}, expert_ids {tuple(plan.expert_ids.shape)}: k must be [T]")
     T = plan.num_tokens
     hist = torch.bincount(plan.k.long().cpu(), minlength=plan.k_max + 1).tolist() if T else [0] * (plan.k_max + 1)
     kept = int(sum(i * n for i, n in enumerate(hist)))
@@ -35,6 +43,9 @@ def policy_stats(logits_TE: torch.Tensor, policies: dict, native_k: int, renorma
     mean weight a token's kept experts get in all (1 with renormalize; else the probability mass kept)."""
     import pandas as pd
 
+    if not isinstance(policies, Mapping):
+        raise ValueError(f"policies={policies!r}: must be a dict {{label: policy}}")
+    _check_int("native_k", native_k)
     rows = []
     for label, policy in policies.items():
         plan = route(logits_TE, policy, renormalize=renormalize)
@@ -71,9 +82,15 @@ def pool_layers(per_layer, native_k: int, shapes: "ModelShapes | None" = None, c
 
 def expert_reduction(mean_k: float, native_k: int) -> float:
     """Fraction of routed-expert FLOPs saved against the native top-k (negative if more is spent)."""
-    if native_k < 1:
-        raise ValueError(f"native_k={native_k}: must be >= 1")
+    _check_int("native_k", native_k)
     return 1.0 - mean_k / native_k
+
+
+def check_context(context, name: str = "context") -> None:
+    """An attended context length (keys per token, an average may be fractional): a finite number >= 1, as every
+    token attends at least itself."""
+    if isinstance(context, bool) or not isinstance(context, numbers.Real) or not 1 <= context < math.inf:
+        raise ValueError(f"{name}={context!r}: must be a finite number >= 1 (keys a token attends, itself included)")
 
 
 # families whose softmax-attention q_proj also yields a sigmoid output gate (its output is twice as wide)
@@ -217,6 +234,7 @@ class ModelShapes:
     def attention_flops(self, context: int) -> float:
         """One softmax-attention layer's token mixer, per token: projections (q twice as wide with a query gate)
         and the scores and weighted values over `context` keys."""
+        check_context(context)
         D, hd, H = self.hidden, self.head_dim, self.num_heads
         proj = 2.0 * D * hd * ((3 if self.query_gate else 2) * H + 2 * self.num_kv_heads)
         return proj + 2.0 * 2 * context * H * hd
@@ -242,17 +260,23 @@ class ModelShapes:
     def forward_flops(self, mean_k_per_layer, context: int, prefill: int = 0) -> float:
         """Whole-forward FLOPs per token given each MoE layer's mean k (a float applies to all); `context` and
         `prefill` as in `fixed_flops`."""
-        if isinstance(mean_k_per_layer, (int, float)):
+        if isinstance(mean_k_per_layer, numbers.Real) and not isinstance(mean_k_per_layer, bool):
             mean_k_per_layer = [float(mean_k_per_layer)] * self.moe_layers
-        if len(mean_k_per_layer) != self.moe_layers:
+        try:
+            n = len(mean_k_per_layer)
+        except TypeError:
+            raise ValueError(f"mean_k_per_layer={mean_k_per_layer!r}: must be a number or a list (one per MoE "
+                             "layer)") from None
+        if n != self.moe_layers:
             raise ValueError(
-                f"mean_k_per_layer has {len(mean_k_per_layer)} entries: need one per MoE layer ({self.moe_layers})"
+                f"mean_k_per_layer has {n} entries: need one per MoE layer ({self.moe_layers})"
             )
         return self.fixed_flops(context, prefill) + self.expert_flops() * float(sum(mean_k_per_layer))
 
     def forward_reduction(self, mean_k_per_layer, context: int, prefill: int = 0) -> float:
         """Fraction of whole-forward FLOPs saved against the native k in every MoE layer; NaN where the
         forward is not modelled (`models_forward`: linear-attention layers of an unknown kind)."""
+        check_context(context)
         if not self.models_forward:
             return float("nan")
         native = self.forward_flops(float(self.native_k), context, prefill)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,7 +25,7 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from moelab.compute import ModelShapes, expert_reduction
+from moelab.compute import ModelShapes, check_context, expert_reduction
 from moelab.hf import moe_layers, patched, record_router
 from moelab.models import check_ids, input_device, model_context
 from moelab.perplexity import perplexity, token_ids
@@ -159,7 +160,7 @@ def evaluate(
     policy: one policy, a list (one per MoE layer) or a dict {moe layer: policy} (see moelab.hf.patched).
     baseline_ppl: if given, the summary also has ppl_change (relative, e.g. 0.004 = +0.4%).
     """
-    if baseline_ppl is not None and (isinstance(baseline_ppl, bool) or not isinstance(baseline_ppl, (int, float))
+    if baseline_ppl is not None and (isinstance(baseline_ppl, bool) or not isinstance(baseline_ppl, numbers.Real)
                                      or not math.isfinite(baseline_ppl) or baseline_ppl <= 0):
         raise ValueError(f"baseline_ppl={baseline_ppl!r}: must be a finite perplexity > 0 (or None)")
     ids = token_ids(tokenizer, text_or_ids)
@@ -214,7 +215,7 @@ class RouterSample:
 
     entropy: list[torch.Tensor]  # [T] float32 nats
     top_probs: list[torch.Tensor]  # [T, k_cap] float32, descending (ties: lower expert first)
-    top_ids: list[torch.Tensor]  # [T, k_cap] int16
+    top_ids: list[torch.Tensor]  # [T, k_cap] int16 (int32 above 2^15 experts)
     num_experts: int
     native_k: int
     renormalize: bool
@@ -291,6 +292,7 @@ def router_sample(
     k_cap = k_cap if k_cap is not None else min(E, max(16, 2 * native_k))
     if not 1 <= k_cap <= E:
         raise ValueError(f"k_cap={k_cap}: must be in [1, num_experts={E}]")
+    id_dtype = torch.int16 if E <= 2**15 else torch.int32  # expert ids up to E - 1
     x_NL = ids[: n * context].view(n, context)
     device = input_device(model)
     ent = [[] for _ in layers]
@@ -307,7 +309,7 @@ def router_sample(
                 p_TE = torch.softmax(logits_TE.float(), dim=-1)
                 p_sorted, i_sorted = torch.sort(p_TE, dim=-1, descending=True, stable=True)
                 probs[i].append(p_sorted[:, :k_cap].contiguous())
-                eids[i].append(i_sorted[:, :k_cap].to(torch.int16))
+                eids[i].append(i_sorted[:, :k_cap].to(id_dtype))
     return RouterSample(
         entropy=[torch.cat(e) for e in ent],
         top_probs=[torch.cat(p) for p in probs],
@@ -344,6 +346,8 @@ def _as_layer_list(policy, n: int) -> list[Policy]:
 def estimate(sample: RouterSample, policy, attended: float | None = None) -> dict:
     """Estimated mean k and compute reduction of a policy from a router sample (no forward pass)."""
     pols = _as_layer_list(policy, sample.num_layers)
+    if attended is not None:
+        check_context(attended, "attended")
     mean_k_layers = [float(sample.k(p, i).float().mean()) for i, p in enumerate(pols)]
     attended = attended if attended is not None else (sample.context + 1) / 2
     return {

@@ -192,6 +192,27 @@ def grouped_gemm(x_PK: torch.Tensor, w_ENK: torch.Tensor, offsets_E: torch.Tenso
     return y
 
 
+def check_plan(plan: RoutingPlan, T: int, E: int) -> None:
+    """A plan for T tokens and E experts: its type, shapes, dtypes and num_experts (no host sync on CUDA, so a
+    forward stays capturable: expert ids are range-checked on CPU tensors only)."""
+    if not isinstance(plan, RoutingPlan):
+        raise ValueError(f"plan={plan!r}: must be a RoutingPlan (moelab.routing.route)")
+    ids, w, k = plan.expert_ids, plan.weights, plan.k
+    if ids.dim() != 2 or w.shape != ids.shape or k.shape != ids.shape[:1]:
+        raise ValueError(f"plan expert_ids {tuple(ids.shape)}, weights {tuple(w.shape)}, k {tuple(k.shape)}: "
+                         "must be [T, K], [T, K] and [T]")
+    if ids.dtype.is_floating_point or ids.dtype == torch.bool or not w.dtype.is_floating_point:
+        raise ValueError(f"plan expert_ids {ids.dtype}, weights {w.dtype}: must be integer ids and float weights")
+    if plan.num_tokens != T:
+        raise ValueError(f"plan has {plan.num_tokens} tokens but x has T={T}")
+    if plan.num_experts != E:
+        raise ValueError(f"plan has num_experts={plan.num_experts} but the weights have E={E}")
+    if ids.device.type == "cpu":
+        bad = ids[(ids < -1) | (ids >= E)]
+        if bad.numel():
+            raise ValueError(f"plan.expert_ids holds {int(bad[0])}: must be -1 (unused) or an expert in [0, E={E})")
+
+
 def run_experts(
     x_TD: torch.Tensor,
     plan: RoutingPlan,
@@ -206,16 +227,13 @@ def run_experts(
                          "must be [T, D], [E, 2F, D] and [E, D, F]")
     T, D = x_TD.shape
     E, H = gate_up_EHD.shape[:2]
-    if plan.num_tokens != T:
-        raise ValueError(f"plan has {plan.num_tokens} tokens but x has T={T}")
-    if plan.num_experts != E:
-        raise ValueError(f"plan has num_experts={plan.num_experts} but the weights have E={E}")
+    check_plan(plan, T, E)
     if gate_up_EHD.shape[2] != D or H % 2 or tuple(down_EDF.shape) != (E, D, H // 2):
         raise ValueError(f"weights gate_up {tuple(gate_up_EHD.shape)} / down {tuple(down_EDF.shape)}: must be "
                          f"[E, 2F, D] / [E, D, F] with E={E}, hidden D={D} (from x) and one F")
-    if not x_TD.dtype == gate_up_EHD.dtype == down_EDF.dtype:
+    if not x_TD.dtype == gate_up_EHD.dtype == down_EDF.dtype or not x_TD.dtype.is_floating_point:
         raise ValueError(f"dtypes x {x_TD.dtype}, gate_up {gate_up_EHD.dtype}, down {down_EDF.dtype}: "
-                         "must be one dtype")
+                         "must be one dtype, a floating-point one")
     layout = layout if layout is not None else make_layout(plan)
     fusable = layout.padded and layout.slot_row is not None and is_silu(act_fn)
     if _GEMM_MODE == "triton" and not fusable:

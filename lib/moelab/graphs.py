@@ -26,8 +26,9 @@ import bisect
 import contextlib
 import inspect
 import logging
+import numbers
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +39,7 @@ from moelab.scratch import (
     ScratchBuffers,
     ScratchLiveError,
     active_scopes,
+    check_device,
     live_scratch_bytes,
     prefer_graph_pool,
     register_capture_stream,
@@ -87,13 +89,16 @@ def make_buckets(max_batch: int) -> list[int]:
 
 
 def check_buckets(buckets: Sequence[int]) -> list[int]:
-    """Validated, ascending, distinct bucket sizes."""
+    """Validated, ascending, distinct bucket sizes (Python ints) from any iterable of ints, numpy's too."""
+    if isinstance(buckets, (str, bytes)) or not isinstance(buckets, Iterable):
+        raise TypeError(f"buckets={buckets!r}: must be an iterable of batch sizes, e.g. [1, 2, 4, 8]")
     bs = list(buckets)
     if not bs:
         raise ValueError("buckets=[]: need at least one batch size")
     for b in bs:
-        if isinstance(b, bool) or not isinstance(b, int) or b < 1:
+        if isinstance(b, bool) or not isinstance(b, numbers.Integral) or b < 1:
             raise ValueError(f"bucket {b!r} in {bs}: batch sizes must be ints >= 1")
+    bs = [int(b) for b in bs]
     if len(set(bs)) != len(bs):
         raise ValueError(f"buckets={bs}: batch sizes must be distinct")
     return sorted(bs)
@@ -365,7 +370,7 @@ class GraphRunner:
         if device is None and not torch.cuda.is_available():
             raise ValueError("device=None means the current CUDA device, and this machine has none "
                              "(device='cpu' builds a runner for eager forwards only; capture needs CUDA)")
-        self.device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+        self.device = check_device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
         self.graphs: dict[int, _Graph] = {}
         self.out_buffers: tuple = ()  # one [max bucket, ...] buffer per output, ordinary allocator
         self.pool = None  # the shared MemPool
@@ -561,7 +566,9 @@ class GraphRunner:
         return {b: (g.pool.id if hasattr(g.pool, "id") else tuple(g.pool)) for b, g in self.graphs.items()}
 
     def pool_bytes(self) -> dict[tuple[int, int], dict]:
-        """Reserved/allocated bytes of each distinct pool the graphs own."""
+        """Reserved/allocated bytes of each distinct pool the graphs own (none before capture, or on the CPU)."""
+        if not self.graphs:
+            return {}
         snap = torch.cuda.memory_snapshot()
         return {pid: pool_bytes(pid, snap) for pid in dict.fromkeys(self.pool_ids().values())}
 

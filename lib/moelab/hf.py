@@ -174,6 +174,8 @@ def _resolve_policies(layers: list[MoELayer], policy_or_policies) -> dict[int, P
             raise ValueError(f"{len(p)} policies given: need one per MoE layer ({n}) or a single policy")
         out = dict(enumerate(p))
     elif isinstance(p, dict):
+        if not p:
+            raise ValueError("policy={}: a dict needs at least one {moe layer: policy} (None runs the model unchanged)")
         bad = [i for i in p if isinstance(i, bool) or not (isinstance(i, numbers.Integral) and 0 <= i < n)]
         if bad:
             raise ValueError(f"policy keys {bad}: must be MoE layer ordinals (ints, not bools) in [0, {n})")

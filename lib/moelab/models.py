@@ -10,9 +10,11 @@ adapter for loads with a warning; `hf.patched` refuses it).
 from __future__ import annotations
 
 import hashlib
+import inspect
 import logging
 import numbers
 import os
+import reprlib
 from pathlib import Path
 
 import numpy as np
@@ -73,6 +75,15 @@ TINY = {
     ),
 }
 NAMES = tuple(TINY)
+# config fields that are sizes: an override must be an int >= 1 (the two optional ones may be None: derived);
+# num_experts_per_tok: in [1, E], checked by `moe_info`
+_SIZES = frozenset({"vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+                    "num_attention_heads", "num_key_value_heads", "head_dim", "num_local_experts", "num_experts",
+                    "max_position_embeddings"})
+_OPTIONAL_SIZES = frozenset({"num_key_value_heads", "head_dim"})
+# keys every transformers config takes beyond its class's fields
+_CONFIG_KWARGS = frozenset({"attn_implementation", "experts_implementation", "output_attentions", "rope_theta",
+                            "rope_scaling"})
 
 # family -> the real model's expert count, k and convention, scaled down for `tiny_random`
 _RANDOM = {
@@ -145,14 +156,29 @@ def build(name_or_family: str, seed: int = 0, **overrides):
         family = name_or_family
         kwargs = dict(_SHARED, vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, max_position_embeddings=128, **_RANDOM.get(family, {}))
-    kwargs.update(overrides)
     cfg_cls, model_cls = _classes(family)
+    kwargs.update(_check_overrides(cfg_cls, kwargs, overrides))
     cfg = cfg_cls(**kwargs)
-    info = moe_info(cfg)
-    if not 1 <= info["native_k"] <= info["num_experts"]:
-        raise ValueError(f"num_experts_per_tok={info['native_k']}: must be in [1, num_experts={info['num_experts']}]")
+    moe_info(cfg)  # k in [1, E]
     torch.manual_seed(seed)
     return model_cls(cfg).eval()
+
+
+def _check_overrides(cfg_cls, base: dict, overrides: dict) -> dict:
+    """overrides with sizes as ints, once every key is a field of cfg_cls (or of `base`) and every size an int >= 1."""
+    valid = {n for n, p in inspect.signature(cfg_cls.__init__).parameters.items()
+             if n != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)} | set(base) | _CONFIG_KWARGS
+    out, default = {}, None
+    for key, v in overrides.items():
+        if key not in valid and default is None:  # an attribute of a default config: older configs take **kwargs
+            default = cfg_cls()
+        if key not in valid and not hasattr(default, key):
+            raise TypeError(f"{key}={v!r}: not a {cfg_cls.__name__} field; valid overrides: {sorted(valid)}")
+        is_int = isinstance(v, numbers.Integral) and not isinstance(v, bool)
+        if key in _SIZES and not (is_int and v >= 1 or v is None and key in _OPTIONAL_SIZES):
+            raise ValueError(f"{key}={v!r}: must be an int >= 1")
+        out[key] = int(v) if is_int else v  # numpy ints too
+    return out
 
 
 def tiny_random(family: str, seed: int = 0, **overrides):
@@ -194,6 +220,8 @@ def moe_info(model_or_config) -> dict:
         renorm = True
     else:
         renorm = bool(getattr(cfg, "norm_topk_prob", False))
+    if not 1 <= k <= E:
+        raise ValueError(f"num_experts_per_tok={k}: must be in [1, num_experts={E}]")
     info = {"num_experts": E, "native_k": k, "renormalize": renorm, "family": family}
     if getattr(cfg, "shared_expert_intermediate_size", 0):
         info["shared_expert"] = True
@@ -205,7 +233,11 @@ def resolve(name_or_path: str | Path) -> Path:
 
     A Path, or a string with a path separator, is always a path; a bare registry name that is also a
     folder here is refused as ambiguous (pass './name' for the folder)."""
+    if not isinstance(name_or_path, (str, os.PathLike)):
+        raise TypeError(f"name_or_path={name_or_path!r}: must be a str or a path")
     s = str(name_or_path)
+    if not s:
+        raise ValueError(f"name_or_path={s!r}: empty; pass one of {list(NAMES)} or a checkpoint directory")
     as_path = isinstance(name_or_path, Path) or os.sep in s or (os.altsep and os.altsep in s) or s.startswith(".")
     if s in TINY and not as_path and Path(s).exists():
         raise ValueError(f"{s!r} is both an embedded model and a folder here: pass './{s}' for the folder "
@@ -287,6 +319,7 @@ def load(name_or_path: str | Path, device=None, dtype=None, device_map=None):
     checkpoint and ValueError for a model that is not an MoE model; an MoE family moelab has no adapter
     for loads with a warning (`hf.patched` refuses it, with the reason).
     """
+    from safetensors import SafetensorError, safe_open
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     path = resolve(name_or_path)
@@ -299,6 +332,12 @@ def load(name_or_path: str | Path, device=None, dtype=None, device_map=None):
         log.warning("%s: family %r is not one moelab has an adapter for (%s)", path, info["family"], sorted(ADAPTED))
     if not ((path / "tokenizer.json").exists() or (path / "tokenizer_config.json").exists()):  # before any weights
         raise FileNotFoundError(f"{path}: no tokenizer files (tokenizer.json, tokenizer_config.json) beside the model")
+    for f in sorted(path.glob("*.safetensors")):  # headers only: a truncated file named here, not deep in transformers
+        try:
+            with safe_open(f, "pt"):
+                pass
+        except SafetensorError as e:
+            raise ValueError(f"{f}: {e} (a truncated or corrupt weights file?)") from None
     device = map_device(device_map) if device_map is not None else pick_device(device)
     dtype = pick_dtype(dtype, device)
     if device_map is not None:
@@ -344,9 +383,21 @@ def input_device(model) -> torch.device:
     return next(model.parameters()).device
 
 
+def as_ids(ids, name: str = "ids", what: str = "token ids") -> torch.Tensor:
+    """ids (a tensor, array or sequence of ints) as a tensor; a TypeError naming `name` for anything else."""
+    if not isinstance(ids, (str, bytes)):
+        try:
+            return torch.as_tensor(ids)
+        except (TypeError, ValueError, RuntimeError):
+            pass
+    raise TypeError(f"{name}={reprlib.repr(ids)}: must be {what} (a list, array or tensor of ints)")
+
+
 def check_ids(model, ids: torch.Tensor) -> torch.Tensor:
     """ids unchanged, once every id is inside the model's vocabulary: a clear error here instead of an
     IndexError (CPU) or a device-side assert (CUDA) in the embedding."""
+    if not isinstance(ids, torch.Tensor):
+        raise TypeError(f"ids={reprlib.repr(ids)}: must be a torch.Tensor of token ids (torch.as_tensor(ids))")
     if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
         raise ValueError(f"token ids of dtype {ids.dtype}: must be an integer tensor (torch.long)")
     emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
@@ -382,7 +433,7 @@ def router_stats(model, ids, seq_len: int | None = None, max_tokens: int = 16384
         if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1):
             raise ValueError(f"{name}={v!r}: must be an int >= 1" + (" or None" if name == "seq_len" else ""))
     seq_len, max_tokens, batch_size = (None if v is None else int(v) for v in (seq_len, max_tokens, batch_size))
-    ids = check_ids(model, torch.as_tensor(ids, dtype=torch.long).flatten()[:max_tokens])
+    ids = check_ids(model, as_ids(ids).long().flatten()[:max_tokens])
     limit = model_context(model) or 512
     seq_len = min(seq_len, limit) if seq_len else min(512, limit)
     n = ids.numel() // seq_len

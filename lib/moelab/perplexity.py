@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import inspect
 import math
+import numbers
 
 import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from moelab.models import check_ids, input_device, model_context
+from moelab.models import as_ids, check_ids, input_device, model_context
 
 __all__ = ["perplexity", "windows", "token_ids"]
 
@@ -33,14 +34,14 @@ def token_ids(tokenizer, text_or_ids) -> torch.Tensor:
             raise ValueError("text given as a str but tokenizer=None: pass a tokenizer or token ids")
         ids = tokenizer(text_or_ids, add_special_tokens=False, return_attention_mask=False)["input_ids"]
         return torch.tensor(ids, dtype=torch.long)
-    ids = torch.as_tensor(text_or_ids)
+    ids = as_ids(text_or_ids, "text_or_ids", "a str (with a tokenizer) or token ids")
     if ids.dim() == 2 and ids.shape[0] == 1:
         ids = ids[0]
     if ids.dim() != 1:
         raise ValueError(f"token ids of shape {tuple(ids.shape)}: must be one stream, shape [N] or [1, N]")
     if ids.numel() == 0:  # before the dtype check: torch.as_tensor([]) is float32
         return ids.long()
-    if ids.dtype.is_floating_point or ids.dtype == torch.bool:
+    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
         raise ValueError(f"token ids of dtype {ids.dtype}: must be integers")
     return ids.long()
 
@@ -84,20 +85,22 @@ def perplexity(
     batch_size: windows of equal shape run together (no padding, so results do not depend on it).
     """
     for name, v in (("context", context), ("stride", stride)):
-        if isinstance(v, bool) or not isinstance(v, int):
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral):
             raise ValueError(f"{name}={v!r}: must be an int")
+    context, stride = int(context), int(stride)
     if context < 2:
         raise ValueError(f"context={context}: must be >= 2 (a window's first token has no prediction)")
     ids = token_ids(tokenizer, text_or_ids)
     if max_tokens is not None:
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 2:
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, numbers.Integral) or max_tokens < 2:
             raise ValueError(f"max_tokens={max_tokens!r}: must be an int >= 2 or None")
-        ids = ids[:max_tokens]
+        ids = ids[: int(max_tokens)]
     check_ids(model, ids)  # only what the model will read
     if ids.numel() < 2:
         raise ValueError(f"{ids.numel()} tokens: need at least 2 to score one")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+    if isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral) or batch_size < 1:
         raise ValueError(f"batch_size={batch_size!r}: must be an int >= 1")
+    batch_size = int(batch_size)
     if not 1 <= stride <= context:  # as asked; the clipping below may shorten both
         raise ValueError(f"stride={stride}: must be in [1, context={context}]")
     limit = model_context(model)
@@ -130,7 +133,14 @@ def perplexity(
         target_BS = x_BL[:, length - scored :].to(logits_BSV.device)
         nll = F.cross_entropy(logits_BSV.float().reshape(-1, logits_BSV.shape[-1]), target_BS.reshape(-1),
                               reduction="sum")
-        nll_sum += float(nll)
+        if not math.isfinite(nll := float(nll)):  # as the patched path's router check: at the first bad window
+            bar.close()
+            bad = (~torch.isfinite(logits_BSV)).nonzero()
+            i = bad[0].tolist() if len(bad) else [0]
+            at = f"logits[{i[0]}, {i[1]}, {i[2]}]={logits_BSV[tuple(i)].item()}" if len(bad) else f"nll={nll}"
+            raise ValueError(f"{at} in the window ids[{g[i[0]][0]}:{g[i[0]][1]}]: logits must be finite "
+                             "(NaN or inf in the model's weights or activations?)")
+        nll_sum += nll
         scored_total += scored * len(g)
         bar.update(len(g))
     bar.close()

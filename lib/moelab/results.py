@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import logging
 import lzma
 import os
 import platform
@@ -27,6 +28,16 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 SCHEMA = 1
+FIELDS = ("schema", "topic", "created", "commit", "command", "machine", "rows", "notes")  # a document's own
+log = logging.getLogger("moelab.results")
+
+
+def _check_stem(what: str, name) -> None:
+    """A topic or result name becomes a file name: a plain stem in its folder."""
+    if not isinstance(name, str):
+        raise TypeError(f"{what} {name!r}: must be a str, not {type(name).__name__}")
+    if not name or "/" in name or name.startswith("."):
+        raise ValueError(f"{what} {name!r}: must be a plain file stem (no '/', not hidden)")
 
 
 def commit() -> str:
@@ -147,7 +158,12 @@ def results_dir() -> Path:
 
 def write_results(topic: str, rows: list[dict], notes: str = "", command: str | None = None,
                   out_dir: Path | None = None, extra: dict | None = None) -> Path:
-    """Write `<out_dir>/<topic>-<yyyymmdd>.json` (schema 1) and return its path."""
+    """Write `<out_dir>/<topic>-<yyyymmdd>.json` (schema 1) and return its path. `extra`: the topic's own
+    fields, none of them one of the document's (FIELDS)."""
+    _check_stem("topic", topic)
+    taken = sorted(set(extra or ()) & set(FIELDS))
+    if taken:
+        raise ValueError(f"extra keys {taken}: taken by the document's own fields {FIELDS}")
     now = _dt.datetime.now(_dt.timezone.utc)
     doc = {
         "schema": SCHEMA,
@@ -204,7 +220,7 @@ def load_results(topic: str, directory: Path | None = None, fallback: bool = Fal
         return load_results(topic)
     if not files:
         raise FileNotFoundError(f"no results for topic {topic!r} in {d}; run its benchmark on a GPU first")
-    return json.loads(files[-1].read_text())
+    return read_file(files[-1])
 
 
 def load_runs(topic: str, directory: Path | None = None) -> list[dict]:
@@ -212,27 +228,53 @@ def load_runs(topic: str, directory: Path | None = None) -> list[dict]:
     the runs it replaced, `archive/<topic>-<yyyymmdd>-<commit>.json.xz` (xz-compressed, since 2026-12-01: the
     repository travels to the GPU machine whole, under a size limit; plain `.json` there is read too): how far a
     number moves between runs. Side runs of another configuration, archived under a descriptive suffix
-    (`graph-pool-20261129-primed-default.json.xz`), are not replaced runs: `read_file` opens them."""
+    (`graph-pool-20261129-primed-default.json.xz`), are not replaced runs: `read_file` opens them. A file that
+    cannot be read (or has no `created`) is left out with a warning naming it, so one damaged archive does not
+    hide the history; ValueError when no file of the topic can be read."""
     d = Path(directory or REPO / "data" / "results")
     name = re.compile(rf"{re.escape(topic)}-\d{{8}}(-([0-9a-f]{{7,40}}|unknown)(-\d+)?)?\.json(\.xz)?")
     candidates = (*d.glob(f"{topic}-*.json"), *(d / "archive").glob(f"{topic}-*.json*"))
     files = [f for f in candidates if name.fullmatch(f.name)]  # the current file is plain .json: the glob above
     if not files:
         raise FileNotFoundError(f"no results for topic {topic!r} in {d} or {d / 'archive'}")
-    return sorted((read_file(f) for f in files), key=lambda doc: doc["created"])
+    docs = []
+    for f in files:
+        try:
+            doc = read_file(f)
+            if not isinstance(doc.get("created"), str):
+                raise ValueError(f"{f}: no 'created' time in it")
+            docs.append(doc)
+        except ValueError as e:
+            log.warning("%s: left out of the runs of %r", e, topic)
+    if not docs:
+        raise ValueError(f"no readable results for topic {topic!r} in {d} or {d / 'archive'} (see the warnings)")
+    return sorted(docs, key=lambda doc: doc["created"])
+
+
+def read_json(path: Path):
+    """A JSON file's value (xz-compressed for `.xz`); a damaged file raises ValueError naming it."""
+    path = Path(path)
+    data = path.read_bytes()
+    try:
+        return json.loads(lzma.decompress(data) if path.suffix == ".xz" else data)
+    except (ValueError, lzma.LZMAError) as e:
+        raise ValueError(f"{path}: not readable as JSON{' (xz)' if path.suffix == '.xz' else ''}: {e}") from e
 
 
 def read_file(path: Path) -> dict:
-    """One results file: JSON, or xz-compressed JSON (`.json.xz`, the archive's form)."""
+    """One results file: JSON, or xz-compressed JSON (`.json.xz`, the archive's form). A damaged file, or one
+    that holds no JSON object, raises ValueError naming it."""
     path = Path(path)
-    if path.suffix == ".xz":
-        return json.loads(lzma.decompress(path.read_bytes()))
-    return json.loads(path.read_text())
+    doc = read_json(path)
+    if not isinstance(doc, dict):
+        raise ValueError(f"{path}: holds a JSON {type(doc).__name__}, not a results document (an object)")
+    return doc
 
 
 def load_optional(topic: str, directory: Path | None = None) -> dict | None:
     """load_results(topic, directory, fallback=True), or None with the reason printed: for a notebook
-    section that plots a topic only where it has been measured."""
+    section that plots a topic only where it has been measured. A file there that cannot be read is no
+    missing measurement: its ValueError (naming it) goes through."""
     try:
         return load_results(topic, directory, fallback=True)
     except FileNotFoundError as e:
@@ -244,6 +286,10 @@ def rows_frame(doc: dict):
     """A results document's rows as a pandas frame."""
     import pandas as pd
 
+    if not isinstance(doc, dict):
+        raise TypeError(f"doc: a {type(doc).__name__}, not a results document (a dict)")
+    if not isinstance(doc.get("rows"), list):
+        raise ValueError(f"doc (keys {list(doc)}): not a results document, which has a 'rows' list")
     return pd.DataFrame(doc["rows"])
 
 
@@ -257,8 +303,7 @@ def save(name: str, obj) -> Path:
     replaces its earlier result, also one saved in the other format."""
     import pandas as pd
 
-    if not name or "/" in name or name.startswith("."):
-        raise ValueError(f"result name {name!r}: must be a plain file stem (no '/', not hidden)")
+    _check_stem("result name", name)
     if name == "summary":
         raise ValueError("result name 'summary': taken by a sweep's table of its runs (summary.csv); choose another")
     d = run_dir() / "results"
@@ -279,13 +324,17 @@ def save(name: str, obj) -> Path:
 
 
 def load_saved(directory: Path) -> dict:
-    """All named results in a run directory: {name: dict or DataFrame}."""
+    """All named results in a run directory: {name: dict or DataFrame}. A damaged file raises ValueError
+    naming it."""
     import pandas as pd
 
     out = {}
     for p in sorted((Path(directory) / "results").glob("*")):
         if p.suffix == ".json":
-            out[p.stem] = json.loads(p.read_text())
+            out[p.stem] = read_json(p)
         elif p.suffix == ".parquet":
-            out[p.stem] = pd.read_parquet(p)
+            try:
+                out[p.stem] = pd.read_parquet(p)
+            except ValueError as e:  # pyarrow's ArrowInvalid is one
+                raise ValueError(f"{p}: not readable as parquet: {e}") from e
     return out

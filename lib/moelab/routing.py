@@ -131,7 +131,8 @@ class TopK:
 class EntropyAdaptiveK:
     """Entropy-guided k: k_values[i] for the first i with entropy < thresholds[i], else k_values[-1].
 
-    k_values ascend strictly; thresholds (nats) ascend strictly and are one fewer than k_values.
+    k_values ascend strictly; thresholds (nats) ascend strictly and are one fewer than k_values. A threshold
+    below 0 is allowed: every token's entropy reaches it (calibrate's u = 0 nudges one there on peaked routers).
     """
 
     k_values: tuple[int, ...]

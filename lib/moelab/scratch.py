@@ -45,6 +45,7 @@ __all__ = [
     "LOCK_WAIT_S",
     "registered_pools",
     "round_block",
+    "check_device",
 ]
 
 log = logging.getLogger(__name__)
@@ -318,6 +319,20 @@ class BestFitFreeList:
         return len(self._keys)
 
 
+def check_device(device) -> torch.device:
+    """`device` as a torch.device: the CPU (eager forwards only) or a CUDA device this machine has."""
+    try:
+        d = torch.device(device)
+    except (RuntimeError, TypeError):
+        d = None
+    if d is None or d.type not in ("cpu", "cuda"):
+        raise ValueError(f"device={device!r}: must be 'cpu' or a CUDA device ('cuda', 'cuda:0', ...)")
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if d.type == "cuda" and (d.index or 0) >= n:
+        raise ValueError(f"device={device!r}: this machine has {n} CUDA device(s)")
+    return d
+
+
 class ScratchBuffers:
     """Per-forward scratch tensors, best-fit reused, allocated from the preferred graph pool.
 
@@ -333,7 +348,7 @@ class ScratchBuffers:
     """
 
     def __init__(self, device=None):
-        self.device = torch.device(device) if device is not None else None
+        self.device = check_device(device) if device is not None else None
         self.fallbacks = 0  # requests the pool could not serve (out of memory) and the ordinary allocator did
         self.fallback_bytes = 0
         self.pool_bytes = 0  # bytes of new blocks taken from the pool

@@ -739,6 +739,25 @@ def _write_table(df, path_stem: Path) -> dict[str, Path]:
 _SUMMARY_COLUMNS = ("run", "status", "elapsed_s", "error")
 
 
+def _read_run(d: Path, state: str) -> tuple[dict, dict, dict]:
+    """A finished run's params.json, its `done` or error.json record ({} for a stale run) and saved results;
+    a file that cannot be read raises ValueError or OSError naming it."""
+    from moelab.results import load_saved, read_json
+
+    def record(path: Path) -> dict:
+        value = read_json(path)
+        if not isinstance(value, dict):
+            raise ValueError(f"{path}: holds a JSON {type(value).__name__}, not an object")
+        return value
+
+    spec = record(d / PARAMS)
+    if not isinstance(spec.get("parameters"), dict):
+        raise ValueError(f"{d / PARAMS}: has no 'parameters' object")
+    if state == "stale":
+        return spec, {}, {}
+    return spec, record(d / (DONE if state == "done" else ERROR)), load_saved(d)
+
+
 def collect(sweep_dir: Path, hashes: list[str], name: str = "", digest: str | None = None) -> dict[str, Path]:
     """Combine runs into summary.{parquet,csv} (one row per run) and <result>.{parquet,csv} per saved frame.
 
@@ -746,11 +765,10 @@ def collect(sweep_dir: Path, hashes: list[str], name: str = "", digest: str | No
     name is one of the summary's own columns (run, status, elapsed_s, error); a scalar result with such a name
     (or a parameter's) is prefixed `result.`, and a frame with its own `run` column gets the run as `sweep.run`.
     digest: the notebook's current `notebook_digest`; a run finished with another version is listed with
-    status 'stale' and none of its results (a sweep without --collect runs it again).
+    status 'stale' and none of its results (a sweep without --collect runs it again). A run whose files
+    cannot be read (params.json, done, error.json, a saved result) is left out with a warning naming the file.
     """
     import pandas as pd
-
-    from moelab.results import load_saved
 
     summary, frames, stale = [], {}, 0
     for h in hashes:
@@ -758,7 +776,11 @@ def collect(sweep_dir: Path, hashes: list[str], name: str = "", digest: str | No
         state = run_state(d, digest)
         if state == "pending":
             continue
-        spec = json.loads((d / PARAMS).read_text())
+        try:
+            spec, end, saved = _read_run(d, state)
+        except (OSError, ValueError) as e:
+            log.warning("run %s: left out of the summary, a file of it cannot be read: %s", h, e)
+            continue
         params = {k: _cell(v) for k, v in spec["parameters"].items()}
         row = {"run": h, **{(f"param.{k}" if k in _SUMMARY_COLUMNS else k): v for k, v in params.items()},
                "status": {"done": "ok", "stale": "stale"}.get(state, "failed")}
@@ -767,11 +789,10 @@ def collect(sweep_dir: Path, hashes: list[str], name: str = "", digest: str | No
             summary.append(row)
             continue
         if state == "done":
-            row["elapsed_s"] = json.loads((d / DONE).read_text()).get("elapsed_s")
+            row["elapsed_s"] = end.get("elapsed_s")
         else:
-            err = json.loads((d / ERROR).read_text())
-            row["error"] = describe_error(Path(spec["notebook"]).name, err)
-        for rname, obj in load_saved(d).items():
+            row["error"] = describe_error(Path(spec.get("notebook", "notebook")).name, end)
+        for rname, obj in saved.items():
             if isinstance(obj, pd.DataFrame) or (isinstance(obj, list) and obj and all(isinstance(x, dict)
                                                                                        for x in obj)):
                 df = obj if isinstance(obj, pd.DataFrame) else pd.DataFrame(obj)

@@ -55,15 +55,21 @@ def unigram_perplexity(tokenizer, train_text: str | list[int], eval_text: str | 
 
     The floor a language model must beat by far: it knows token frequencies and nothing else.
     """
-    def ids(x) -> list[int]:  # a tensor or array as plain ints (0-d tensors hash by identity: no count would match)
+    V = len(tokenizer)
+
+    def ids(x, name: str) -> list[int]:  # a tensor or array as plain ints (0-d tensors hash by identity)
         if isinstance(x, str):
             return encode(tokenizer, x)
-        return [int(t) for t in (x.tolist() if hasattr(x, "tolist") else x)]
+        out = [int(t) for t in (x.tolist() if hasattr(x, "tolist") else x)]
+        i = next((i for i, t in enumerate(out) if not 0 <= t < V), None)
+        if i is not None:
+            raise ValueError(f"{name}: token id {out[i]} at position {i}: must be in [0, vocab_size={V})")
+        return out
 
-    train_ids, eval_ids = ids(train_text), ids(eval_text)
+    eval_ids = ids(eval_text, "eval_text")  # first: the training text is usually the long one
     if not eval_ids:
         raise ValueError("eval_text: encodes to 0 tokens; need at least 1 to score")
-    V = len(tokenizer)
+    train_ids = ids(train_text, "train_text")
     counts = Counter(train_ids)
     total = len(train_ids) + V
     nll = -sum(math.log((counts.get(t, 0) + 1) / total) for t in eval_ids) / len(eval_ids)

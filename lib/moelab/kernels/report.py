@@ -26,8 +26,28 @@ EAGER_SPEEDUP = 8.0  # eager call against the torch version's eager call
 LAYER_SLACK = 1.1  # adaptive layer time <= slack * kept/native * native layer time (T = 4096)
 
 
+def _rows(doc: dict, topic: str, *cols: str) -> pd.DataFrame:
+    """The rows of a `topic` document as a frame, with the columns `cols`; another topic's document, or rows
+    without them, raise ValueError naming the topic expected and what was given (a document without `topic`,
+    as the tests and batch_targets build, is taken for one of `topic`)."""
+    if not isinstance(doc, dict):
+        raise TypeError(f"doc: a {type(doc).__name__}, needs a results document (a dict) of topic {topic!r}")
+    if not isinstance(doc.get("rows"), list):
+        raise ValueError(f"doc (keys {list(doc)}): needs a results document of topic {topic!r}, with a 'rows' list")
+    if doc.get("topic", topic) != topic:
+        raise ValueError(f"doc of topic {doc['topic']!r}: needs a results document of topic {topic!r}")
+    df = pd.DataFrame(doc["rows"])
+    missing = [c for c in cols if c not in df]
+    if missing:
+        raise ValueError(f"doc: its rows lack {missing} (have {list(df.columns)}): not {topic!r} rows")
+    return df
+
+
 def machine_line(doc: dict) -> str:
     """'NVIDIA H200 · torch 2.11 · triton 3.6 · transformers 5.17 · commit abc1234 · 2026-11-29'."""
+    missing = [k for k in ("machine", "commit", "created") if k not in doc]
+    if missing:
+        raise ValueError(f"doc (keys {list(doc)}): lacks {missing}, not a results document")
     m = doc["machine"]
     return (f"{m['device']} · torch {m['torch']} · triton {m['triton']} · transformers {m['transformers']} · "
             f"commit {str(doc['commit'])[:7]} · {doc['created'][:10]}")
@@ -40,7 +60,7 @@ def _row(target, shape, T, measured, limit, met, unit):
 
 def routing_targets(doc: dict) -> pd.DataFrame:
     """Graph time <= 5 us (T <= 4096), >= half the HBM bound (T = 65536, E >= 64), eager >= 8x."""
-    df = pd.DataFrame(doc["rows"])
+    df = _rows(doc, "routing-kernel", "shape", "T", "method", "E")
     out = []
     for (shape, T), g in df.groupby(["shape", "T"]):
         by = g.set_index("method")
@@ -72,7 +92,7 @@ def layer_targets(doc: dict, tokens: int = 4096) -> pd.DataFrame:
     timed in interleaved rounds also give each ratio's lowest, median and highest round (round_min,
     round_median, round_max: the same round's adaptive and native times, taken side by side).
     Layers with a shared expert get a second row that counts its work as kept pairs (shared_ffn / F per token)."""
-    df = pd.DataFrame(doc["rows"])
+    df = _rows(doc, "moe-layer", "shape", "T", "variant")
     out = []
     for (shape, T), g in df.groupby(["shape", "T"]):
         by = g.set_index("variant")
@@ -178,7 +198,7 @@ def layer_runs(docs: list[dict], tokens: int = 4096, like: int | None = -1) -> p
         raise ValueError(f"like={like}: must index the {len(docs)} runs given")
 
     def kept(doc):
-        df = pd.DataFrame(doc["rows"])
+        df = _rows(doc, "moe-layer", "shape", "T", "variant", "kept_pairs")
         df = df[df["T"] == tokens]
         return dict(zip(zip(df["shape"], df["variant"]), df["kept_pairs"]))
 
@@ -247,6 +267,7 @@ PLANS = ("native", "adaptive_q50", "adaptive")
 def stage_paths(doc: dict) -> list[str]:
     """The expert paths a `layer-stages` document times: 'grouped' (torch._grouped_mm), 'triton' (runs before
     2026-11-30 13:00 have no `gemm` field: 'grouped' alone)."""
+    _rows(doc, "layer-stages", "shape", "T", "plan", "stage")
     return list(dict.fromkeys(r.get("gemm") or "grouped" for r in doc["rows"]))
 
 
@@ -255,7 +276,7 @@ def _stage_rows(doc: dict, gemm: str) -> pd.DataFrame:
     paths = stage_paths(doc)
     if gemm not in paths:
         raise ValueError(f"gemm={gemm!r}: this layer-stages document times {paths}")
-    df = pd.DataFrame(doc["rows"])
+    df = _rows(doc, "layer-stages")
     df["gemm"] = df["gemm"].fillna("grouped") if "gemm" in df else "grouped"
     df = df[df["gemm"] == gemm]
     return df[df["T"] == df["T"].max()]
@@ -341,7 +362,7 @@ def expert_gemms(doc: dict) -> pd.DataFrame:
     loads, in persistent programs and in persistent programs with the tile and K loops flattened (NaN in
     runs that did not time them), and the tuned pick
     (`least_regret` over the plans, as the tuning run chose it)."""
-    df = pd.DataFrame(doc["rows"])
+    df = _rows(doc, "experts-tune", "shape", "kernel", "time_us")
     if "plan" not in df:
         df["plan"] = "native"  # runs before 2026-11-30 11:00 tuned on the native plan only
     for k in ("TMA", "PERSISTENT", "FLATTEN", "cutlass"):  # PERSISTENT since 2026-11-30 12:00, FLATTEN 1154eea
@@ -370,7 +391,7 @@ def expert_gemms(doc: dict) -> pd.DataFrame:
 def layout_sweep(doc: dict) -> pd.DataFrame:
     """Per (shape, T) of a `pair-layout-sweep` document: the rule's launch (plan slots per block, warps) and
     time beside the fastest configuration swept, and their ratio."""
-    df = pd.DataFrame(doc["rows"])
+    df = _rows(doc, "pair-layout-sweep", "shape", "T", "graph_us")
     out = []
     for (shape, T), g in df.groupby(["shape", "T"], sort=False):
         best = g.loc[g["graph_us"].idxmin()]
