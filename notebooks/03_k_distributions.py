@@ -193,8 +193,9 @@ for j, (src, g) in enumerate(loads.groupby("source")):
     m = g.groupby("domain")["normalised_entropy"].mean()
     ax.plot(m.index, m.values, "o", ms=4, label=src,  # markers only: the domains are not a sequence
             color=POLICY_COLORS["native"] if "real" in src else f"C{j}")
-ax.set(xlabel="text domain", ylabel="expert-load entropy / log E", title=f"{tag} (mean over its {n_layers} layers) vs {counts_model} "
-       f"(mean over layers {', '.join(map(str, COUNT_LAYERS))})")
+ax.set(xlabel="text domain", ylabel="expert-load entropy / log E",
+       title=f"{tag}: mean over its {n_layers} layers, {tokens_per_domain} tokens per domain\n{counts_model} "
+             f"(AllenAI's counts): mean over layers {', '.join(map(str, COUNT_LAYERS))}")
 ax.tick_params(axis="x", rotation=30)
 ax.legend(frameon=False, fontsize=6)
 savefig(fig, f"03_expert_load_{tag}")
