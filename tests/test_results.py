@@ -290,7 +290,7 @@ def test_save_refuses_names_that_are_not_a_plain_stem_or_are_taken(tmp_path, mon
     """A saved result's name is a file stem in the run's results/: a '/' (another folder) or a leading '.'
     (hidden) is refused naming it, and 'summary' is the sweep's own table; nothing is written for any of them."""
     monkeypatch.setenv("MOELAB_RUN_DIR", str(tmp_path))
-    for bad in ("sub/m", "../m", ".m", ""):
+    for bad in ("sub/m", "../m", ".m", "", "m.json", "m.parquet"):
         with pytest.raises(ValueError, match="plain file stem"):
             results.save(bad, {"a": 1})
     with pytest.raises(ValueError, match="'summary'"):
@@ -310,7 +310,7 @@ def test_write_results_refuses_a_topic_that_is_no_plain_stem_or_extra_that_repla
     refused naming it; extra keys that would replace the document's own fields too. Nothing is written."""
     monkeypatch.setattr(results, "_WRITTEN", set())
     out = tmp_path / "out"
-    for bad in ("a/../../escape", "", ".hidden"):
+    for bad in ("a/../../escape", "", ".hidden", "x.json"):
         with pytest.raises(ValueError, match=f"topic {bad!r}: must be a plain file stem"):
             results.write_results(bad, [], out_dir=out)
     with pytest.raises(TypeError, match="topic 5: must be a str"):

@@ -7,7 +7,9 @@ import datetime
 import json
 import os
 import shutil
+import socket
 import subprocess
+import sys
 from pathlib import Path
 
 import pandas as pd
@@ -195,6 +197,10 @@ def test_main_runs_every_notebook_reports_failures_and_lists_outputs(tmp_path, m
     assert f"Figures and tables (2 files) are in {tmp_path / 'figures'}/" in out
     assert "02_table.csv" in out and "02_table.tex" in out
     assert (tmp_path / "runs" / "main" / "02_second" / "summary.csv").exists()
+    rc = sweep.run_main(nbs, root=tmp_path / "runs", resume=True,  # 02 finished: not run again, and said so
+                        overrides={"01_first": {"fail_at": 0}, "02_second": {"table": "02_table"}})
+    out = capsys.readouterr().out
+    assert rc == 1 and "done earlier (--resume: not run again)" in out and "0/2 notebooks ran, 1 done earlier" in out
 
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
@@ -334,6 +340,7 @@ def test_a_timeout_is_a_failure_unless_the_run_had_already_written_done(tmp_path
     rep = sweep.run_sweep(g, root=tmp_path / "runs", progress=False)
     by_x = {r.params["x"]: r for r in rep.runs}
     assert by_x[2].status == "failed" and by_x[2].error["ename"] == "Timeout"
+    assert by_x[2].error["elapsed_s"] >= 45 and by_x[2].error["host"]  # the fields of a worker's own errors
     assert (rep.directory / by_x[2].hash / "error.json").exists()
     assert not (rep.directory / by_x[2].hash / "done").exists()
     assert by_x[1].status == "ok", by_x[1].error
@@ -528,3 +535,44 @@ def test_an_edit_during_a_sweep_marks_the_runs_before_it_stale(toy, tmp_path, mo
     rep = sweep.run_sweep(g, root=tmp_path, progress=False, workers=1)  # one worker (CPU): in grid order
     summary = pd.read_csv(rep.tables["summary.csv"]).set_index("x")
     assert summary.loc[1, "status"] == "stale" and summary.loc[2, "status"] == "ok"
+
+
+def test_collect_drops_the_tables_of_runs_now_stale(tmp_path):
+    """A frame result's table from an earlier collect goes once its runs are stale (the notebook changed): the
+    folder then holds only what this collect wrote, as `tables.json` lists it."""
+    for h in ("aaa", "bbb"):
+        d = tmp_path / h
+        (d / "results").mkdir(parents=True)
+        (d / "params.json").write_text(json.dumps({"notebook": "toy.ipynb", "notebook_digest": "OLD",
+                                                   "parameters": {"x": h}}))
+        (d / "done").write_text(json.dumps({"elapsed_s": 1}))
+        (d / "results" / "rows.json").write_text(json.dumps([{"y": 1.0}, {"y": 2.0}]))
+    first = sweep.collect(tmp_path, ["aaa", "bbb"], "t", digest="OLD")
+    assert len(pd.read_csv(first["rows.csv"])) == 4 and (tmp_path / "rows.parquet").exists()
+    again = sweep.collect(tmp_path, ["aaa", "bbb"], "t", digest="NEW")
+    assert set(pd.read_csv(again["summary.csv"]).status) == {"stale"}
+    assert not (tmp_path / "rows.csv").exists() and not (tmp_path / "rows.parquet").exists()
+    assert json.loads((tmp_path / "tables.json").read_text()) == ["summary.csv", "summary.parquet"]
+    (tmp_path / "mine.csv").write_text("a\n1\n")  # a file no collect wrote stays
+    sweep.collect(tmp_path, ["aaa", "bbb"], "t", digest="NEW")
+    assert (tmp_path / "mine.csv").exists()
+
+
+def test_collect_only_lists_stale_and_failed_runs_as_they_are_and_clears_dead_attempts(toy, tmp_path):
+    """--collect runs nothing: a run of another notebook version is reported 'stale' and a failed one 'failed'
+    with its error (not 'pending'), and a killed attempt's folder beside a finished run is removed."""
+    g = sweep.Grid(notebook=toy, name="c", parameters={"x": [1, 2, 3]}, fixed={"sleep_s": 0.0})
+    (h1, p1), (h2, p2), (h3, _) = sweep.param_hash_points(g)
+    for h, p, digest, end, record in ((h1, p1, "OLD", "done", {}), (h2, p2, sweep.notebook_digest(toy), "error.json",
+                                                                   {"cell_index": 3, "ename": "E", "evalue": "bad"})):
+        d = tmp_path / "c" / h
+        d.mkdir(parents=True)
+        (d / "params.json").write_text(json.dumps({"notebook": str(toy), "notebook_digest": digest, "parameters": p}))
+        (d / end).write_text(json.dumps(record))
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # a pid no process has now
+    dead = tmp_path / "c" / f".tmp-{h1}-{socket.gethostname()}-{gone.pid}-0123abcd"
+    dead.mkdir()
+    rep = sweep.run_sweep(g, root=tmp_path, collect_only=True, progress=False)
+    assert {r.hash: r.status for r in rep.runs} == {h1: "stale", h2: "failed", h3: "pending"}
+    assert rep.failed[0].error["evalue"] == "bad" and not dead.exists()

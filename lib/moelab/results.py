@@ -36,8 +36,8 @@ def _check_stem(what: str, name) -> None:
     """A topic or result name becomes a file name: a plain stem in its folder."""
     if not isinstance(name, str):
         raise TypeError(f"{what} {name!r}: must be a str, not {type(name).__name__}")
-    if not name or "/" in name or name.startswith("."):
-        raise ValueError(f"{what} {name!r}: must be a plain file stem (no '/', not hidden)")
+    if not name or "/" in name or name.startswith(".") or name.endswith((".json", ".xz", ".parquet", ".csv")):
+        raise ValueError(f"{what} {name!r}: must be a plain file stem (no '/', not hidden, no file extension)")
 
 
 def commit() -> str:

@@ -73,6 +73,7 @@ PARAMS = "params.json"
 NOTEBOOK_OUT = "notebook.ipynb"
 SOURCE = "source.ipynb"  # the notebook as it was when the run started (its digest is in params.json)
 WORKER_LOG = "worker.log"
+TABLES = "tables.json"  # in a sweep's folder: the table files its last collect wrote
 HEARTBEAT = "heartbeat"  # an attempt's runner touches it every HEARTBEAT_S while its worker runs
 HEARTBEAT_S = 30.0
 HEARTBEAT_STALE_S = 600.0  # another host's attempt whose heartbeat is older than this is over (clock skew allowed)
@@ -417,7 +418,7 @@ def _finished_during(final: Path, tmp: Path) -> bool:
 class RunState:
     hash: str
     params: dict
-    status: str  # "done" (finished earlier), "ok", "failed", "pending"
+    status: str  # "done" (finished earlier), "ok", "failed", "pending"; with --collect also "stale"
     error: dict | None = None
     elapsed_s: float | None = None
 
@@ -503,13 +504,27 @@ def _beat(folder: Path) -> None:
         pass
 
 
+def _read_error(run_dir: Path) -> dict:
+    """A failed run's error.json ({} with the reason where it cannot be read)."""
+    try:
+        err = json.loads((run_dir / ERROR).read_text())
+        return err if isinstance(err, dict) else {"ename": "UnreadableError", "evalue": f"{run_dir / ERROR}"}
+    except (OSError, ValueError) as e:
+        return {"ename": "UnreadableError", "evalue": f"{run_dir / ERROR}: {e}"}
+
+
+def _clear_dead_attempts(final: Path, timeout_s: float | None) -> None:
+    """Remove the attempt folders of run `final` left by killed attempts (`_dead_attempt`)."""
+    for stale in final.parent.glob(f".tmp-{final.name}-*"):
+        if _dead_attempt(stale, timeout_s):
+            shutil.rmtree(stale, ignore_errors=True)
+
+
 def _launch(notebook: Path, params: dict, final: Path, figures: str, gpu: str | None,
             timeout_s: float | None, digest: str) -> RunState:
     """Execute one run in a worker process (its own session, so a timeout kills its kernel too)."""
     h = final.name
-    for stale in final.parent.glob(f".tmp-{h}-*"):
-        if _dead_attempt(stale, timeout_s):
-            shutil.rmtree(stale, ignore_errors=True)  # left by a killed attempt
+    _clear_dead_attempts(final, timeout_s)
     tmp = final.parent / f".tmp-{h}-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
     tmp.mkdir(parents=True)
     try:
@@ -537,6 +552,7 @@ def _launch(notebook: Path, params: dict, final: Path, figures: str, gpu: str | 
     with open(tmp / WORKER_LOG, "wb") as logf:  # travels with the folder when it is renamed
         _beat(tmp)
         proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=logf, stderr=subprocess.STDOUT)
+        t0 = time.monotonic()
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
             left = HEARTBEAT_S if deadline is None else min(HEARTBEAT_S, max(0.0, deadline - time.monotonic()))
@@ -547,8 +563,9 @@ def _launch(notebook: Path, params: dict, final: Path, figures: str, gpu: str | 
                 if deadline is not None and time.monotonic() >= deadline:
                     os.killpg(proc.pid, 9)  # the worker's session: papermill and its kernel
                     proc.wait()
-                    timed_out = {"cell_index": None, "ename": "Timeout",
-                                 "evalue": f"run exceeded timeout_s={timeout_s}"}
+                    timed_out = {"cell_index": None, "ename": "Timeout",  # fields as the worker's own errors
+                                 "evalue": f"run exceeded timeout_s={timeout_s}", "host": socket.gethostname(),
+                                 "gpu": gpu, "elapsed_s": round(time.monotonic() - t0, 2)}
                     break
                 _beat(tmp)  # still running: other hosts leave this attempt's folder alone
     aside = final.parent / (".old-" + tmp.name[len(".tmp-"):])  # where the worker's `_finish` sets the old run aside
@@ -569,7 +586,7 @@ def _launch(notebook: Path, params: dict, final: Path, figures: str, gpu: str | 
         return RunState(h, params, "failed", err)
     if (final / DONE).exists():
         return RunState(h, params, "ok", elapsed_s=json.loads((final / DONE).read_text()).get("elapsed_s"))
-    return RunState(h, params, "failed", json.loads((final / ERROR).read_text()))
+    return RunState(h, params, "failed", _read_error(final))
 
 
 # -------------------------------------------------------------------------------------------- sweeps
@@ -635,9 +652,12 @@ def run_sweep(grid: Grid | str | Path, *, root: Path | None = None, workers: int
     states: dict[str, RunState] = {}
     todo = []
     for h, p in points:
+        _clear_dead_attempts(sweep_dir / h, grid.timeout_s)  # also of a point that finished since
         st = run_state(sweep_dir / h, digest)
         if st == "done" and not rerun:
             states[h] = RunState(h, p, "done")
+        elif collect_only and st in ("stale", "failed"):  # listed as they are: --collect runs nothing
+            states[h] = RunState(h, p, st, _read_error(sweep_dir / h) if st == "failed" else None)
         else:
             if st == "stale":
                 log.warning("run %s finished with another version of %s: running it again", h, grid.notebook.name)
@@ -815,7 +835,21 @@ def collect(sweep_dir: Path, hashes: list[str], name: str = "", digest: str | No
     for rname, dfs in frames.items():
         df = pd.concat(dfs, ignore_index=True)  # columns: run, parameters, then the frame's own
         out.update({f"{rname}.{k}": v for k, v in _write_table(df, sweep_dir / rname).items()})
+    _drop_old_tables(sweep_dir, {p.name for p in out.values()})
     return out
+
+
+def _drop_old_tables(sweep_dir: Path, written: set[str]) -> None:
+    """Remove the tables an earlier collect wrote and this one did not (e.g. of runs now stale), then list
+    this collect's in TABLES."""
+    try:
+        old = json.loads((sweep_dir / TABLES).read_text())
+    except (OSError, ValueError):
+        old = []
+    for f in old if isinstance(old, list) else []:
+        if isinstance(f, str) and f not in written and f == Path(f).name and f.endswith((".csv", ".parquet")):
+            (sweep_dir / f).unlink(missing_ok=True)
+    write_json(sweep_dir / TABLES, sorted(written))
 
 
 # ---------------------------------------------------------------------------------------- main job
@@ -845,20 +879,25 @@ def run_main(directory: Path | None = None, root: Path | None = None, overrides:
         return 1
     root = Path(root or runs_root()) / "main"
     t0 = time.time()
-    failed = []
+    failed, skipped = [], 0
     for g in grids:
         t1 = time.time()
         print(f"== {g.notebook.name}", flush=True)
         rep = run_sweep(g, root=root, progress=False, rerun=not resume)
-        status = "FAILED" if rep.failed else ("done earlier" if rep.counts().get("done") else "ok")
-        print(f"   {status} in {time.time() - t1:.0f} s -> {rep.directory}", flush=True)
+        earlier = not rep.failed and rep.counts().get("done")
+        status = "FAILED" if rep.failed else ("done earlier (--resume: not run again)" if earlier else "ok")
+        took = "" if earlier else f" in {time.time() - t1:.0f} s"
+        print(f"   {status}{took} -> {rep.directory}", flush=True)
+        skipped += bool(earlier)
         for r in rep.failed:
             print("   " + describe_error(g.notebook.name, r.error or {}).replace("\n", "\n   "), flush=True)
             failed.append(g.notebook.name)
     total = time.time() - t0
     figs = figures_dir()
     files = sorted(p for p in figs.glob("*") if p.suffix in (".pdf", ".png", ".csv", ".tex")) if figs.exists() else []
-    print(f"\n{len(grids) - len(failed)}/{len(grids)} notebooks ran in {total:.0f} s "
+    ran = f"{len(grids) - len(failed) - skipped}/{len(grids)} notebooks ran" + (f", {skipped} done earlier" if skipped
+                                                                                else "")
+    print(f"\n{ran}, in {total:.0f} s "
           f"(budget {budget_s / 60:.0f} min{'' if total <= budget_s else ', EXCEEDED'}).")
     print(f"Figures and tables ({len(files)} files) are in {figs}/:")
     for p in files:
