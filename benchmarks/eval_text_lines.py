@@ -39,18 +39,47 @@ def losses(model, ids: torch.Tensor, context: int, batch: int) -> tuple[torch.Te
     return torch.cat(out), x_WL[:, 1:].flatten()
 
 
+def positive_int(s: str) -> int:
+    """An argparse type: an int >= 1."""
+    try:
+        v = int(s)
+    except ValueError:
+        v = 0
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{s!r}: must be an int >= 1")
+    return v
+
+
+def check_models(ap, names: list[str], context: int) -> None:
+    """Every name is a checkpoint whose trained context holds --context (configs only: no weights loaded)."""
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig
+
+    for name in names:
+        try:
+            path = models.resolve(name)
+        except (ValueError, FileNotFoundError) as e:
+            ap.error(f"argument --models: {e}")
+        most = models.model_context(SimpleNamespace(config=AutoConfig.from_pretrained(path)))
+        if most is not None and context > most:
+            ap.error(f"argument --context: {context} is past {name}'s trained context ({most} positions)")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default=",".join(models.NAMES))
     ap.add_argument("--chars", type=int, default=200_000)
     ap.add_argument("--context", type=int, default=512)
-    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--batch", type=positive_int, default=8)
     args = ap.parse_args(argv)
     if args.chars < 1000 or args.context < 2:
         raise SystemExit(f"--chars {args.chars} / --context {args.context}: need >= 1000 / >= 2")
+    names = args.models.split(",")
+    check_models(ap, names, args.context)
     raw = load_text(EVAL_TEXT)[: args.chars]
     rows = []
-    for name in tqdm(args.models.split(","), desc="models"):
+    for name in tqdm(names, desc="models"):
         model, tok = models.load(name)
         crlf_id = tok.convert_tokens_to_ids(tok.tokenize(CRLF))  # one token in the embedded tokenizer
         for lines, text in (("crlf", raw), ("lf", raw.replace(CRLF, "\n"))):

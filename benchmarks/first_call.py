@@ -100,6 +100,20 @@ def main(argv=None) -> None:
     args = ap.parse_args(argv)
     if args.windows < 1 or args.context < 2:
         raise SystemExit(f"--windows {args.windows} / --context {args.context}: need >= 1 / >= 2")
+    if not args.phase:  # in the parent, before any child: a bad name or device is one clear error, not two tracebacks
+        from moelab.models import pick_device, resolve
+
+        try:
+            args.device = str(pick_device(args.device))  # 'auto' named for the children
+        except ValueError as e:
+            ap.error(f"argument --device: {e}")
+        if not args.models.strip(", "):
+            ap.error("argument --models: no model named")
+        for name in (m.strip() for m in args.models.split(",") if m.strip()):
+            try:
+                resolve(name)
+            except (ValueError, FileNotFoundError) as e:
+                ap.error(f"argument --models: {e}")
     if args.phase:
         rows = child(args)
         with open(args.rows_out, "w") as f:

@@ -323,16 +323,19 @@ def main(argv=None):
     ap.add_argument("--out-dir", default=None, help="results directory (default data/results)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    if not torch.cuda.is_available():
-        raise SystemExit("benchmarks/graph_pool.py measures CUDA graphs and needs a GPU")
     arms = args.arms.split(",")
     for a in arms:
         if a not in ARMS:
             raise SystemExit(f"arm {a!r}: choose from {ARMS}")
+    names = args.models.split(",")
+    if unknown := [m for m in args.adaptive_models.split(",") if args.adaptive_models and m not in names]:
+        ap.error(f"argument --adaptive-models: {unknown}: must be among --models {names}")
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/graph_pool.py measures CUDA graphs and needs a GPU")
     buckets = make_buckets(args.max_batch)
     rows, errors = [], []
     stream = torch.cuda.Stream()
-    for name in tqdm(args.models.split(","), desc="models"):
+    for name in tqdm(names, desc="models"):
         # weights in their own pool: the default pool then holds only what the arms allocate
         weights_pool = torch.cuda.MemPool()
         with torch.cuda.use_mem_pool(weights_pool):

@@ -132,9 +132,22 @@ def stages_one(name, T, bw, gemms=GEMMS):
     return rows
 
 
+def ints_at_least(lo: int):
+    """An argparse type: a comma list of ints >= lo."""
+    def parse(s: str) -> list[int]:
+        try:
+            out = [int(t) for t in s.split(",")]
+        except ValueError:
+            out = [lo - 1]
+        if min(out) < lo:
+            raise argparse.ArgumentTypeError(f"{s!r}: must be a comma list of ints >= {lo}")
+        return out
+    return parse
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tokens", default="4096", help="comma list of T")
+    ap.add_argument("--tokens", type=ints_at_least(1), default="4096", help="comma list of T")
     ap.add_argument("--shapes", default=",".join(LAYERS), help=f"comma list of: {', '.join(LAYERS)}")
     ap.add_argument("--gemms", default=",".join(GEMMS), help=f"comma list of expert paths: {', '.join(GEMMS)}")
     args = ap.parse_args()
@@ -151,7 +164,7 @@ def main():
     bw = copy_bandwidth_gbs()
     rows = []
     for name in shapes:
-        for T in (int(t) for t in args.tokens.split(",")):
+        for T in args.tokens:
             rows += stages_one(name, T, bw, gemms)
             torch.cuda.empty_cache()  # the shape's weights go before the next is built
     notes = ("bf16, the layer benchmark's seeded weights and policies (native top-k; adaptive: (k/4, k/2, k) at the "

@@ -930,16 +930,51 @@ def tuned_experts_table(rows) -> dict:
     return table
 
 
+PARTS = ("tune", "routing", "routing-wide", "host", "tune-gemm", "layer", "cutlass-tiles")
+
+
+def among(allowed):
+    """An argparse type: a comma list whose every item is in `allowed`."""
+    def parse(s: str) -> list[str]:
+        items = s.split(",")
+        if unknown := [x for x in items if x not in allowed]:
+            raise argparse.ArgumentTypeError(f"{unknown}: must be among {list(allowed)}")
+        return items
+    return parse
+
+
+def token_counts(s: str) -> list[int]:
+    """--tokens: a comma list of ints >= 1."""
+    try:
+        tokens = [int(t) for t in s.split(",")]
+    except ValueError:
+        tokens = [0]
+    if min(tokens) < 1:
+        raise argparse.ArgumentTypeError(f"{s!r}: must be a comma list of ints >= 1")
+    return tokens
+
+
+def routing_shapes(s: str) -> dict[int, int]:
+    """--tune-routing-shapes: a comma list of E:k (ints, 1 <= k <= E); empty for the default shapes."""
+    try:
+        shapes = {int(e): int(k) for e, k in (p.split(":") for p in s.split(",") if p)}
+    except ValueError:
+        shapes = {0: 0}
+    if any(not 1 <= k <= e for e, k in shapes.items()):
+        raise argparse.ArgumentTypeError(f"{s!r}: must be a comma list of E:k with ints 1 <= k <= E")
+    return shapes
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--parts", default="routing,layer",
-                    help="comma list of: tune, routing, routing-wide, host, tune-gemm, layer, cutlass-tiles")
-    ap.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="comma list of T")
+    ap.add_argument("--parts", type=among(PARTS), default="routing,layer",
+                    help=f"comma list of: {', '.join(PARTS)}")
+    ap.add_argument("--tokens", type=token_counts, default=",".join(map(str, TOKENS)), help="comma list of T")
     ap.add_argument("--quick", action="store_true", help="fewer shapes (a first check)")
-    ap.add_argument("--tune-shapes", default=",".join(LAYERS),
+    ap.add_argument("--tune-shapes", type=among(LAYERS), default=",".join(LAYERS),
                     help=f"tune-gemm: comma list of layer shapes to tune ({', '.join(LAYERS)}); the others keep their "
                          "entry in grouped.TUNED")
-    ap.add_argument("--tune-routing-shapes", default="",
+    ap.add_argument("--tune-routing-shapes", type=routing_shapes, default="",
                     help="tune: comma list of E:k to tune (default the routing shapes' "
                          f"{','.join(f'{e}:{k}' for e, k in TUNE_SHAPES.items())}); other shapes write topic "
                          "routing-tune-wide, e.g. 256:8,512:10 for the routing-wide shapes")
@@ -952,8 +987,7 @@ def main():
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs CUDA: this benchmark times GPU kernels (the notebook plots committed results on a CPU)")
-    tokens = [int(t) for t in args.tokens.split(",")]
-    parts = args.parts.split(",")
+    tokens, parts = args.tokens, args.parts
     props = torch.cuda.get_device_properties(0)
     l2 = getattr(props, "L2_cache_size", 50 * 2**20)
     bw = copy_bandwidth_gbs()
@@ -962,7 +996,7 @@ def main():
     REPIN["on"] = not args.no_pin
     common = {"copy_bandwidth_gbs": bw, "l2_bytes": l2, "host": host}
     if "tune" in parts:
-        tune_shapes = {int(e): int(k) for e, k in (p.split(":") for p in args.tune_routing_shapes.split(",") if p)}
+        tune_shapes = args.tune_routing_shapes
         rows = tune_routing(bw, args.tune_selects, tune_shapes or None)
         table = tuned_table(rows)
         notes = ("native top-k Triton routing, GPU time per call in a CUDA graph (inputs rotated over 8 tensors), "
@@ -1029,10 +1063,7 @@ def main():
             return write_results("experts-tune", rows, extra={"tuned_table": {str(k): v for k, v in table.items()}},
                                  notes=notes)
 
-        shapes = args.tune_shapes.split(",")
-        if unknown := [s for s in shapes if s not in LAYERS]:
-            raise SystemExit(f"--tune-shapes {unknown}: must be among {list(LAYERS)}")
-        rows = tune_experts(save=save_tune, shapes=shapes)
+        rows = tune_experts(save=save_tune, shapes=args.tune_shapes)
         table = tuned_experts_table(rows)
         path = save_tune(rows)
         print("wrote", path)

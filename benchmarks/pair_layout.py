@@ -86,9 +86,12 @@ def main():
     ap.add_argument("--tokens", default="1,16,512,4096,65536", help="comma list of T")
     ap.add_argument("--sweep", action="store_true", help="time every (Q, warps) of SWEEP (topic pair-layout-sweep)")
     args = ap.parse_args()
-    tokens = [int(t) for t in args.tokens.split(",")]
+    try:
+        tokens = [int(t) for t in args.tokens.split(",")]
+    except ValueError:
+        tokens = [0]
     if any(t < 1 for t in tokens):
-        raise SystemExit(f"--tokens {args.tokens}: every T must be >= 1")
+        ap.error(f"argument --tokens: {args.tokens!r}: must be a comma list of ints >= 1")
     if not torch.cuda.is_available():
         raise SystemExit("needs CUDA: this times GPU kernels")
     bw = copy_bandwidth_gbs()

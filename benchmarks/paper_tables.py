@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import tempfile
 import time
 from pathlib import Path
 
@@ -27,7 +28,7 @@ import torch
 from moelab.calibrate import calibration_ids, paper_rows, paper_table
 from moelab.data import eval_text
 from moelab.models import NAMES
-from moelab.results import commit, read_file, write_results
+from moelab.results import _check_stem, commit, read_file, results_dir, write_results
 
 log = logging.getLogger("paper_tables")
 
@@ -41,6 +42,68 @@ def load_model(name: str, device: str, dtype: torch.dtype, random_init: bool, de
 
     model = models.build(name).to(device=device, dtype=dtype).eval()
     return model, AutoTokenizer.from_pretrained(models.tokenizer_dir())
+
+
+def int_at_least(lo: int):
+    """An argparse type: an int >= lo."""
+    def parse(s: str) -> int:
+        try:
+            v = int(s)
+        except ValueError:
+            v = None
+        if v is None or v < lo:
+            raise argparse.ArgumentTypeError(f"{s!r}: must be an int >= {lo}")
+        return v
+    return parse
+
+
+def reductions(s: str) -> tuple[float, ...]:
+    """--targets: a comma list of numbers in (0, 1) (empty items skipped, as before; at least one)."""
+    out = []
+    for t in (t for t in s.split(",") if t.strip()):
+        try:
+            v = float(t)
+        except ValueError:
+            v = None
+        if v is None or not 0 < v < 1:
+            raise argparse.ArgumentTypeError(f"{s!r}: {t.strip()!r} is not a number in (0, 1) (comma list of "
+                                             "routed-expert reductions)")
+        out.append(v)
+    if not out:
+        raise argparse.ArgumentTypeError(f"{s!r}: no reduction given (comma list of numbers in (0, 1))")
+    return tuple(out)
+
+
+def check_models(ap, names: list[str], random_init: bool) -> None:
+    """Every --models entry names a checkpoint (or, with --random-init, a registry name or family)."""
+    from moelab import models
+
+    if not names:
+        ap.error("argument --models: no model named")
+    for name in names:
+        if random_init:
+            if name not in models.TINY and name not in models.FAMILIES:
+                ap.error(f"argument --models: {name!r}: with --random-init must be one of "
+                         f"{sorted({*models.TINY, *models.FAMILIES})}")
+            continue
+        try:
+            models.resolve(name)
+        except (ValueError, FileNotFoundError) as e:
+            ap.error(f"argument --models: {e}")
+
+
+def check_output(ap, topic: str) -> None:
+    """The results file can be written: a plain topic stem and a writable results directory."""
+    try:
+        _check_stem("topic", topic)
+    except ValueError as e:
+        ap.error(f"argument --topic: {e}")
+    out = results_dir()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=out).close()
+    except OSError as e:
+        ap.error(f"results directory {out} (MOELAB_RESULTS_DIR): not writable ({e})")
 
 
 def resume_from(path: Path, topic: str, protocol: dict, names: list[str]):
@@ -77,14 +140,17 @@ def resume_from(path: Path, topic: str, protocol: dict, names: list[str]):
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default=",".join(NAMES), help="comma-separated names or checkpoint paths")
-    ap.add_argument("--max-tokens", type=int, default=None, help="evaluation tokens (default: all of WikiText-2 test)")
+    ap.add_argument("--max-tokens", type=int_at_least(2), default=None,
+                    help="evaluation tokens (default: all of WikiText-2 test)")
     ap.add_argument("--cal-tokens", type=int, default=32768, help="held-out calibration tokens (equal shares)")
     ap.add_argument("--context", type=int, default=2048, help="window (clipped to the model's context)")
     ap.add_argument("--stride", type=int, default=512)
-    ap.add_argument("--batch-size", type=int, default=None, help="windows per forward (default: 64 GPU, 4 CPU)")
+    ap.add_argument("--batch-size", type=int_at_least(1), default=None,
+                    help="windows per forward (default: 64 GPU, 4 CPU)")
     ap.add_argument("--budget", type=float, default=0.005, help="relative perplexity budget for calibration")
     ap.add_argument("--budget-steps", type=int, default=6, help="bisection steps of the budget search")
-    ap.add_argument("--targets", default="0.1,0.2,0.3,0.4", help="matched-compute routed-expert reductions")
+    ap.add_argument("--targets", type=reductions, default="0.1,0.2,0.3,0.4",
+                    help="matched-compute routed-expert reductions, each in (0, 1)")
     ap.add_argument("--no-per-layer", action="store_true", help="skip per-layer threshold calibration")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
@@ -101,12 +167,14 @@ def main(argv=None) -> None:
 
     dtype = getattr(torch, args.dtype)
     batch = args.batch_size or (64 if args.device.startswith("cuda") else 4)
-    targets = tuple(float(t) for t in args.targets.split(",") if t.strip())
+    targets = args.targets
     topic = args.topic or ("paper-tables" + ("-random" if args.random_init else "")
                            + ("-smoke" if args.max_tokens else ""))
+    names = [m.strip() for m in args.models.split(",") if m.strip()]
+    check_models(ap, names, args.random_init)
+    check_output(ap, topic)
     text = eval_text()
     rows, traces, verdicts, t_all = [], [], {}, time.perf_counter()
-    names = [m.strip() for m in args.models.split(",") if m.strip()]
     notes = (
         f"WikiText-2 test with LF line ends (moelab.data.eval_text; "
         f"{'first ' + str(args.max_tokens) + ' tokens' if args.max_tokens else 'all tokens'}), "

@@ -124,11 +124,26 @@ def ablated(name: str, patches: list, folder: Path):
     return mod
 
 
+def ints_at_least(lo: int):
+    """An argparse type: a comma list of ints >= lo."""
+    def parse(s: str) -> list[int]:
+        try:
+            out = [int(t) for t in s.split(",")]
+        except ValueError:
+            out = [lo - 1]
+        if min(out) < lo:
+            raise argparse.ArgumentTypeError(f"{s!r}: must be a comma list of ints >= {lo}")
+        return out
+    return parse
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=65536)
-    ap.add_argument("--experts", default="64,128", help="comma list of E (k = 8)")
+    ap.add_argument("--experts", type=ints_at_least(8), default="64,128", help="comma list of E (k = 8)")
     args = ap.parse_args()
+    if args.tokens < 1:
+        ap.error(f"argument --tokens: {args.tokens}: must be an int >= 1")
     if not torch.cuda.is_available():
         raise SystemExit("needs CUDA: this times GPU kernels")
     bw = copy_bandwidth_gbs()
@@ -137,7 +152,7 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         mods = {name: ablated(name, patches, Path(tmp)) for name, patches in VARIANTS.items()}
         T, K = args.tokens, 8
-        for E in (int(e) for e in args.experts.split(",")):
+        for E in args.experts:
             n_in = max(1, min(16, -(-3 * l2 // (T * E * 2))))  # inputs rotated past the L2, as moe_kernels
             xs = [torch.randn(T, E, device="cuda").bfloat16() for _ in range(n_in)]
             bound_us = (T * E * 2 + T * K * 8 + T * 8) / (bw * 1e9) * 1e6

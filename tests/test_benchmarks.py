@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -190,3 +191,51 @@ def test_eval_text_lines_refuses_a_text_shorter_than_one_window(tmp_path):
                               "PYTHONPATH": str(REPO / "lib") + os.pathsep + os.environ.get("PYTHONPATH", "")})
     assert out.returncode != 0 and "fewer than one window of --context 512; raise --chars" in out.stderr
     assert not list(tmp_path.glob("*.json"))
+
+
+BAD_ARGS = [  # (script, arguments, what the error must say): refused at parse time, before any model or GPU
+    ("paper_tables", ["--max-tokens", "-5"], "argument --max-tokens: '-5': must be an int >= 2"),
+    ("paper_tables", ["--batch-size", "0"], "argument --batch-size: '0': must be an int >= 1"),
+    ("paper_tables", ["--targets", "0.1,,x"], "argument --targets: .*'x' is not a number in \\(0, 1\\)"),
+    ("paper_tables", ["--targets", ""], "argument --targets: '': no reduction given"),
+    ("paper_tables", ["--topic", "../x"], "argument --topic: topic '../x': must be a plain file stem"),
+    ("paper_tables", ["--models", "tiny-olmoe,nosuch"], "argument --models: nosuch: no such directory"),
+    ("eval_text_lines", ["--batch", "0"], "argument --batch: '0': must be an int >= 1"),
+    ("eval_text_lines", ["--models", "tiny-olmoe,nosuch"], "argument --models: nosuch: no such directory"),
+    ("eval_text_lines", ["--context", "1024"], "argument --context: 1024 is past tiny-mixtral's trained context "
+                                               "\\(512 positions\\)"),
+    ("first_call", ["--models", "nosuch", "--device", "cpu"], "argument --models: nosuch: no such directory"),
+    ("first_call", ["--device", "xpu9"], "argument --device: device='xpu9'"),
+    ("moe_kernels", ["--parts", "routng"], "argument --parts: \\['routng'\\]: must be among \\['tune', 'routing'"),
+    ("moe_kernels", ["--parts", "tune-gemm", "--tune-shapes", "mixtral,x"],
+     "argument --tune-shapes: \\['x'\\]: must be among"),
+    ("layer_stages", ["--tokens", "4096,x"], "argument --tokens: '4096,x': must be a comma list of ints >= 1"),
+    ("routing_ablation", ["--experts", "64,x"], "argument --experts: '64,x': must be a comma list of ints >= 8"),
+    ("pair_layout", ["--tokens", "x"], "argument --tokens: 'x': must be a comma list of ints >= 1"),
+    ("graph_pool", ["--adaptive", "--adaptive-models", "tiny-olmo"],
+     "argument --adaptive-models: \\['tiny-olmo'\\]: must be among --models"),
+]
+
+
+def _run_script(script, args, results_dir):
+    env = {**os.environ, "PYTHONPATH": str(REPO / "lib"), "MOELAB_RESULTS_DIR": str(results_dir)}
+    return subprocess.run([sys.executable, f"benchmarks/{script}.py", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("script,args,message", BAD_ARGS, ids=[f"{s} {' '.join(a)}" for s, a, _ in BAD_ARGS])
+def test_benchmark_refuses_bad_arguments_before_any_work(tmp_path, script, args, message):
+    """A bad option value: argparse's exit 2 with one message naming the option and the value (no traceback,
+    none from a child process), and no results file (so no model ran first, e.g. tiny-olmoe before 'nosuch')."""
+    out = _run_script(script, args, tmp_path)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert re.search(message, out.stderr) and out.stderr.count("error:") == 1, out.stderr
+    assert not list(tmp_path.iterdir())
+
+
+def test_paper_tables_refuses_an_unwritable_results_dir_before_any_model(tmp_path):
+    """MOELAB_RESULTS_DIR that cannot be written: refused at startup, not when the first model's rows are saved."""
+    (tmp_path / "file").write_text("")
+    out = _run_script("paper_tables", ["--models", "tiny-olmoe", "--max-tokens", "256"], tmp_path / "file" / "sub")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert re.search(r"results directory .*file/sub \(MOELAB_RESULTS_DIR\): not writable", out.stderr), out.stderr

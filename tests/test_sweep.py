@@ -576,3 +576,18 @@ def test_collect_only_lists_stale_and_failed_runs_as_they_are_and_clears_dead_at
     rep = sweep.run_sweep(g, root=tmp_path, collect_only=True, progress=False)
     assert {r.hash: r.status for r in rep.runs} == {h1: "stale", h2: "failed", h3: "pending"}
     assert rep.failed[0].error["evalue"] == "bad" and not dead.exists()
+
+
+def test_grid_values_of_another_type_than_declared_are_refused_and_mixed_columns_still_tabulate(toy, tmp_path):
+    """A grid value of another type than the parameters cell declares (x: int given "1024") is refused before
+    any run; runs that did get mixed types into one column (an outside engine's) still give a summary."""
+    with pytest.raises(ValueError, match=r"parameter x='1024': toy.ipynb declares it int"):
+        sweep.Grid(notebook=toy, name="t", parameters={"x": ["1024", 2048]}).check_parameters()
+    sweep.Grid(notebook=toy, name="t", parameters={"x": [1]}, fixed={"sleep_s": 1}).check_parameters()  # int as float
+    for h, x in (("aaa", "1024"), ("bbb", 2048)):
+        d = tmp_path / h
+        d.mkdir()
+        (d / "params.json").write_text(json.dumps({"notebook": "toy.ipynb", "parameters": {"x": x}}))
+        (d / "done").write_text("{}")
+    tables = sweep.collect(tmp_path, ["aaa", "bbb"], "t")
+    assert sorted(pd.read_parquet(tables["summary.parquet"])["x"]) == ["1024", "2048"]

@@ -1,6 +1,7 @@
 """The training loop on a micro model on the CPU: it learns, resumes exactly, and logs the run."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -98,6 +99,29 @@ def test_bad_config_raises(tmp_path):
     with pytest.raises(ValueError, match="eval_tokens=8 gives .* held-out tokens, fewer than one window"):
         train(_cfg(tmp_path / "x", eval_tokens=8))
 
+
+
+def test_bad_values_raise_before_any_work(tmp_path):
+    """Each bad value is refused before the output folder, the data or the model is made."""
+    from moelab.train import main
+
+    bad = [("grad_clip", -1.0), ("grad_clip", 0.0), ("lr", 0.0), ("lr", float("nan")), ("lr", float("inf")),
+           ("min_lr_frac", 1.5), ("warmup_steps", -1), ("warmup_steps", 2.5), ("train_tokens", -5),
+           ("stop_after", -1), ("time_budget_s", -1.0), ("eval_every", True), ("model", "nosuch"),
+           ("overrides", [1])]
+    if not torch.cuda.is_available():
+        bad.append(("device", "cuda"))
+    for name, v in bad:
+        out = tmp_path / name
+        with pytest.raises(ValueError, match=re.escape(f"{name}={v!r}")):
+            train(_cfg(out, **{name: v}))
+        assert not out.exists(), name
+    with pytest.raises(ValueError, match="not an embedded model .*tiny-olmoe.* or a family .*olmoe"):
+        train(_cfg("", model="nosuch"))
+    assert not (models.models_dir() / "nosuch").exists()
+    with pytest.raises(ValueError, match=re.escape("overrides=[1]: must be a dict")):
+        main(["--overrides", "[1]", "--out", str(tmp_path / "cli")])
+    assert not (tmp_path / "cli").exists()
 
 def test_a_family_name_trains_with_the_tokenizers_vocabulary(tmp_path):
     """model='olmoe' (a family's micro config) gets the shared tokenizer's vocabulary, not 256 ids."""

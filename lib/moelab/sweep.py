@@ -51,6 +51,7 @@ import hashlib
 import itertools
 import json
 import logging
+import math
 import os
 import queue
 import secrets
@@ -163,6 +164,21 @@ class Grid:
             raise ValueError(
                 f"parameters {unknown}: not in the parameters cell of {self.notebook.name}; it has {sorted(known)}"
             )
+        values = [(k, v) for k, vs in self.parameters.items() for v in vs] + list(self.fixed.items())
+        for k, v in values:  # a value of another type than the cell declares fails every run it is in
+            want = _DECLARED.get(known[k]["type"])
+            if want is not None and not want(v):
+                raise ValueError(f"parameter {k}={v!r}: {self.notebook.name} declares it {known[k]['type']}")
+
+
+# a parameters cell's declared type -> which grid values it takes (other declarations are not checked)
+_DECLARED = {
+    "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    "str": lambda v: isinstance(v, str),
+    "bool": lambda v: isinstance(v, bool),
+    "list": lambda v: isinstance(v, list),
+}
 
 
 def _resolve_notebook(value: str, base: Path) -> Path:
@@ -652,8 +668,8 @@ def run_sweep(grid: Grid | str | Path, *, root: Path | None = None, workers: int
     states: dict[str, RunState] = {}
     todo = []
     for h, p in points:
+        st = run_state(sweep_dir / h, digest)  # first: it finishes an interrupted move, by the attempts' heartbeats
         _clear_dead_attempts(sweep_dir / h, grid.timeout_s)  # also of a point that finished since
-        st = run_state(sweep_dir / h, digest)
         if st == "done" and not rerun:
             states[h] = RunState(h, p, "done")
         elif collect_only and st in ("stale", "failed"):  # listed as they are: --collect runs nothing
@@ -746,9 +762,23 @@ def _flatten(d: dict, prefix: str = "") -> dict:
     return out
 
 
+def _one_type_per_column(df):
+    """df with every column of mixed value types (e.g. a parameter given as "1024" and as 2048) as text:
+    parquet takes one type per column, and the summary must still be written."""
+    def missing(v):
+        return v is None or (isinstance(v, float) and math.isnan(v))
+
+    out = df.copy()
+    for c in out.columns:
+        if out[c].dtype == object and len({type(v) for v in out[c] if not missing(v)}) > 1:
+            out[c] = out[c].map(lambda v: v if missing(v) else str(v))
+    return out
+
+
 def _write_table(df, path_stem: Path) -> dict[str, Path]:
     import io
 
+    df = _one_type_per_column(df)
     buf = io.BytesIO()
     df.to_parquet(buf, index=False)
     atomic_write_bytes(path_stem.with_suffix(".parquet"), buf.getvalue())

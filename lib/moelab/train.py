@@ -15,6 +15,7 @@ import dataclasses
 import json
 import logging
 import math
+import numbers
 import shlex
 import shutil
 import sys
@@ -219,6 +220,13 @@ def _first_step(model, x, amp_dtype, device, balance: str = "model"):
         return _forward_backward(model, x, amp_dtype, device, balance)
 
 
+def _need(cfg: TrainConfig, name: str, kind, ok, rule: str) -> None:
+    """Raise unless cfg.<name> is a `kind` (int: numbers.Integral, number: numbers.Real; not bool) with ok(v)."""
+    v = getattr(cfg, name)
+    if isinstance(v, bool) or not isinstance(v, kind) or not ok(v):
+        raise ValueError(f"{name}={v!r}: must be {'an int' if kind is numbers.Integral else 'a number'} {rule}")
+
+
 def train(cfg: TrainConfig) -> dict:
     """Train (or resume) one model; returns the train log (also written to out/train_log.json)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -233,12 +241,22 @@ def train(cfg: TrainConfig) -> dict:
     if cfg.balance not in ("model", "per-layer"):
         raise ValueError(f"balance={cfg.balance!r}: must be 'model' or 'per-layer'")
     for name in ("eval_every", "log_every", "eval_tokens"):
-        v = getattr(cfg, name)
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ValueError(f"{name}={v!r}: must be an int >= 1")
+        _need(cfg, name, numbers.Integral, lambda v: v >= 1, ">= 1")
+    _need(cfg, "warmup_steps", numbers.Integral, lambda v: v >= 0, ">= 0")
+    _need(cfg, "train_tokens", numbers.Integral, lambda v: v >= 0, ">= 0 (0: all)")
+    _need(cfg, "stop_after", numbers.Integral, lambda v: v >= 0, ">= 0 (0: run to the end)")
+    _need(cfg, "time_budget_s", numbers.Real, lambda v: v >= 0, ">= 0 (0: no limit)")
+    _need(cfg, "lr", numbers.Real, lambda v: 0 < v < math.inf, "> 0 and finite")
+    _need(cfg, "min_lr_frac", numbers.Real, lambda v: 0 <= v <= 1, "in [0, 1]")
+    _need(cfg, "grad_clip", numbers.Real, lambda v: v > 0, "> 0 (inf: no clipping)")
+    if cfg.model not in models.TINY and cfg.model not in models.FAMILIES:
+        raise ValueError(f"model={cfg.model!r}: not an embedded model {list(models.NAMES)} "
+                         f"or a family {sorted(models.FAMILIES)}")
+    if not isinstance(cfg.overrides, dict):
+        raise ValueError(f"overrides={cfg.overrides!r}: must be a dict (a JSON object) of config fields")
+    device = models.pick_device(cfg.device or "auto")
     out = Path(cfg.out or models.models_dir() / cfg.model)
     out.mkdir(parents=True, exist_ok=True)
-    device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     amp_dtype = torch.bfloat16 if (device.type == "cuda" and cfg.amp == "bf16") else None
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer or models.tokenizer_dir())
