@@ -60,8 +60,16 @@ from moelab import results
 from moelab.compute import policy_stats
 from moelab.data import COUNT_LAYERS, DOMAINS, load_routing_counts, normalised_entropy
 from moelab.plots import figure, plot_policy_stats, save_table, savefig
+from moelab.params import check_bools, check_ints, check_real
 from moelab.routing import EntropyAdaptiveK, RatioSkip, TopK, TopP, route
 
+check_ints(1, tokens=tokens, num_experts=num_experts, native_k=native_k, eval_tokens=eval_tokens,
+           calib_tokens=calib_tokens, seq_len=seq_len)
+check_ints(0, seed=seed)
+check_bools(renormalize=renormalize, interactive=interactive)
+check_real("logit_scale", logit_scale, 0.0)
+if counts_model not in ("olmoe", "mistral"):
+    raise ValueError(f"counts_model={counts_model!r}: must be 'olmoe' or 'mistral'")
 _ = torch.manual_seed(seed)
 
 # %% [markdown]

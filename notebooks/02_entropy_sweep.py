@@ -61,12 +61,18 @@ from moelab.calibrate import (
 from moelab.data import eval_text
 from moelab.evaluate import confirm_estimates, estimate, estimate_grid, evaluate, router_sample
 from moelab.models import load, moe_info
+from moelab.params import check_bools, check_fractions, check_ints, check_real
 from moelab.plots import POLICY_COLORS, figure, save_table, savefig
 from moelab.routing import EntropyAdaptiveK, RatioSkip, TopP
 
-for pname, v, lo in (("grid_points", grid_points, 3), ("confirm_points", confirm_points, 0)):
-    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-        raise ValueError(f"{pname}={v!r}: must be an int >= {lo}")
+check_ints(3, grid_points=grid_points)
+check_ints(0, confirm_points=confirm_points, budget_steps=budget_steps)
+check_ints(0, "0: all of WikiText-2 test", eval_tokens=eval_tokens)
+check_ints(2, cal_tokens=cal_tokens, context=context)
+check_ints(1, stride=stride, batch_size=batch_size)
+check_fractions(targets=targets)
+check_real("budget", budget, 1e-9)
+check_bools(interactive=interactive)
 if confirm_points > grid_points - 2:  # the confirmed points are distinct inner grid points
     raise ValueError(f"confirm_points={confirm_points}: at most grid_points - 2 = {grid_points - 2}")
 net, tok = load(model, device=device, dtype=dtype)

@@ -50,8 +50,16 @@ from moelab.data import normalised_entropy as load_entropy
 from moelab.evaluate import entropy_quantiles, estimate, evaluate, router_sample
 from moelab.models import load, moe_info
 from moelab.plots import POLICY_COLORS, figure, save_table, savefig
+from moelab.params import check_bools, check_ints, check_real
 from moelab.routing import EntropyAdaptiveK
 
+check_ints(1, tokens_per_domain=tokens_per_domain, batch_size=batch_size)
+check_ints(0, "0: all of WikiText-2 test", eval_tokens=eval_tokens)
+check_ints(2, cal_tokens=cal_tokens, context=context)
+check_real("calibrated_target", calibrated_target, 1e-9, 1 - 1e-9)
+check_bools(interactive=interactive)
+if counts_model not in ("olmoe", "mistral", "auto"):
+    raise ValueError(f"counts_model={counts_model!r}: must be 'olmoe', 'mistral' or 'auto'")
 net, tok = load(model, device=device, dtype=dtype)
 info = moe_info(net)
 E, native_k, family = info["num_experts"], info["native_k"], info["family"]

@@ -51,8 +51,10 @@ from moelab.kernels.report import (GRAPH_LIMIT_US, HBM_FRACTION, LAYER_SLACK, ST
                                    expert_gemms, gemm_scaling, layer_runs, layer_targets, layout_sweep, machine_line,
                                    power_trace, routing_targets, run_docs, run_policies, runs_line, stage_paths,
                                    stage_table, stage_time)
+from moelab.params import check_bools
 from moelab.plots import figure, save_table, savefig
 
+check_bools(run_benchmark=run_benchmark, quick=quick, interactive=interactive)
 REPO = results.REPO
 if run_benchmark:
     if not torch.cuda.is_available():

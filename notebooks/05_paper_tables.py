@@ -54,7 +54,8 @@ import torch
 from moelab import results
 from moelab.calibrate import CLAIMS, PR_PPL_CLAIM, PUBLISHED, calibration_ids, paper_rows, paper_table
 from moelab.data import eval_text
-from moelab.models import load
+from moelab.models import load, resolve
+from moelab.params import check_bools, check_fractions, check_ints, check_real
 from moelab.plots import POLICY_COLORS, figure, save_table, savefig
 
 pd.set_option("display.width", 200)
@@ -72,6 +73,14 @@ for name, (kv, th) in PUBLISHED.items():
 # %%
 if isinstance(models, str) or not models:
     raise ValueError(f"models={models!r}: must be a non-empty list of embedded names or checkpoint paths")
+for name in models:  # every name before the first (long) model: a typo in the last costs nothing
+    resolve(name)
+check_ints(0, "0: all of WikiText-2 test", eval_tokens=eval_tokens, budget_steps=budget_steps)
+check_ints(2, cal_tokens=cal_tokens, context=context)
+check_ints(1, stride=stride, batch_size=batch_size)
+check_fractions(targets=targets)
+check_real("budget", budget, 1e-9)
+check_bools(per_layer=per_layer, show_gpu_results=show_gpu_results, interactive=interactive)
 rows, verdicts = [], {}
 for name in models:
     model, tok = load(name, device=device, dtype=dtype)
@@ -84,13 +93,13 @@ for name in models:
     rows += out["rows"]
     verdicts[name] = out["verdict"]
     print(f"{name}: {len(eval_ids)} evaluation tokens, {len(cal_ids)} calibration tokens")
+    results.save("paper_rows", pd.DataFrame(rows).map(lambda v: str(v) if isinstance(v, (list, dict)) else v))
 
 table = paper_table(rows)
 run_on = next(model.parameters())  # where the models ran (not GPU 0's name when device='cpu'), in which dtype
 run_device = torch.cuda.get_device_name(run_on.device) if run_on.device.type == "cuda" else "CPU"
 where = (f"{run_device} ({str(run_on.dtype).removeprefix('torch.')}), first {eval_tokens or 'all'} "
          "WikiText-2 test tokens")
-results.save("paper_rows", pd.DataFrame(rows).map(lambda v: str(v) if isinstance(v, (list, dict)) else v))
 save_table(table, "05_paper_table", caption=f"Paper table measured on {where} (moelab notebook 05)")
 table
 

@@ -1,0 +1,37 @@
+"""Checks for notebook parameters: a bad value fails in the notebook's first cell, naming the parameter and the
+rule, instead of deep inside a long run (papermill passes `-p x -5` or `-p flag no` through as given)."""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+
+def check_ints(lo: int, note: str = "", **values) -> None:
+    """Every value an int >= lo (numpy's too; bools refused); `note` says what the lowest value means."""
+    for name, v in values.items():
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < lo:
+            raise ValueError(f"{name}={v!r}: must be an int >= {lo}" + (f" ({note})" if note else ""))
+
+
+def check_bools(**values) -> None:
+    """Every value True or False (a string such as 'no' would count as True)."""
+    for name, v in values.items():
+        if not isinstance(v, bool):
+            raise ValueError(f"{name}={v!r}: must be True or False")
+
+
+def check_fractions(allow_empty: bool = True, **values) -> None:
+    """Every value a list of numbers in (0, 1), such as routed-expert reductions."""
+    for name, v in values.items():
+        ok = isinstance(v, (list, tuple)) and (allow_empty or v) and all(
+            isinstance(x, numbers.Real) and not isinstance(x, bool) and 0 < x < 1 for x in v)
+        if not ok:
+            raise ValueError(f"{name}={v!r}: must be a list of numbers in (0, 1), e.g. [0.1, 0.25]"
+                             + ("" if allow_empty else ", not empty"))
+
+
+def check_real(name: str, v, lo: float, hi: float = math.inf) -> None:
+    """A finite number in [lo, hi] (hi may be inf)."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Real) or not (lo <= v <= hi and math.isfinite(v)):
+        raise ValueError(f"{name}={v!r}: must be a number in [{lo}, {hi}]")
