@@ -57,6 +57,17 @@ def int_at_least(lo: int):
     return parse
 
 
+def positive_real(s: str) -> float:
+    """An argparse type: a finite number > 0."""
+    try:
+        v = float(s)
+    except ValueError:
+        v = float("nan")
+    if not 0 < v < float("inf"):
+        raise argparse.ArgumentTypeError(f"{s!r}: must be a number > 0")
+    return v
+
+
 def reductions(s: str) -> tuple[float, ...]:
     """--targets: a comma list of numbers in (0, 1) (empty items skipped, as before; at least one)."""
     out = []
@@ -142,13 +153,14 @@ def main(argv=None) -> None:
     ap.add_argument("--models", default=",".join(NAMES), help="comma-separated names or checkpoint paths")
     ap.add_argument("--max-tokens", type=int_at_least(2), default=None,
                     help="evaluation tokens (default: all of WikiText-2 test)")
-    ap.add_argument("--cal-tokens", type=int, default=32768, help="held-out calibration tokens (equal shares)")
-    ap.add_argument("--context", type=int, default=2048, help="window (clipped to the model's context)")
-    ap.add_argument("--stride", type=int, default=512)
+    ap.add_argument("--cal-tokens", type=int_at_least(2), default=32768,
+                    help="held-out calibration tokens (equal shares)")
+    ap.add_argument("--context", type=int_at_least(2), default=2048, help="window (clipped to the model's context)")
+    ap.add_argument("--stride", type=int_at_least(1), default=512)
     ap.add_argument("--batch-size", type=int_at_least(1), default=None,
                     help="windows per forward (default: 64 GPU, 4 CPU)")
-    ap.add_argument("--budget", type=float, default=0.005, help="relative perplexity budget for calibration")
-    ap.add_argument("--budget-steps", type=int, default=6, help="bisection steps of the budget search")
+    ap.add_argument("--budget", type=positive_real, default=0.005, help="relative perplexity budget for calibration")
+    ap.add_argument("--budget-steps", type=int_at_least(0), default=6, help="bisection steps of the budget search")
     ap.add_argument("--targets", type=reductions, default="0.1,0.2,0.3,0.4",
                     help="matched-compute routed-expert reductions, each in (0, 1)")
     ap.add_argument("--no-per-layer", action="store_true", help="skip per-layer threshold calibration")

@@ -196,6 +196,9 @@ def test_eval_text_lines_refuses_a_text_shorter_than_one_window(tmp_path):
 BAD_ARGS = [  # (script, arguments, what the error must say): refused at parse time, before any model or GPU
     ("paper_tables", ["--max-tokens", "-5"], "argument --max-tokens: '-5': must be an int >= 2"),
     ("paper_tables", ["--batch-size", "0"], "argument --batch-size: '0': must be an int >= 1"),
+    ("paper_tables", ["--stride", "0"], "argument --stride: '0': must be an int >= 1"),
+    ("paper_tables", ["--budget", "-0.01"], "argument --budget: '-0.01': must be a number > 0"),
+    ("paper_tables", ["--budget-steps", "-1"], "argument --budget-steps: '-1': must be an int >= 0"),
     ("paper_tables", ["--targets", "0.1,,x"], "argument --targets: .*'x' is not a number in \\(0, 1\\)"),
     ("paper_tables", ["--targets", ""], "argument --targets: '': no reduction given"),
     ("paper_tables", ["--topic", "../x"], "argument --topic: topic '../x': must be a plain file stem"),
