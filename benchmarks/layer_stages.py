@@ -151,16 +151,16 @@ def main():
     ap.add_argument("--shapes", default=",".join(LAYERS), help=f"comma list of: {', '.join(LAYERS)}")
     ap.add_argument("--gemms", default=",".join(GEMMS), help=f"comma list of expert paths: {', '.join(GEMMS)}")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("needs CUDA: this times GPU kernels (notebook 04 plots committed results on a CPU)")
     shapes = args.shapes.split(",")
     bad = [s for s in shapes if s not in LAYERS]
     if bad:
-        raise SystemExit(f"--shapes {','.join(bad)}: must be among {', '.join(LAYERS)}")
+        ap.error(f"argument --shapes: {','.join(bad)}: must be among {', '.join(LAYERS)}")
     gemms = args.gemms.split(",")
     bad = [g for g in gemms if g not in GEMMS]
     if bad:
-        raise SystemExit(f"--gemms {','.join(bad)}: must be among {', '.join(GEMMS)}")
+        ap.error(f"argument --gemms: {','.join(bad)}: must be among {', '.join(GEMMS)}")
+    if not torch.cuda.is_available():  # after the checks: a typo is said on any machine
+        raise SystemExit("needs CUDA: this times GPU kernels (notebook 04 plots committed results on a CPU)")
     bw = copy_bandwidth_gbs()
     rows = []
     for name in shapes:

@@ -212,6 +212,7 @@ BAD_ARGS = [  # (script, arguments, what the error must say): refused at parse t
     ("moe_kernels", ["--parts", "routng"], "argument --parts: \\['routng'\\]: must be among \\['tune', 'routing'"),
     ("moe_kernels", ["--parts", "tune-gemm", "--tune-shapes", "mixtral,x"],
      "argument --tune-shapes: \\['x'\\]: must be among"),
+    ("layer_stages", ["--shapes", "mixtral,olmo"], "argument --shapes: olmo: must be among"),
     ("layer_stages", ["--tokens", "4096,x"], "argument --tokens: '4096,x': must be a comma list of ints >= 1"),
     ("routing_ablation", ["--experts", "64,x"], "argument --experts: '64,x': must be a comma list of ints >= 8"),
     ("pair_layout", ["--tokens", "x"], "argument --tokens: 'x': must be a comma list of ints >= 1"),
