@@ -122,6 +122,10 @@ def test_bad_values_raise_before_any_work(tmp_path):
     with pytest.raises(ValueError, match=re.escape("overrides=[1]: must be a dict")):
         main(["--overrides", "[1]", "--out", str(tmp_path / "cli")])
     assert not (tmp_path / "cli").exists()
+    with pytest.raises(TypeError, match="num_expert=4: not a .*Config field"):  # an override's name, before the data
+        train(_cfg(tmp_path / "ov", overrides={"num_expert": 4}))
+    assert not (tmp_path / "ov").exists()
+
 
 def test_a_family_name_trains_with_the_tokenizers_vocabulary(tmp_path):
     """model='olmoe' (a family's micro config) gets the shared tokenizer's vocabulary, not 256 ids."""

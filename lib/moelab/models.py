@@ -147,8 +147,8 @@ def configs() -> dict:
     return out
 
 
-def build(name_or_family: str, seed: int = 0, **overrides):
-    """A freshly initialised model: a registry name's config, or a family's tiny config + overrides."""
+def build_config(name_or_family: str, **overrides):
+    """The config `build` makes a model from (checked: override names and sizes, k in [1, E]); no weights."""
     if name_or_family in TINY:
         family, kwargs = TINY[name_or_family]
         kwargs = dict(kwargs)
@@ -156,10 +156,17 @@ def build(name_or_family: str, seed: int = 0, **overrides):
         family = name_or_family
         kwargs = dict(_SHARED, vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, max_position_embeddings=128, **_RANDOM.get(family, {}))
-    cfg_cls, model_cls = _classes(family)
+    cfg_cls, _ = _classes(family)
     kwargs.update(_check_overrides(cfg_cls, kwargs, overrides))
     cfg = cfg_cls(**kwargs)
     moe_info(cfg)  # k in [1, E]
+    return cfg
+
+
+def build(name_or_family: str, seed: int = 0, **overrides):
+    """A freshly initialised model: a registry name's config, or a family's tiny config + overrides."""
+    cfg = build_config(name_or_family, **overrides)
+    _, model_cls = _classes(TINY[name_or_family][0] if name_or_family in TINY else name_or_family)
     torch.manual_seed(seed)
     return model_cls(cfg).eval()
 

@@ -254,6 +254,7 @@ def train(cfg: TrainConfig) -> dict:
                          f"or a family {sorted(models.FAMILIES)}")
     if not isinstance(cfg.overrides, dict):
         raise ValueError(f"overrides={cfg.overrides!r}: must be a dict (a JSON object) of config fields")
+    models.build_config(cfg.model, **cfg.overrides)  # names and sizes, before the data is encoded
     device = models.pick_device(cfg.device or "auto")
     out = Path(cfg.out or models.models_dir() / cfg.model)
     out.mkdir(parents=True, exist_ok=True)
