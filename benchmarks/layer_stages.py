@@ -55,6 +55,7 @@ from moe_kernels import (  # noqa: E402
     gemm_tiles,
     graph_us,
     hf_block,
+    ints_at_least,
     layer_input,
     layer_policies,
     moelab_layer,
@@ -130,19 +131,6 @@ def stages_one(name, T, bw, gemms=GEMMS):
                 print(f"stages {name:8s} T={T:5d} {gemm:8s} {plan_name:13s} {stage:14s} {us:9.1f} us eager "
                       f"{gus:9.1f} us graph", flush=True)
     return rows
-
-
-def ints_at_least(lo: int):
-    """An argparse type: a comma list of ints >= lo."""
-    def parse(s: str) -> list[int]:
-        try:
-            out = [int(t) for t in s.split(",")]
-        except ValueError:
-            out = [lo - 1]
-        if min(out) < lo:
-            raise argparse.ArgumentTypeError(f"{s!r}: must be a comma list of ints >= {lo}")
-        return out
-    return parse
 
 
 def main():

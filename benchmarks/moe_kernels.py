@@ -943,15 +943,17 @@ def among(allowed):
     return parse
 
 
-def token_counts(s: str) -> list[int]:
-    """--tokens: a comma list of ints >= 1."""
-    try:
-        tokens = [int(t) for t in s.split(",")]
-    except ValueError:
-        tokens = [0]
-    if min(tokens) < 1:
-        raise argparse.ArgumentTypeError(f"{s!r}: must be a comma list of ints >= 1")
-    return tokens
+def ints_at_least(lo: int):
+    """An argparse type: a comma list of ints >= lo."""
+    def parse(s: str) -> list[int]:
+        try:
+            out = [int(t) for t in s.split(",")]
+        except ValueError:
+            out = [lo - 1]
+        if min(out) < lo:
+            raise argparse.ArgumentTypeError(f"{s!r}: must be a comma list of ints >= {lo}")
+        return out
+    return parse
 
 
 def routing_shapes(s: str) -> dict[int, int]:
@@ -969,7 +971,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--parts", type=among(PARTS), default="routing,layer",
                     help=f"comma list of: {', '.join(PARTS)}")
-    ap.add_argument("--tokens", type=token_counts, default=",".join(map(str, TOKENS)), help="comma list of T")
+    ap.add_argument("--tokens", type=ints_at_least(1), default=",".join(map(str, TOKENS)), help="comma list of T")
     ap.add_argument("--quick", action="store_true", help="fewer shapes (a first check)")
     ap.add_argument("--tune-shapes", type=among(LAYERS), default=",".join(LAYERS),
                     help=f"tune-gemm: comma list of layer shapes to tune ({', '.join(LAYERS)}); the others keep their "

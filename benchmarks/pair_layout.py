@@ -31,7 +31,7 @@ from moelab.results import write_results
 from moelab.routing import TopK
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from moe_kernels import adaptive_policy, copy_bandwidth_gbs, graph_us  # noqa: E402
+from moe_kernels import adaptive_policy, copy_bandwidth_gbs, graph_us, ints_at_least  # noqa: E402
 
 SHAPES = {"mixtral": (8, 2), "qwen15": (60, 4), "olmoe": (64, 8), "e128": (128, 8), "e256": (256, 8)}
 # (Q, warps) swept: 1-8 plan slots per thread
@@ -83,15 +83,10 @@ SWEEP_NOTES = ("pair_layout_padded on the native top-k plan of random bf16 logit
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tokens", default="1,16,512,4096,65536", help="comma list of T")
+    ap.add_argument("--tokens", type=ints_at_least(1), default="1,16,512,4096,65536", help="comma list of T")
     ap.add_argument("--sweep", action="store_true", help="time every (Q, warps) of SWEEP (topic pair-layout-sweep)")
     args = ap.parse_args()
-    try:
-        tokens = [int(t) for t in args.tokens.split(",")]
-    except ValueError:
-        tokens = [0]
-    if any(t < 1 for t in tokens):
-        ap.error(f"argument --tokens: {args.tokens!r}: must be a comma list of ints >= 1")
+    tokens = args.tokens
     if not torch.cuda.is_available():
         raise SystemExit("needs CUDA: this times GPU kernels")
     bw = copy_bandwidth_gbs()

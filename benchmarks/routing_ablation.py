@@ -32,7 +32,7 @@ from moelab.results import write_results
 from moelab.routing import TopK
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from moe_kernels import copy_bandwidth_gbs, graph_us, memory_floor  # noqa: E402
+from moe_kernels import copy_bandwidth_gbs, graph_us, ints_at_least, memory_floor  # noqa: E402
 
 KERNEL = Path(__file__).resolve().parents[1] / "lib" / "moelab" / "kernels" / "routing.py"
 SELECTION = [  # the k <= 8 chunk step; a K > 8 kernel would merge the unsorted keys (not ablated: k = 8 here)
@@ -122,19 +122,6 @@ def ablated(name: str, patches: list, folder: Path):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
-
-
-def ints_at_least(lo: int):
-    """An argparse type: a comma list of ints >= lo."""
-    def parse(s: str) -> list[int]:
-        try:
-            out = [int(t) for t in s.split(",")]
-        except ValueError:
-            out = [lo - 1]
-        if min(out) < lo:
-            raise argparse.ArgumentTypeError(f"{s!r}: must be a comma list of ints >= {lo}")
-        return out
-    return parse
 
 
 def main():
