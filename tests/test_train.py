@@ -151,6 +151,8 @@ def test_card_scores_the_unseen_heldout_slices_and_flags_seen_validation_text(tm
     write_card(out, eval_tokens=512)
     ev = json.loads((out / "eval.json").read_text())
     assert list(ev["heldout_loss"]) == list(held) == ev["router"]["texts"]
+    from moelab.results import command_line
+    assert ev["command"] == command_line()  # the card records the command line that made it
     model, tok = models.load(out)
     L = min(512, model.config.max_position_embeddings)
     for name, loss in ev["heldout_loss"].items():

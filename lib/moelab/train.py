@@ -440,7 +440,7 @@ def evaluate(name_or_path, eval_tokens: int | None = None, stats_tokens: int = 3
     return {"wikitext2_test": ppl, "unigram": uni, "router": stats, "router_test": test_stats, "heldout_loss": heldout,
             "heldout_scored_tokens": scored, "heldout_window": L, "heldout_tokens_each": per_text,
             "params": models.n_params(model), "moe": models.moe_info(model), "machine": machine(),
-            "commit": commit()}
+            "commit": commit(), "command": command_line()}
 
 
 def _full_test_line(name: str, path: Path, test_total: int) -> str:
