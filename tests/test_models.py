@@ -334,6 +334,20 @@ def test_build_checks_override_names_and_sizes():
     assert models.build("tiny-mixtral", num_hidden_layers=1).config.num_hidden_layers == 1
 
 
+def test_build_refuses_sizes_its_forward_cannot_take_and_the_same_sizes_run_where_they_can():
+    x = torch.zeros(1, 4, dtype=torch.long)
+    for family, d in (("mixtral", 30), ("olmoe", 36), ("qwen2_moe", 30)):  # head_dim = d / 4 heads: 7.5, 9 (odd)
+        with pytest.raises(ValueError, match=rf"hidden_size={d}: must be a multiple of 2 \* num_attention_heads=4"):
+            models.build(family, hidden_size=d)
+    models.build("olmoe", hidden_size=40)(x)  # head_dim 10
+    for family, key in (("qwen3_moe", "hidden_size"), ("mixtral", "intermediate_size"),
+                        ("qwen3_moe", "moe_intermediate_size")):
+        with pytest.raises(ValueError, match=rf"{key}=30: must be a multiple of 4 for transformers' grouped_mm"):
+            models.build(family, **{key: 30})
+        models.build(family, experts_implementation="eager", **{key: 30})(x)  # its own head_dim: the size runs
+    models.build("qwen3_moe", hidden_size=36)(x)
+
+
 def test_load_refuses_an_empty_path_and_names_a_truncated_weights_file(tmp_path, tok):
     with pytest.raises(ValueError, match=r"name_or_path='': empty"):
         models.load("")

@@ -160,12 +160,25 @@ def build_config(name_or_family: str, **overrides):
     kwargs.update(_check_overrides(cfg_cls, kwargs, overrides))
     cfg = cfg_cls(**kwargs)
     moe_info(cfg)  # k in [1, E]
+    if getattr(cfg, "head_dim", None) is None:  # the attention derives it: hidden_size / heads, rotated in pairs
+        d, h = cfg.hidden_size, cfg.num_attention_heads
+        if d % h or (d // h) % 2:
+            raise ValueError(f"hidden_size={d}: must be a multiple of 2 * num_attention_heads={h} (head_dim = "
+                             f"hidden_size / num_attention_heads, an even number for the rotary embedding; "
+                             f"{cfg_cls.__name__} has no head_dim of its own)")
     return cfg
 
 
 def build(name_or_family: str, seed: int = 0, **overrides):
     """A freshly initialised model: a registry name's config, or a family's tiny config + overrides."""
     cfg = build_config(name_or_family, **overrides)
+    if getattr(cfg, "_experts_implementation", None) in (None, "grouped_mm"):  # transformers' default on torch 2.9+
+        ffn = "moe_intermediate_size" if hasattr(cfg, "moe_intermediate_size") else "intermediate_size"
+        for key in ("hidden_size", ffn):
+            if getattr(cfg, key) % 4:
+                raise ValueError(f"{key}={getattr(cfg, key)}: must be a multiple of 4 for transformers' grouped_mm "
+                                 "experts (torch's grouped GEMM takes rows of a multiple of 16 bytes: 4 fp32 values, "
+                                 "8 in bf16); pass experts_implementation='eager' for other sizes")
     _, model_cls = _classes(TINY[name_or_family][0] if name_or_family in TINY else name_or_family)
     torch.manual_seed(seed)
     return model_cls(cfg).eval()
