@@ -2,6 +2,7 @@
 
 import json
 import lzma
+import os
 import re
 import stat
 from pathlib import Path
@@ -376,3 +377,17 @@ def test_load_saved_names_a_damaged_file(tmp_path):
     (tmp_path / "results" / "frame.parquet").write_bytes(b"PAR1junk")
     with pytest.raises(ValueError, match="frame.parquet: not readable as parquet"):
         results.load_saved(tmp_path)
+
+
+def test_command_line_is_the_command_as_typed(tmp_path):
+    """A module run with -m is recorded as `python -m name`, not as the path of its file; a script as its path."""
+    import subprocess
+    import sys
+
+    (tmp_path / "probe_cmd.py").write_text("from moelab.results import command_line\nprint(command_line())\n")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "lib")}
+    py = Path(sys.executable).name
+    for args, want in ((["-m", "probe_cmd", "a", "b c"], f"{py} -m probe_cmd a 'b c'"),
+                       (["probe_cmd.py", "x"], f"{py} probe_cmd.py x")):
+        out = subprocess.run([sys.executable, *args], cwd=tmp_path, env=env, capture_output=True, text=True, check=True)
+        assert out.stdout.strip() == want

@@ -94,7 +94,12 @@ def machine() -> dict:
 
 
 def command_line() -> str:
-    return " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *sys.argv])
+    """This process's command as typed: `python -m pkg.mod ...` for a module run with -m (whose argv[0] is its file)."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    argv = list(sys.argv)
+    if spec is not None and spec.name and argv:
+        argv[0:1] = ["-m", spec.name.removesuffix(".__main__")]
+    return " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *argv])
 
 
 def _umask() -> int:
