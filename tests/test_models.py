@@ -117,6 +117,19 @@ def test_model_card_reports_balanced_routers_on_unseen_text(name):
     assert " / ".join(f"{x:.3f}" for x in test["load_entropy"]) in (models.model_dir(name) / "README.md").read_text()
 
 
+@needs_ckpt
+@pytest.mark.parametrize("name", list(EXPECTED))
+def test_committed_model_card_is_what_its_eval_and_the_committed_results_give(name):
+    """README.md is the card `moelab.train --card` writes from the committed eval.json, train_log.json and
+    the newest committed paper-tables run: a rerun of either without the card rebuilt fails here."""
+    from moelab.train import _card
+
+    folder = models.model_dir(name)
+    ev, tlog = (json.loads((folder / f).read_text()) for f in ("eval.json", "train_log.json"))
+    assert _card(name, folder, ev, tlog) == (folder / "README.md").read_text(), (
+        f"rebuild it: python -m moelab.train --model {name} --card --card-reuse")
+
+
 def test_load_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="no such directory"):
         models.load(tmp_path / "nope")
