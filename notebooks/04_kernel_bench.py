@@ -312,9 +312,9 @@ if tune_doc is not None:
 # ## 3c · Pair layout
 # `benchmarks/pair_layout.py`: the padded pair layout alone (per-block expert counts, a scan over the
 # blocks, a per-block sort and scatter; no host sync), GPU time per call in a CUDA graph, on native and adaptive plans.
-# Dotted: the time to move the bytes it must read and write at the measured copy bandwidth (below 0.1 us,
-# off the plot, up to a few thousand tokens; the E = 64, 128 and 256 shapes, all k = 8, move nearly the
-# same bytes: one line).
+# Dotted: the time to move the bytes it must read and write at the measured copy bandwidth (the axis starts
+# at 0.1 us, so each dotted line starts where its copy time passes that; the E = 64, 128 and 256 shapes, all
+# k = 8, move nearly the same bytes: one line). The table below gives every copy time.
 
 # %%
 layout_doc = results.load_optional("pair-layout", rdir)
@@ -333,7 +333,7 @@ if layout_doc is not None:
     fig.suptitle(machine_line(layout_doc), fontsize=7)
     savefig(fig, "04_pair_layout")
     plt.show()
-    display(pl.pivot_table(index=["shape", "T"], columns="plan", values="graph_us").round(1))
+    display(pl.pivot_table(index=["shape", "T"], columns="plan", values=["graph_us", "copy_us"]).round(2))
 
 # %% [markdown]
 # Its launch choice (plan slots per block, warps), `benchmarks/pair_layout.py --sweep`: the rule
