@@ -195,6 +195,31 @@ def test_verdict_counts_the_lowest_perplexity():
                                    "RatioSkip")
 
 
+def test_verdict_counts_an_exact_tie_as_nobodys_win():
+    """Kinds with the same perplexity at a level (e.g. the same pairs kept) share it: no win goes to the first
+    kind in the frame's order."""
+    one = pd.DataFrame({"kind": ["EntropyAdaptiveK", "TopP", "RatioSkip"], "target_reduction": [0.5] * 3,
+                        "expert_reduction": [0.5] * 3, "ppl": [225.0] * 3})
+    text = verdict(one)
+    assert text.startswith("No policy has the lowest perplexity alone at any of the 1 matched compute levels")
+    assert "(tied: EntropyAdaptiveK = RatioSkip = TopP)" in text
+    # TopP and RatioSkip tie lowest at 30% (the level that is counted for neither); RatioSkip wins 10% and 20%
+    f = _frame({"EntropyAdaptiveK": [11.0, 12.0, 13.0], "TopP": [10.5, 11.5, 12.0], "RatioSkip": [10.0, 11.0, 12.0]})
+    text = verdict(f)
+    assert text.startswith("Entropy is not the better signal here: RatioSkip has the lowest perplexity at 2 of 3 "
+                           "matched compute levels, EntropyAdaptiveK at 0 (RatioSkip 2, EntropyAdaptiveK 0, TopP 0, "
+                           "1 tied)"), text
+    assert "at 30% reduction RatioSkip 12, TopP 12, EntropyAdaptiveK 13 (tied: RatioSkip = TopP)" in text
+
+
+def test_verdict_without_a_shared_range_names_the_measured_reductions():
+    f = pd.DataFrame({"kind": ["EntropyAdaptiveK", "TopP", "RatioSkip"], "target_reduction": [0.2] * 3,
+                      "expert_reduction": [0.16, 0.15, 0.14], "ppl": [200.0, 201.0, 199.0]})
+    assert verdict(f) == ("No target reduction was reached by two or more policies, so there is no matched comparison "
+                          "(measured expert reductions: EntropyAdaptiveK 16.0%-16.0%, RatioSkip 14.0%-14.0%, "
+                          "TopP 15.0%-15.0%; curves compare where they overlap, or within tol=0.03 of a curve's end).")
+
+
 def test_pareto_mask():
     m = pareto_mask([0.1, 0.2, 0.2, 0.3], [1.0, 1.1, 1.05, 1.0])
     assert m.tolist() == [False, False, False, True]
@@ -410,3 +435,14 @@ def test_calibration_k_values_refuses_k_below_one():
     for k in (0, -2, 2.0, None):
         with pytest.raises(ValueError, match=rf"native_k={k!r}: must be an int >= 1"):
             calibration_k_values("mixtral", k)
+
+
+def test_committed_paper_tables_verdicts_follow_from_their_rows():
+    """The verdicts the committed paper-tables run states are what `verdict` makes of its matched rows."""
+    from moelab import results
+
+    doc = results.load_results("paper-tables")
+    rows = pd.DataFrame(doc["rows"])
+    assert set(doc["verdicts"]) == set(rows["model"])
+    for model, text in doc["verdicts"].items():
+        assert verdict(rows[(rows["model"] == model) & (rows["section"] == "matched")]) == text, model

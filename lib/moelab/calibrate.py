@@ -377,27 +377,39 @@ def verdict(frame: pd.DataFrame, kinds=("EntropyAdaptiveK", "TopP", "RatioSkip")
         hi = min(x.max() for x, _ in curves.values())
         if lo < hi:
             points = sorted({round(float(np.clip(t, lo, hi)), 4) for t in points})
+    ties = 0
     for t in points:
         vals = at(t)
         if len(vals) < 2:
             continue
-        best = min(vals, key=vals.get)
-        wins[best] += 1
+        low = min(vals.values())
+        best = sorted(k for k, v in vals.items() if math.isclose(v, low, rel_tol=1e-12))
+        if len(best) == 1:
+            wins[best[0]] += 1
+        else:  # the same perplexity (e.g. policies that kept the same pairs): nobody's win
+            ties += 1
         ranked = sorted(vals.items(), key=lambda kv: kv[1])
-        lines.append(f"at {t:.0%} reduction " + ", ".join(f"{k} {v:.4g}" for k, v in ranked))
+        lines.append(f"at {t:.0%} reduction " + ", ".join(f"{k} {v:.4g}" for k, v in ranked)
+                     + (f" (tied: {' = '.join(best)})" if len(best) > 1 else ""))
     if not lines:
-        return "No target reduction was reached by two or more policies, so there is no matched comparison."
-    total = sum(wins.values())
+        spans = ", ".join(f"{k} {x.min():.1%}-{x.max():.1%}" for k, (x, _) in curves.items() if len(x))
+        return ("No target reduction was reached by two or more policies, so there is no matched comparison "
+                f"(measured expert reductions: {spans}; curves compare where they overlap, or within tol={tol} "
+                "of a curve's end).")
+    total = len(lines)
     ent = wins.get("EntropyAdaptiveK", 0)
     others = {k: v for k, v in wins.items() if k != "EntropyAdaptiveK"}
     best_other = max(others, key=others.get) if others else None
     counts = ", ".join(f"{k} {v}" for k, v in sorted(wins.items(), key=lambda kv: -kv[1]))
-    if best_other is None or ent > others[best_other]:
+    counts += f", {ties} tied" if ties else ""
+    if not any(wins.values()):
+        head = f"No policy has the lowest perplexity alone at any of the {total} matched compute levels ({counts})."
+    elif best_other is None or ent > others[best_other]:
         head = (f"Entropy is the better signal here: EntropyAdaptiveK has the lowest perplexity at {ent} of "
                 f"{total} matched compute levels ({counts}).")
     elif ent == others[best_other]:
         head = (f"Entropy is not clearly the better signal here: EntropyAdaptiveK ties with {best_other} for the "
-                f"most matched compute levels with the lowest perplexity ({counts} of {total}).")
+                f"most matched compute levels with the lowest perplexity ({counts}; {total} levels).")
     else:
         head = (f"Entropy is not the better signal here: {best_other} has the lowest perplexity at "
                 f"{others[best_other]} of {total} matched compute levels, EntropyAdaptiveK at {ent} ({counts}).")
