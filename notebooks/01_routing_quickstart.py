@@ -68,6 +68,15 @@ check_ints(1, tokens=tokens, num_experts=num_experts, native_k=native_k, eval_to
 check_ints(0, seed=seed)
 check_bools(renormalize=renormalize, interactive=interactive)
 check_real("logit_scale", logit_scale, 0.0)
+kv = adaptive_k_values
+if not (isinstance(kv, list) and kv and all(isinstance(k, int) and not isinstance(k, bool) and 1 <= k <= num_experts
+                                          for k in kv) and kv == sorted(set(kv))):
+    raise ValueError(f"adaptive_k_values={kv!r}: must be strictly ascending ints in [1, num_experts={num_experts}]")
+if not isinstance(adaptive_quantiles, list) or len(adaptive_quantiles) != len(kv) - 1:
+    raise ValueError(f"adaptive_quantiles={adaptive_quantiles!r}: need one per threshold, len(adaptive_k_values) - 1"
+                     f" = {len(kv) - 1} for adaptive_k_values={kv}")
+if any(isinstance(x, bool) or not isinstance(x, (int, float)) or not 0 <= x <= 1 for x in adaptive_quantiles):
+    raise ValueError(f"adaptive_quantiles={adaptive_quantiles}: each must be a number in [0, 1]")
 if counts_model not in ("olmoe", "mistral"):
     raise ValueError(f"counts_model={counts_model!r}: must be 'olmoe' or 'mistral'")
 _ = torch.manual_seed(seed)
@@ -92,8 +101,6 @@ def make_policies(calib_entropy_T: torch.Tensor, native_k: int, k_values, quanti
     if len(quantiles) != len(k_values) - 1:
         raise ValueError(f"quantiles={list(quantiles)}: need len(k_values) - 1 = {len(k_values) - 1} for "
                          f"k_values={list(k_values)}")
-    if any(isinstance(x, bool) or not isinstance(x, (int, float)) or not 0 <= x <= 1 for x in quantiles):
-        raise ValueError(f"adaptive_quantiles={list(quantiles)}: each must be a number in [0, 1]")
     q = torch.tensor(quantiles, dtype=torch.float32)
     thresholds = torch.quantile(calib_entropy_T.float(), q).tolist()
     out = {f"TopK k={native_k} (native)": TopK(native_k)}
@@ -117,8 +124,8 @@ stats[["policy", "tokens", "kept_pairs", "native_pairs", "mean_k", "expert_reduc
 name = f"01_quickstart_random_E{num_experts}_k{native_k}"
 fig = plot_policy_stats(stats, f"Random logits: T={tokens}, E={num_experts}, native top-{native_k}", native_k)
 paths = savefig(fig, name)
-results.save("policy_stats_random", stats.assign(k_hist=stats.k_hist.map(str)))
-results.save("summary_random", {row.policy: row.expert_reduction for row in stats.itertuples()})
+results.save("01_policy_stats_random", stats.assign(k_hist=stats.k_hist.map(str)))
+results.save("01_summary_random", {row.policy: row.expert_reduction for row in stats.itertuples()})
 print("figure:", paths["pdf"].name, paths["png"].name)
 plt.show()
 
@@ -164,9 +171,9 @@ if model:
     fig = plot_policy_stats(recorded, f"{model}: router logits on WikiText-2 test, {eval_tokens} tokens x "
                      f"{len(eval_logits)} layers (E={info['num_experts']}, native top-{m_native_k})", m_native_k)
     savefig(fig, f"01_quickstart_recorded_{Path(model).name}")
-    results.save("policy_stats_recorded", recorded.assign(k_hist=recorded.k_hist.map(str), model=model))
-    results.save("policy_stats_recorded_per_layer", per_layer.assign(k_hist=per_layer.k_hist.map(str), model=model))
-    results.save("summary_recorded", {r.policy: {"expert_reduction": r.expert_reduction,
+    results.save("01_policy_stats_recorded", recorded.assign(k_hist=recorded.k_hist.map(str), model=model))
+    results.save("01_policy_stats_recorded_per_layer", per_layer.assign(k_hist=per_layer.k_hist.map(str), model=model))
+    results.save("01_summary_recorded", {r.policy: {"expert_reduction": r.expert_reduction,
                                                  "forward_reduction": r.forward_reduction}
                                       for r in recorded.itertuples()})
     plt.show()
@@ -194,7 +201,7 @@ table = load.pivot(index="domain", columns="layer", values="normalised_entropy")
 table.columns = ["domain"] + [f"layer {c}" for c in table.columns[1:]]
 save_table(table, f"01_expert_load_entropy_{counts_model}",
            caption=f"Normalised entropy of the expert load, {counts_model}, AllenAI routing counts")
-results.save("expert_load", load)
+results.save("01_expert_load", load)
 
 fig, axes = figure("full", aspect=0.3, ncols=len(COUNT_LAYERS), sharey=True)
 for ax, layer in zip(axes, COUNT_LAYERS):

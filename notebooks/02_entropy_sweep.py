@@ -101,7 +101,7 @@ for p in np.linspace(0.05, 1.0, grid_points):
 for b in np.linspace(0.0, 1.0, grid_points):
     other.append(estimate(sample, RatioSkip(float(b), kv[-1], kv[0])) | {"kind": "RatioSkip"})  # noqa: E501
 est = pd.concat([grid, pd.DataFrame(other)], ignore_index=True)
-results.save("estimated_sweep", est.drop(columns=["mean_k_layers"]))
+results.save("02_estimated_sweep", est.drop(columns=["mean_k_layers"]))
 print("estimated (no forward pass), EntropyAdaptiveK grid:")
 grid[["u", "label", "mean_k", "expert_reduction", "forward_reduction", "estimated"]]
 
@@ -118,7 +118,7 @@ sampled_ids = cal_ids[: sample.num_tokens]  # the sample's whole chunks: the sam
 cal_base = evaluate(net, None, sampled_ids, progress=False, **same_chunks).summary["ppl"]
 conf = confirm_estimates(net, sample, [thresholds_at(sample, kv, float(grid_u[i])) for i in pick], sampled_ids,
                          baseline_ppl=cal_base, progress=False, **same_chunks)
-results.save("confirmed_estimates", conf)
+results.save("02_confirmed_estimates", conf)
 if len(conf):
     layer_err = np.array(conf["est_error_layers"].tolist())
     print(f"largest |estimated - measured| routed-expert reduction: whole model {conf['est_error'].abs().max():.4f}; "
@@ -144,7 +144,7 @@ print(f"budget {budget:+.2%}: largest reduction within it on held-out text {bs['
       f"(ppl change {bs['ppl_change']:+.3%}, within budget: {bs['within_budget']}), {bs['policy']}")
 calibrated = pd.DataFrame(cal_rows)
 save_table(calibrated, f"02_calibrated_thresholds_{tag}", caption=f"Thresholds calibrated on held-out text, {tag}")
-results.save("budget_trace", bs["trace"])
+results.save("02_budget_trace", bs["trace"])
 calibrated
 
 # %% [markdown]
@@ -160,12 +160,12 @@ if bs["target_reduction"] > 0:
 else:  # the unchanged model: nothing to compare
     print(f"no reduction stayed within {budget:+.2%} at {budget_steps} bisection steps: no budget point")
 matched["pareto"] = pareto_mask(matched["expert_reduction"], matched["ppl"])
-results.save("matched_compute", matched)
+results.save("02_matched_compute", matched)
 save_table(matched[["kind", "label", "target_reduction", "mean_k", "expert_reduction", "forward_reduction", "ppl",
                     "ppl_change", "pareto"]], f"02_matched_compute_{tag}",
            caption=f"Perplexity at matched compute, {tag}, {len(eval_ids)} WikiText-2 test tokens")
 text = verdict(matched)
-results.save("verdict", {"model": model, "verdict": text, "baseline_ppl": base["ppl"], "tokens": len(eval_ids)})
+results.save("02_verdict", {"model": model, "verdict": text, "baseline_ppl": base["ppl"], "tokens": len(eval_ids)})
 print(f"baseline perplexity {base['ppl']:.3f} on {base['scored_tokens']} scored tokens")
 print(text)
 

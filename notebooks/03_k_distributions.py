@@ -93,7 +93,7 @@ for d, s in samples.items():
     for layer in range(s.num_layers):
         q_rows.append({"domain": d, "layer": layer, **entropy_quantiles(s.entropy[layer])})
 quant = pd.DataFrame(q_rows)
-results.save("entropy_quantiles", quant)
+results.save("03_entropy_quantiles", quant)
 save_table(quant.pivot(index="domain", columns="layer", values="ent_q50").reset_index()
            .rename(columns=lambda c: f"layer {c}" if isinstance(c, (int, np.integer)) else c),
            f"03_entropy_median_{tag}", caption=f"Median router entropy (nats) per layer and domain, {tag}")
@@ -120,7 +120,9 @@ quant[quant.domain == "wikitext2-test"]
 # ## 2 · k per layer: published and calibrated thresholds
 # Estimated from router outputs recorded on the evaluation tokens (no forward with the policy), then
 # measured on the same WikiText-2 test tokens with patched forwards (later layers see changed inputs,
-# so the two can differ). The calibrated thresholds come from held-out text no model trained on.
+# so the two can differ). The calibrated thresholds come from held-out text no model trained on: their
+# label names the reduction they reach there, and on WikiText-2 test they reach what the table measures,
+# which can differ because the router's entropies differ between the texts.
 
 # %%
 kv_pub, th_pub = PUBLISHED[preset]
@@ -153,8 +155,9 @@ for label, pol in policies.items():
     summary.append({"policy": label, "est_mean_k": est["mean_k"], "mean_k": ev.summary["mean_k"],
                     "expert_reduction": ev.summary["expert_reduction"], "native_k": native_k})
 hists = pd.DataFrame(hist_rows)
-results.save("k_histograms", hists)
+results.save("03_k_histograms", hists)
 summary = pd.DataFrame(summary)
+results.save("03_k_summary", summary)
 save_table(summary, f"03_k_summary_{tag}", caption=f"Mean k, estimated and measured, {tag}")
 
 fig, axes = figure("full", aspect=0.32, ncols=len(policies), sharey=True, squeeze=False)
@@ -190,7 +193,7 @@ for d, s in samples.items():
             load_rows.append({"domain": d, "source": f"{counts_model} (real)", "layer": layer,
                               "normalised_entropy": load_entropy(real[li])})
 loads = pd.DataFrame(load_rows)
-results.save("expert_load", loads)
+results.save("03_expert_load", loads)
 table = loads.pivot_table(index="domain", columns=["source", "layer"], values="normalised_entropy")
 table.columns = [f"{s} L{layer}" for s, layer in table.columns]
 table = table.reset_index()

@@ -440,8 +440,8 @@ summary = targets.assign(kind=targets["target"].str.replace(r" \(.*\)", "", rege
     met=("met", "sum"), checks=("met", "size"), lowest=("measured", "min"), highest=("measured", "max"))
 save_table(targets.round(3), "04_targets",
            caption=f"routing: {machine_line(routing_doc)}; layer: {machine_line(layer_doc)}")
-results.save("kernel_targets", targets)
-results.save("kernel_targets_summary", {k: [int(r.met), int(r.checks)] for k, r in summary.iterrows()})
+results.save("04_kernel_targets", targets)
+results.save("04_kernel_targets_summary", {k: [int(r.met), int(r.checks)] for k, r in summary.iterrows()})
 summary
 
 # %% [markdown]

@@ -50,6 +50,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 import torch
+from IPython.display import display
 
 from moelab import results
 from moelab.calibrate import CLAIMS, PR_PPL_CLAIM, PUBLISHED, calibration_ids, paper_rows, paper_table
@@ -58,8 +59,14 @@ from moelab.models import load, resolve
 from moelab.params import check_bools, check_fractions, check_ints, check_real
 from moelab.plots import POLICY_COLORS, figure, save_table, savefig
 
-pd.set_option("display.width", 200)
-pd.set_option("display.max_columns", 20)
+
+
+def show(df):
+    """The table, printed wide (the setting stays in this call: other notebooks in the kernel keep theirs)."""
+    with pd.option_context("display.width", 200, "display.max_columns", 20):
+        display(df)
+
+
 text = eval_text()
 print("published configurations (k values / thresholds in nats):")
 for name, (kv, th) in PUBLISHED.items():
@@ -68,7 +75,9 @@ for name, (kv, th) in PUBLISHED.items():
 # %% [markdown]
 # ## 1 · Measured here
 # One `paper_rows` per model: all perplexities on the first `eval_tokens` tokens of WikiText-2 test;
-# thresholds only ever see the held-out calibration text.
+# thresholds only ever see the held-out calibration text. A label such as "calibrated, +0.5% budget" names
+# what the thresholds were fitted to on that text; the columns give what they do on WikiText-2 test, so a
+# perplexity change above the budget (or a reduction off its target) is the fit's drift between the texts.
 
 # %%
 if isinstance(models, str) or not models:
@@ -93,7 +102,7 @@ for name in models:
     rows += out["rows"]
     verdicts[name] = out["verdict"]
     print(f"{name}: {len(eval_ids)} evaluation tokens, {len(cal_ids)} calibration tokens")
-    results.save("paper_rows", pd.DataFrame(rows).map(lambda v: str(v) if isinstance(v, (list, dict)) else v))
+    results.save("05_paper_rows", pd.DataFrame(rows).map(lambda v: str(v) if isinstance(v, (list, dict)) else v))
 
 table = paper_table(rows)
 run_on = next(model.parameters())  # where the models ran (not GPU 0's name when device='cpu'), in which dtype
@@ -101,7 +110,7 @@ run_device = torch.cuda.get_device_name(run_on.device) if run_on.device.type == 
 where = (f"{run_device} ({str(run_on.dtype).removeprefix('torch.')}), first {eval_tokens or 'all'} "
          "WikiText-2 test tokens")
 save_table(table, "05_paper_table", caption=f"Paper table measured on {where} (moelab notebook 05)")
-table
+show(table)
 
 # %%
 def kind_of(config: str) -> str | None:
@@ -166,7 +175,7 @@ save_table(beside, "05_calibrated_vs_claimed", caption=f"Budget-calibrated thres
 for _, r in beside.iterrows():
     print(f"{r['model']} ({r['config']}): compute {r['compute %']:.1f}% of native, perplexity {r['change %']:+.2f}%"
           f"; claimed for {r['claimed']}: {r['claimed compute %']:.1f}%, {r['claimed change %']:+.2f}%")
-beside
+show(beside)
 
 # %% [markdown]
 # ## 3 · The committed GPU run (full WikiText-2 test)
@@ -222,7 +231,7 @@ if gpu is not None:
     savefig(fig, "05_matched_compute_gpu")
 else:
     display_table = table
-display_table
+show(display_table)
 
 # %% [markdown]
 # ## 4 · What was measured where

@@ -158,7 +158,7 @@ def test_quickstart_renders_figure_and_widget_in_chromium(lab):
     from moelab.results import load_saved
 
     saved = load_saved(tmp / "run")
-    summary, stats = saved["summary_random"], saved["policy_stats_random"].set_index("policy")
+    summary, stats = saved["01_summary_random"], saved["01_policy_stats_random"].set_index("policy")
     assert summary == stats["expert_reduction"].to_dict()
     (native,) = [name for name in summary if name.endswith("(native)")]
     assert summary[native] == 0.0 and 0 < summary["EntropyAdaptiveK"] < 1

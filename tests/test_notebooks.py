@@ -108,6 +108,8 @@ def test_notebook_executes_headless(nb, tmp_path, monkeypatch):
     figures = sorted(p.name for p in (tmp_path / "figures").glob("*.png"))
     assert figures, f"{nb.name} saved no figure through moelab.plots.savefig"
     assert all(p.name.startswith(nb.stem[:2]) for p in (tmp_path / "figures").glob("*.png")), figures
+    saved = sorted(p.name for p in (tmp_path / "run" / "results").glob("*"))
+    assert saved and all(n.startswith(nb.stem[:3]) for n in saved), saved  # one folder can hold all notebooks' results
     executed = nbformat.read(str(tmp_path / "out.ipynb"), as_version=4)
     assert all(c.metadata.get("papermill", {}).get("status") == "completed" for c in executed.cells
                if c.cell_type == "code")
@@ -121,14 +123,14 @@ def _check_quickstart_results(tmp_path: Path, params: dict) -> None:
     from moelab.results import load_saved
 
     saved = load_saved(tmp_path / "run")
-    stats = saved["policy_stats_random"].set_index("policy")
+    stats = saved["01_policy_stats_random"].set_index("policy")
     native = stats.loc[stats.index.str.contains("native")].iloc[0]
     assert native.mean_k == 2.0 and native.expert_reduction == 0.0 and native.kept_pairs == native.native_pairs
     # EntropyAdaptiveK (k 1 or 2) with its threshold at the median entropy: mean k 1.5, 25% saved
     ea = stats.loc["EntropyAdaptiveK"]
     assert abs(ea.mean_k - 1.5) < 0.01 and abs(ea.expert_reduction - 0.25) < 0.01
     assert (stats.kept_pairs <= stats.native_pairs).all()
-    assert "expert_load" in saved and (saved["expert_load"].normalised_entropy <= 1).all()
+    assert "01_expert_load" in saved and (saved["01_expert_load"].normalised_entropy <= 1).all()
 
 
 BAD_PARAMETERS = [  # (notebook, parameters, what the error must name): refused before any long work
@@ -137,6 +139,8 @@ BAD_PARAMETERS = [  # (notebook, parameters, what the error must name): refused 
     ("05_paper_tables", {"models": []}, "models=[]: must be a non-empty list"),
     ("06_graph_pool_memory", {"arms": ["shared-reuse"]}, "arms=['shared-reuse']: must be a non-empty list"),
     ("01_routing_quickstart", {"model": "", "adaptive_quantiles": [1.5]}, "adaptive_quantiles=[1.5]: each must be"),
+    ("01_routing_quickstart", {"model": "", "adaptive_k_values": [1, 2, 4]},
+     "adaptive_quantiles=[0.5]: need one per threshold, len(adaptive_k_values) - 1 = 2"),
 ]
 
 
