@@ -294,6 +294,7 @@ def test_paper_rows_sections(model):
     (dict(k_values=(1, "a")), r"k_values=\[1, 'a'\]: must be a sequence of ints"),
     (dict(budget_steps=-3), r"steps=-3: .* int >= 0"),
     (dict(targets=(0.2, 5)), r"targets=\[0.2, 5\]: \[5\] not in \(0, 1\)"),
+    (dict(targets=["0.5"]), r"targets=\['0.5'\]: \['0.5'\] not in \(0, 1\)"),
     (dict(fixed_ks=[1, 9]), r"fixed_ks=\[1, 9\]: \[9\] not ints in \[1, 8\]"),
     (dict(k_values=(2, 1)), r"k_values=\[2, 1\]: must be strictly ascending ints >= 1"),
     (dict(k_values=(1, 9)), r"k_values=\[1, 9\]: k_max exceeds num_experts=8"),

@@ -320,7 +320,14 @@ def test_bad_native_k_policies_and_context_are_named():
     for bad in (-5, 0, 0.5, float("nan"), float("inf"), True, "64", None):
         with pytest.raises(ValueError, match=rf"context={bad!r}: must be a finite number >= 1".replace("(", r"\(")):
             s.forward_reduction(1.5, context=bad)
+    for bad in (0, float("nan"), True):  # each public FLOPs method checks its context itself
+        for call in (s.attention_flops, s.fixed_flops, lambda c: s.forward_flops(1.5, c)):
+            with pytest.raises(ValueError, match=rf"context={bad!r}: must be a finite number >= 1"):
+                call(bad)
     assert s.forward_reduction(np.float32(1.5), context=np.int64(64)) == s.forward_reduction(1.5, context=64) > 0
     assert s.forward_reduction(np.array([1.5, 1.5]), 64) == s.forward_reduction(1.5, 64)
     with pytest.raises(ValueError, match=r"mean_k_per_layer=tensor\(1.5000\): must be a number or a list"):
         s.forward_reduction(torch.tensor(1.5), context=64)
+    for call in (s.forward_reduction, s.forward_flops):  # a bool is no mean k
+        with pytest.raises(ValueError, match=r"mean_k_per_layer=True: must be a number or a list"):
+            call(True, 64)

@@ -172,9 +172,13 @@ def test_a_plan_that_does_not_fit_is_named(layer):
         ex.run_experts(x, dataclasses.replace(plan, k=plan.k[:2]), gu, dn)
     with pytest.raises(ValueError, match="expert_ids torch.float32.*must be integer ids"):
         ex.run_experts(x, dataclasses.replace(plan, expert_ids=plan.expert_ids.float()), gu, dn)
+    with pytest.raises(ValueError, match="expert_ids torch.bool.*must be integer ids"):
+        ex.run_experts(x, dataclasses.replace(plan, expert_ids=plan.expert_ids > 0), gu, dn)
+    with pytest.raises(ValueError, match="weights torch.int64: must be integer ids and float weights"):
+        ex.run_experts(x, dataclasses.replace(plan, weights=plan.weights.long()), gu, dn)
     with pytest.raises(ValueError, match="dtypes x torch.int64.*must be one dtype, a floating-point one"):
         ex.run_experts(x.long(), plan, gu.long(), dn.long())
-    for bad in (8, -5):
+    for bad in (8, -5, -2):
         ids = plan.expert_ids.clone()
         ids[3, 1] = bad
         with pytest.raises(ValueError, match=rf"plan.expert_ids holds {bad}: must be -1 \(unused\) or .*E=8"):

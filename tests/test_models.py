@@ -338,7 +338,8 @@ def test_load_refuses_a_checkpoint_whose_k_is_outside_the_expert_count(tmp_path,
 def test_build_checks_override_names_and_sizes():
     with pytest.raises(TypeError, match=r"num_expert=4: not a MixtralConfig field; valid overrides: \[.*'num_local_e"):
         models.build("mixtral", num_expert=4)
-    for key, v in (("num_hidden_layers", -1), ("vocab_size", 0), ("hidden_size", 64.0), ("num_local_experts", True)):
+    for key, v in (("num_hidden_layers", -1), ("vocab_size", 0), ("hidden_size", 64.0), ("num_local_experts", True),
+                   ("max_position_embeddings", 0), ("hidden_size", None)):  # None: only head_dim / kv heads
         with pytest.raises(ValueError, match=rf"{key}={v!r}: must be an int >= 1"):
             models.build("mixtral", **{key: v})
     net = models.build("mixtral", num_local_experts=np.int64(4), num_experts_per_tok=np.int32(1), head_dim=None)

@@ -113,6 +113,10 @@ def test_ids_past_max_tokens_are_not_checked(model):
     r = perplexity(model, None, ids, context=16, stride=8, max_tokens=24, progress=False)
     assert r == perplexity(model, None, ids[:24], context=16, stride=8, progress=False)
     assert r["scored_tokens"] == 23 and math.isfinite(r["ppl"])
+    for bad in (1, 0, True, 24.0):
+        with pytest.raises(ValueError, match=rf"max_tokens={bad!r}: must be an int >= 2 or None"):
+            perplexity(model, None, ids, context=16, stride=8, max_tokens=bad, progress=False)
+    assert perplexity(model, None, ids, context=16, stride=8, max_tokens=2, progress=False)["scored_tokens"] == 1
 
 
 def test_non_finite_logits_raise_at_the_first_bad_window():
@@ -130,6 +134,10 @@ def test_non_finite_logits_raise_at_the_first_bad_window():
     with pytest.raises(ValueError, match=r"logits\[0, \d+, \d+\]=nan in the window ids\[16:24\]: logits must be fin"):
         perplexity(net, None, ids, context=8, stride=8, progress=False)
     assert len(forwards) == 3  # of 4 windows
+    forwards.clear()  # the 4 windows in one batch: the message names the bad row's window, not the batch's first
+    with pytest.raises(ValueError, match=r"logits\[2, \d+, \d+\]=nan in the window ids\[16:24\]: logits must be"):
+        perplexity(net, None, ids, context=8, stride=8, batch_size=4, progress=False)
+    assert len(forwards) == 1
     assert math.isfinite(perplexity(net, None, ids[:16], context=8, stride=8, progress=False)["ppl"])
 
 

@@ -291,7 +291,7 @@ def test_save_refuses_names_that_are_not_a_plain_stem_or_are_taken(tmp_path, mon
     """A saved result's name is a file stem in the run's results/: a '/' (another folder) or a leading '.'
     (hidden) is refused naming it, and 'summary' is the sweep's own table; nothing is written for any of them."""
     monkeypatch.setenv("MOELAB_RUN_DIR", str(tmp_path))
-    for bad in ("sub/m", "../m", ".m", "", "m.json", "m.parquet"):
+    for bad in ("sub/m", "../m", ".m", "", "m.json", "m.parquet", "x.csv", "x.json.xz"):
         with pytest.raises(ValueError, match="plain file stem"):
             results.save(bad, {"a": 1})
     with pytest.raises(ValueError, match="'summary'"):
@@ -311,7 +311,7 @@ def test_write_results_refuses_a_topic_that_is_no_plain_stem_or_extra_that_repla
     refused naming it; extra keys that would replace the document's own fields too. Nothing is written."""
     monkeypatch.setattr(results, "_WRITTEN", set())
     out = tmp_path / "out"
-    for bad in ("a/../../escape", "", ".hidden", "x.json"):
+    for bad in ("a/../../escape", "", ".hidden", "x.json", "x.csv", "x.json.xz"):
         with pytest.raises(ValueError, match=f"topic {bad!r}: must be a plain file stem"):
             results.write_results(bad, [], out_dir=out)
     with pytest.raises(TypeError, match="topic 5: must be a str"):
@@ -319,6 +319,14 @@ def test_write_results_refuses_a_topic_that_is_no_plain_stem_or_extra_that_repla
     with pytest.raises(ValueError, match=r"extra keys \['rows', 'schema'\]: taken by the document's own fields"):
         results.write_results("topic-x", [{"v": 1}], out_dir=out, extra={"rows": "gone", "schema": 99, "x": 1})
     assert not any(tmp_path.rglob("*"))
+    # every field a written document has is FIELDS, and each one is refused as an extra key
+    written = results.write_results("topic-x", [{"v": 1}], notes="n", out_dir=out)
+    own = list(json.loads(written.read_text()))
+    assert sorted(own) == sorted(results.FIELDS)
+    for key in own:
+        with pytest.raises(ValueError, match=rf"extra keys \['{key}'\]: taken by the document's own fields"):
+            results.write_results("topic-y", [{"v": 1}], out_dir=out, extra={key: "gone"})
+    assert [p.name for p in out.iterdir()] == [written.name]
 
 
 def test_save_refuses_a_name_that_is_not_a_str(tmp_path, monkeypatch):

@@ -430,13 +430,15 @@ def test_collect_leaves_out_a_run_whose_files_cannot_be_read(tmp_path, caplog):
     run("good")
     run("badparams", params="{")
     run("noparams", params="[1]")
+    run("noparamsobj", params='{"notebook": "toy.ipynb"}')
     run("baddone", done="{")
     run("badresult", metrics='{"y": ')
     with caplog.at_level("WARNING", logger="moelab.sweep"):
-        tables = sweep.collect(tmp_path, ["good", "badparams", "noparams", "baddone", "badresult"], "t")
+        tables = sweep.collect(tmp_path, ["good", "badparams", "noparams", "noparamsobj", "baddone", "badresult"],
+                               "t")
     assert pd.read_csv(tables["summary.csv"])["run"].tolist() == ["good"]
-    for h, file in (("badparams", "params.json"), ("noparams", "params.json"), ("baddone", "done"),
-                    ("badresult", "metrics.json")):
+    for h, file in (("badparams", "params.json"), ("noparams", "params.json"), ("noparamsobj", "params.json"),
+                    ("baddone", "done"), ("badresult", "metrics.json")):
         assert f"run {h}: left out of the summary" in caplog.text and str(tmp_path / h) in caplog.text
         assert any(h in r.getMessage() and file in r.getMessage() for r in caplog.records)
 
@@ -558,13 +560,30 @@ def test_collect_drops_the_tables_of_runs_now_stale(tmp_path):
     assert (tmp_path / "mine.csv").exists()
 
 
+def test_collect_removes_only_plain_table_names_from_an_old_table_list(tmp_path):
+    """`tables.json` is read back, so what it lists is removed only where it is a plain .csv/.parquet name in
+    the sweep folder: a path out of the folder or another kind of file stays."""
+    sweep_dir = tmp_path / "sweep"
+    d = sweep_dir / "aaa"
+    d.mkdir(parents=True)
+    (d / "params.json").write_text(json.dumps({"notebook": "toy.ipynb", "parameters": {"x": 1}}))
+    (d / "done").write_text("{}")
+    (tmp_path / "x.csv").write_text("a\n1\n")
+    (sweep_dir / "keep.txt").write_text("notes")
+    (sweep_dir / "tables.json").write_text(json.dumps(["../x.csv", "keep.txt"]))
+    sweep.collect(sweep_dir, ["aaa"], "t")
+    assert (tmp_path / "x.csv").exists() and (sweep_dir / "keep.txt").exists()
+    assert json.loads((sweep_dir / "tables.json").read_text()) == ["summary.csv", "summary.parquet"]
+
+
 def test_collect_only_lists_stale_and_failed_runs_as_they_are_and_clears_dead_attempts(toy, tmp_path):
     """--collect runs nothing: a run of another notebook version is reported 'stale' and a failed one 'failed'
     with its error (not 'pending'), and a killed attempt's folder beside a finished run is removed."""
-    g = sweep.Grid(notebook=toy, name="c", parameters={"x": [1, 2, 3]}, fixed={"sleep_s": 0.0})
-    (h1, p1), (h2, p2), (h3, _) = sweep.param_hash_points(g)
+    g = sweep.Grid(notebook=toy, name="c", parameters={"x": [1, 2, 3, 4]}, fixed={"sleep_s": 0.0})
+    (h1, p1), (h2, p2), (h3, _), (h4, p4) = sweep.param_hash_points(g)
     for h, p, digest, end, record in ((h1, p1, "OLD", "done", {}), (h2, p2, sweep.notebook_digest(toy), "error.json",
-                                                                   {"cell_index": 3, "ename": "E", "evalue": "bad"})):
+                                                                   {"cell_index": 3, "ename": "E", "evalue": "bad"}),
+                                      (h4, p4, sweep.notebook_digest(toy), "error.json", [1])):  # not an object
         d = tmp_path / "c" / h
         d.mkdir(parents=True)
         (d / "params.json").write_text(json.dumps({"notebook": str(toy), "notebook_digest": digest, "parameters": p}))
@@ -574,8 +593,10 @@ def test_collect_only_lists_stale_and_failed_runs_as_they_are_and_clears_dead_at
     dead = tmp_path / "c" / f".tmp-{h1}-{socket.gethostname()}-{gone.pid}-0123abcd"
     dead.mkdir()
     rep = sweep.run_sweep(g, root=tmp_path, collect_only=True, progress=False)
-    assert {r.hash: r.status for r in rep.runs} == {h1: "stale", h2: "failed", h3: "pending"}
-    assert rep.failed[0].error["evalue"] == "bad" and not dead.exists()
+    assert {r.hash: r.status for r in rep.runs} == {h1: "stale", h2: "failed", h3: "pending", h4: "failed"}
+    errors = {r.hash: r.error for r in rep.failed}
+    assert errors[h2]["evalue"] == "bad" and not dead.exists()
+    assert errors[h4] == {"ename": "UnreadableError", "evalue": str(tmp_path / "c" / h4 / "error.json")}
 
 
 def test_grid_values_of_another_type_than_declared_are_refused_and_mixed_columns_still_tabulate(toy, tmp_path):
@@ -583,6 +604,10 @@ def test_grid_values_of_another_type_than_declared_are_refused_and_mixed_columns
     any run; runs that did get mixed types into one column (an outside engine's) still give a summary."""
     with pytest.raises(ValueError, match=r"parameter x='1024': toy.ipynb declares it int"):
         sweep.Grid(notebook=toy, name="t", parameters={"x": ["1024", 2048]}).check_parameters()
+    with pytest.raises(ValueError, match=r"parameter x=True: toy.ipynb declares it int"):
+        sweep.Grid(notebook=toy, name="t", parameters={"x": [True]}).check_parameters()
+    with pytest.raises(ValueError, match=r"parameter sleep_s='1': toy.ipynb declares it float"):
+        sweep.Grid(notebook=toy, name="t", parameters={"x": [1]}, fixed={"sleep_s": "1"}).check_parameters()
     sweep.Grid(notebook=toy, name="t", parameters={"x": [1]}, fixed={"sleep_s": 1}).check_parameters()  # int as float
     for h, x in (("aaa", "1024"), ("bbb", 2048)):
         d = tmp_path / h

@@ -108,7 +108,8 @@ def test_bad_values_raise_before_any_work(tmp_path):
     bad = [("grad_clip", -1.0), ("grad_clip", 0.0), ("lr", 0.0), ("lr", float("nan")), ("lr", float("inf")),
            ("min_lr_frac", 1.5), ("warmup_steps", -1), ("warmup_steps", 2.5), ("train_tokens", -5),
            ("stop_after", -1), ("time_budget_s", -1.0), ("eval_every", True), ("model", "nosuch"),
-           ("overrides", [1])]
+           ("overrides", [1]), ("min_lr_frac", -0.1), ("time_budget_s", float("nan")), ("eval_tokens", 0),
+           ("eval_tokens", 2.5)]
     if not torch.cuda.is_available():
         bad.append(("device", "cuda"))
     for name, v in bad:
