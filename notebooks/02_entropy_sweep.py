@@ -39,7 +39,7 @@ confirm_points: int = 2  # grid points confirmed with real patched forwards (GPU
 targets: list[float] = [0.2, 0.4]  # matched-compute routed-expert reductions (GPU-sized: [0.1, 0.2, 0.3, 0.4, 0.5])
 budget: float = 0.005  # perplexity budget for calibration, relative (0.005 is +0.5%)
 budget_steps: int = 5  # bisection steps of the budget search (GPU-sized: 6); fewer may find no reduction
-interactive: bool = False  # show ipywidgets explorers (never in headless runs)
+interactive: bool = False  # show ipywidgets explorers and progress bars (never in headless runs)
 
 # %%
 import matplotlib.pyplot as plt
@@ -91,7 +91,7 @@ print(f"{model}: {info}, k values {list(kv)}; {len(eval_ids)} evaluation tokens,
 # (`moelab.calibrate.thresholds_at`): u = 0 keeps k_max for every token, u = 1 keeps k_min.
 
 # %%
-sample = router_sample(net, cal_ids, context=context, batch_size=batch_size, progress=False)
+sample = router_sample(net, cal_ids, context=context, batch_size=batch_size, progress=interactive)
 grid_u = np.linspace(0.0, 1.0, grid_points)
 grid = estimate_grid(sample, [thresholds_at(sample, kv, float(u)) for u in grid_u]).assign(u=grid_u)
 grid["kind"] = "EntropyAdaptiveK"
@@ -115,9 +115,9 @@ grid[["u", "label", "mean_k", "expert_reduction", "forward_reduction", "estimate
 pick = np.linspace(1, grid_points - 2, confirm_points).round().astype(int) if confirm_points else []
 same_chunks = dict(context=sample.context, stride=sample.context, batch_size=batch_size)
 sampled_ids = cal_ids[: sample.num_tokens]  # the sample's whole chunks: the same tokens in both
-cal_base = evaluate(net, None, sampled_ids, progress=False, **same_chunks).summary["ppl"]
+cal_base = evaluate(net, None, sampled_ids, progress=interactive, **same_chunks).summary["ppl"]
 conf = confirm_estimates(net, sample, [thresholds_at(sample, kv, float(grid_u[i])) for i in pick], sampled_ids,
-                         baseline_ppl=cal_base, progress=False, **same_chunks)
+                         baseline_ppl=cal_base, progress=interactive, **same_chunks)
 results.save("02_confirmed_estimates", conf)
 if len(conf):
     layer_err = np.array(conf["est_error_layers"].tolist())
@@ -139,7 +139,7 @@ for t in targets:
         cal_rows.append({"target_reduction": t, "per_layer": per_layer, "est_expert_reduction": e["expert_reduction"],
                          "thresholds": str([[round(th, 4) for th in p.thresholds] for p in pol] if per_layer
                                            else [round(th, 4) for th in pol.thresholds])})
-bs = budget_search(net, sample, cal_ids, kv, budget=budget, steps=budget_steps, progress=False, **kw)
+bs = budget_search(net, sample, cal_ids, kv, budget=budget, steps=budget_steps, progress=interactive, **kw)
 print(f"budget {budget:+.2%}: largest reduction within it on held-out text {bs['target_reduction']:.3f} "
       f"(ppl change {bs['ppl_change']:+.3%}, within budget: {bs['within_budget']}), {bs['policy']}")
 calibrated = pd.DataFrame(cal_rows)
@@ -151,11 +151,11 @@ calibrated
 # ## 4 · Matched compute on the evaluation text: which signal wins?
 
 # %%
-base = evaluate(net, None, eval_ids, progress=False, **kw).summary
+base = evaluate(net, None, eval_ids, progress=interactive, **kw).summary
 matched = compare_at_matched_compute(net, sample, eval_ids, sorted({*targets, bs["target_reduction"]} - {0.0}), kv,
-                                     base["ppl"], progress=False, **kw)
+                                     base["ppl"], progress=interactive, **kw)
 if bs["target_reduction"] > 0:
-    bud = evaluate(net, bs["policy"], eval_ids, baseline_ppl=base["ppl"], progress=False, **kw).summary
+    bud = evaluate(net, bs["policy"], eval_ids, baseline_ppl=base["ppl"], progress=interactive, **kw).summary
     matched = pd.concat([matched, pd.DataFrame([{**bud, "kind": "EntropyAdaptiveK (budget)"}])], ignore_index=True)
 else:  # the unchanged model: nothing to compare
     print(f"no reduction stayed within {budget:+.2%} at {budget_steps} bisection steps: no budget point")

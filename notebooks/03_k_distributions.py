@@ -35,7 +35,7 @@ preset: str = "auto"  # published configuration (moelab.calibrate.PUBLISHED) or 
 calibrated_target: float = 0.25  # routed-expert reduction for the calibrated thresholds (held-out text)
 cal_tokens: int = 1024  # calibration tokens, equal shares of the held-out slices no model trained on (GPU-sized: 32768)
 counts_model: str = "auto"  # real routing counts to compare: olmoe, mistral or auto (by family)
-interactive: bool = False  # show ipywidgets explorers (never in headless runs)
+interactive: bool = False  # show ipywidgets explorers and progress bars (never in headless runs)
 
 # %%
 import matplotlib.pyplot as plt
@@ -81,7 +81,7 @@ def ids_of(text: str, n: int) -> torch.Tensor:
 
 
 samples = {d: router_sample(net, ids_of(t, tokens_per_domain), context=context, batch_size=batch_size,
-                            k_cap=min(E, max(16, native_k)), progress=False) for d, t in texts.items()}
+                            k_cap=min(E, max(16, native_k)), progress=interactive) for d, t in texts.items()}
 print(f"{model}: {info}; {len(samples)} domains x {tokens_per_domain} tokens; max entropy log E = {np.log(E):.3f}")
 
 # %% [markdown]
@@ -133,17 +133,17 @@ else:
     print(f"preset {preset} {list(kv_pub)} left out: its k_max {kv_pub[-1]} exceeds the model's {E} experts")
 kv_cal = calibration_k_values(family, native_k)
 cal_sample = router_sample(net, calibration_ids(tok, cal_tokens), context=context, batch_size=batch_size,
-                           progress=False)
+                           progress=interactive)
 cal_pol = calibrate_thresholds(cal_sample, kv_cal, calibrated_target)
 policies[f"calibrated {calibrated_target:.0%} {list(kv_cal)}"] = cal_pol
 
 eval_ids = ids_of(texts["wikitext2-test"], eval_tokens)
 wt = router_sample(net, eval_ids, context=context, batch_size=batch_size, k_cap=min(E, max(16, native_k)),
-                   progress=False)  # the estimate's router outputs: the tokens the measurement runs on
+                   progress=interactive)  # the estimate's router outputs: the tokens the measurement runs on
 hist_rows, summary = [], []
 for label, pol in policies.items():
     est = estimate(wt, pol)
-    ev = evaluate(net, pol, eval_ids, context=context, stride=context, batch_size=batch_size, progress=False)
+    ev = evaluate(net, pol, eval_ids, context=context, stride=context, batch_size=batch_size, progress=interactive)
     for layer in range(wt.num_layers):
         k_est = wt.k(pol, layer)
         for k in pol.k_values:

@@ -43,7 +43,7 @@ budget_steps: int = 5  # bisection steps of the budget search (5 in the committe
 per_layer: bool = False  # also calibrate per-layer thresholds (GPU-sized: True)
 targets: list[float] = []  # matched-compute reductions for the other policies (the committed GPU table: [0.1, 0.25, 0.4])
 show_gpu_results: bool = True  # also show the committed data/results/paper-tables-*.json (GPU run), if any
-interactive: bool = False  # show ipywidgets explorers (never in headless runs; none in this notebook)
+interactive: bool = False  # show progress bars (never in headless runs; this notebook has no explorer)
 
 # %%
 import matplotlib.pyplot as plt
@@ -98,7 +98,7 @@ for name in models:
     cal_ids = calibration_ids(tok, cal_tokens)
     out = paper_rows(model, name, eval_ids, cal_ids, context=context, stride=stride, batch_size=batch_size,
                      budget=budget, budget_steps=budget_steps, targets=tuple(targets), per_layer=per_layer,
-                     fixed_ks=None if targets else [], progress=False)
+                     fixed_ks=None if targets else [], progress=interactive)
     rows += out["rows"]
     verdicts[name] = out["verdict"]
     print(f"{name}: {len(eval_ids)} evaluation tokens, {len(cal_ids)} calibration tokens")
