@@ -46,10 +46,16 @@ import torch
 from IPython.display import display
 
 from moelab import results
-from moelab.graphs import REUSE_PEAK_LIMIT, REUSE_SPEED_FLOOR
+from moelab.graphs import REUSE_PEAK_LIMIT, REUSE_SPEED_FLOOR, check_buckets
 from moelab.kernels.report import machine_line
+from moelab.params import check_bools
 from moelab.plots import figure, save_table, savefig
 
+check_bools(live=live, interactive=interactive)
+buckets = check_buckets(buckets)
+for name, v in (("model", model), ("live_model", live_model), ("results_dir", results_dir)):
+    if not isinstance(v, str):
+        raise ValueError(f"{name}={v!r}: must be a str")
 doc = results.load_results("graph-pool", results_dir or None)
 m = doc["machine"]
 src = machine_line(doc)  # device, versions, commit and date of the results: on every figure and table

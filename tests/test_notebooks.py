@@ -138,6 +138,8 @@ BAD_PARAMETERS = [  # (notebook, parameters, what the error must name): refused 
     ("02_entropy_sweep", {"grid_points": 5, "confirm_points": 4}, "confirm_points=4: at most grid_points - 2 = 3"),
     ("05_paper_tables", {"models": []}, "models=[]: must be a non-empty list"),
     ("06_graph_pool_memory", {"arms": ["shared-reuse"]}, "arms=['shared-reuse']: must be a non-empty list"),
+    ("06_graph_pool_memory", {"live": "no"}, "live='no': must be True or False"),
+    ("06_graph_pool_memory", {"buckets": [4, 0]}, "bucket 0 in [4, 0]: batch sizes must be ints >= 1"),
     ("01_routing_quickstart", {"model": "", "adaptive_quantiles": [1.5]}, "adaptive_quantiles=[1.5]: each must be"),
     ("01_routing_quickstart", {"model": "", "adaptive_k_values": [1, 2, 4]},
      "adaptive_quantiles=[0.5]: need one per threshold, len(adaptive_k_values) - 1 = 2"),
