@@ -70,6 +70,10 @@ if preset not in PUBLISHED:
     raise ValueError(f"preset={preset!r}: choose auto or one of {sorted(PUBLISHED)}")
 if counts_model == "auto":
     counts_model = "mistral" if family == "mixtral" else "olmoe"
+kv_cal = calibration_k_values(family, native_k)
+if calibrated_target > 1 - kv_cal[0] / native_k:  # checked before any recording: every token at the lowest k
+    raise ValueError(f"calibrated_target={calibrated_target}: at most 1 - {kv_cal[0]}/{native_k} = "
+                     f"{1 - kv_cal[0] / native_k:.3f} with the calibration's k values {list(kv_cal)}")
 domain_slices = heldout_texts(unseen_only=False)  # the five domain files repeat text: seen in training
 texts = {d: domain_slices[name] for d, name in DOMAINS.items()}
 texts["wikitext2-test"] = eval_text()
@@ -131,7 +135,6 @@ if kv_pub[-1] <= E:
     policies[f"{preset} {list(kv_pub)}/{list(th_pub)}"] = EntropyAdaptiveK(kv_pub, th_pub)
 else:
     print(f"preset {preset} {list(kv_pub)} left out: its k_max {kv_pub[-1]} exceeds the model's {E} experts")
-kv_cal = calibration_k_values(family, native_k)
 cal_sample = router_sample(net, calibration_ids(tok, cal_tokens), context=context, batch_size=batch_size,
                            progress=interactive)
 cal_pol = calibrate_thresholds(cal_sample, kv_cal, calibrated_target)

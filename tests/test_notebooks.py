@@ -139,6 +139,7 @@ BAD_PARAMETERS = [  # (notebook, parameters, what the error must name): refused 
     ("05_paper_tables", {"models": []}, "models=[]: must be a non-empty list"),
     ("06_graph_pool_memory", {"arms": ["shared-reuse"]}, "arms=['shared-reuse']: must be a non-empty list"),
     ("06_graph_pool_memory", {"live": "no"}, "live='no': must be True or False"),
+    ("03_k_distributions", {"calibrated_target": 0.8}, "calibrated_target=0.8: at most 1 - 2/8 = 0.750"),
     ("06_graph_pool_memory", {"buckets": [4, 0]}, "bucket 0 in [4, 0]: batch sizes must be ints >= 1"),
     ("01_routing_quickstart", {"model": "", "adaptive_quantiles": [1.5]}, "adaptive_quantiles=[1.5]: each must be"),
     ("01_routing_quickstart", {"model": "", "adaptive_k_values": [1, 2, 4]},
