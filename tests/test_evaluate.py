@@ -192,3 +192,22 @@ def test_router_sample_keeps_expert_ids_above_the_int16_range():
     assert top.dtype == torch.int32 and int(top[:, 0].min()) >= 32768
     load = sample.expert_load()
     assert load.sum() == 8 * 2 and load[0, :32768].sum() == 0
+
+
+def test_an_adaptive_policy_that_changes_nothing_is_reported(ids, caplog):
+    """An untrained model's routers are flat (entropy near log E): thresholds below every entropy keep k_max for
+    every token, and evaluate says so instead of returning a silent no-op; a policy that changes k says nothing."""
+    flat = tiny_random("mixtral", num_hidden_layers=2)  # router weights at init: std 0.02, entropy ~ log 8
+    with caplog.at_level("WARNING", logger="moelab.evaluate"):
+        ev = evaluate(flat, EntropyAdaptiveK((1, 2), (1.0,)), ids[:128], context=CTX, stride=CTX, progress=False)
+    assert ev.summary["mean_k"] == 2
+    msgs = [r.getMessage() for r in caplog.records if "changed nothing" in r.getMessage()]
+    assert len(msgs) == 1 and "in the 2 layer(s)" in msgs[0]
+    pct = int(msgs[0].split("nats, ")[1].split("%")[0])
+    assert 95 <= pct <= 100  # the flat router's median entropy against log 8
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="moelab.evaluate"):
+        ev = evaluate(flat, EntropyAdaptiveK((1, 2), (3.0,)), ids[:128], context=CTX, stride=CTX, progress=False)
+        evaluate(flat, TopK(1), ids[:128], context=CTX, stride=CTX, progress=False)  # fixed k: nothing to warn of
+    assert ev.summary["mean_k"] == 1  # a threshold above log 8: every token drops to k = 1
+    assert not [r for r in caplog.records if "changed nothing" in r.getMessage()]

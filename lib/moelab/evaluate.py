@@ -142,6 +142,22 @@ class Evaluation:
         return {**self.summary, **extra}
 
 
+def _warn_unchanged(policies: dict[int, Policy], layers, k_by_layer: dict, rec) -> None:
+    """Warn where adaptive policies (k_min < k_max) kept k_max for every token of every layer they routed: the
+    rule changed nothing. Flat routers do that (an untrained model's entropy sits near log E, above the thresholds)."""
+    ran = [(layers[i], p) for i, p in policies.items() if p.k_min < p.k_max and i in k_by_layer]
+    if not ran or any(bool((k_by_layer[layer.index] != p.k_max).any()) for layer, p in ran):
+        return
+    ent_T = torch.cat([rec.entropy(layer.index) for layer, _ in ran])
+    if ent_T.numel() == 0:
+        return
+    frac = float(ent_T.median()) / math.log(max(layer.num_experts for layer, _ in ran))
+    labels = sorted({policy_label(p) for _, p in ran})
+    log.warning("%s kept k_max for every token in the %d layer(s) it routed, so it changed nothing; the median router "
+                "entropy is %.3f nats, %.0f%% of log E (a flat, untrained router sits near 100%%)",
+                " / ".join(labels), len(ran), float(ent_T.median()), 100 * frac)
+
+
 @torch.no_grad()
 def evaluate(
     model,
@@ -177,6 +193,8 @@ def evaluate(
                          batch_size=batch_size, progress=progress)
     rec = live if policy is None else live.record
     k_by_layer = {i: rec.k(i) for i in range(len(layers)) if i in rec.k_chunks}
+    if policy is not None:
+        _warn_unchanged(live.policies, layers, k_by_layer, rec)
     mean_k_layers = []
     layer_rows = []
     for layer in layers:
