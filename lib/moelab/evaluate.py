@@ -151,11 +151,12 @@ def _warn_unchanged(policies: dict[int, Policy], layers, k_by_layer: dict, rec) 
     ent_T = torch.cat([rec.entropy(layer.index) for layer, _ in ran])
     if ent_T.numel() == 0:
         return
-    frac = float(ent_T.median()) / math.log(max(layer.num_experts for layer, _ in ran))
-    labels = sorted({policy_label(p) for _, p in ran})
-    log.warning("%s kept k_max for every token in the %d layer(s) it routed, so it changed nothing; the median router "
-                "entropy is %.3f nats, %.0f%% of log E (a flat, untrained router sits near 100%%)",
-                " / ".join(labels), len(ran), float(ent_T.median()), 100 * frac)
+    med = float(ent_T.median())
+    pct = 100 * med / math.log(max(layer.num_experts for layer, _ in ran))
+    flat = "; the routers look flat, as an untrained model's do" if pct >= 95 else ""
+    labels = " / ".join(sorted({policy_label(p) for _, p in ran}))
+    log.warning("%s kept k_max for every token in the %d layer(s) it routed, so it changed nothing (median router "
+                "entropy %.3f nats, %.0f%% of log E%s)", labels, len(ran), med, pct, flat)
 
 
 @torch.no_grad()
