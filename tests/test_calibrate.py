@@ -256,6 +256,23 @@ def test_calibration_ids_from_heldout_only():
     assert ids.dtype == torch.long and 0 <= int(ids.min()) and int(ids.max()) < len(tok)
 
 
+def test_the_papers_calibration_text_has_the_token_counts_the_readme_gives(caplog):
+    """paper_tables' 32,768 asked-for tokens, with the embedded models' tokenizer: WikiText-2 valid's held-out part
+    has 16,322, short of its share of 16,384 (logged), so the calibration text has 32,706 (README, "What we
+    measured")."""
+    from transformers import AutoTokenizer
+
+    from moelab.models import tokenizer_dir
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir())
+    with caplog.at_level("INFO", logger="moelab.calibrate"):
+        ids = calibration_ids(tok, 32768)
+    assert ids.numel() == 32706
+    short = [r.getMessage() for r in caplog.records if "short of its share" in r.getMessage()]
+    assert short == ["calibration text wikitext2_valid.tokens: its held-out part has 16322 tokens, short of its "
+                     "share of 16384"]
+
+
 def test_calibration_k_values_end_at_native():
     from moelab.calibrate import calibration_k_values
 

@@ -68,6 +68,9 @@ def calibration_ids(tokenizer, max_tokens: int, names=None) -> torch.Tensor:
     parts = []
     for n in names:
         ids = tokenizer(texts[n], add_special_tokens=False, return_attention_mask=False)["input_ids"]
+        if len(ids) < share:
+            log.info("calibration text %s: its held-out part has %d tokens, short of its share of %d",
+                     n, len(ids), share)
         parts.append(torch.tensor(ids[:share], dtype=torch.long))
     return torch.cat(parts)[:max_tokens]
 
