@@ -193,6 +193,20 @@ def test_eval_text_lines_refuses_a_text_shorter_than_one_window(tmp_path):
     assert not list(tmp_path.glob("*.json"))
 
 
+def test_patch_noise_reproduces_the_unchanged_perplexity(tmp_path):
+    """benchmarks/patch_noise.py: the model's own top-k through moelab gives the unchanged perplexity (fp32 router
+    probabilities without a tie at the k-th place), mean k the native 2, at every batch size."""
+    out = _run_script("patch_noise", ["--models", "tiny-mixtral", "--tokens", "2048", "--batches", "1,3"], tmp_path)
+    assert out.returncode == 0, out.stderr
+    (path,) = tmp_path.glob("patch-noise-*.json")
+    rows = json.loads(path.read_text())["rows"]
+    assert [r["batch_size"] for r in rows] == [1, 3]
+    for r in rows:
+        assert r["tokens"] == 2048 and r["scored_tokens"] == 2048 - 4 and r["native_k"] == 2 and r["mean_k"] == 2
+        assert r["ties_at_k"] == 0 and r["routed_token_layers"] == 2048 * 4
+        assert abs(r["ppl_change"]) < 1e-7 and r["ppl_native_topk"] == pytest.approx(r["ppl_unchanged"], rel=1e-7)
+
+
 BAD_ARGS = [  # (script, arguments, what the error must say): refused at parse time, before any model or GPU
     ("paper_tables", ["--max-tokens", "-5"], "argument --max-tokens: '-5': must be an int >= 2"),
     ("paper_tables", ["--batch-size", "0"], "argument --batch-size: '0': must be an int >= 1"),
@@ -214,6 +228,12 @@ BAD_ARGS = [  # (script, arguments, what the error must say): refused at parse t
                                                "\\(512 positions\\)"),
     ("eval_text_lines", ["--chars", "1000", "--context", "513"],
      "argument --context: 513 is past tiny-.*'s trained context \\(512 positions\\)"),
+    ("patch_noise", ["--batches", "1,0"], "argument --batches: '1,0': must be a comma list of ints >= 1"),
+    ("patch_noise", ["--tokens", "1"], "argument --tokens: '1': must be a comma list of ints >= 2"),
+    ("patch_noise", ["--tokens", "512,1024"], "argument --tokens: \\[512, 1024\\]: must be one count"),
+    ("patch_noise", ["--models", "tiny-olmoe,nosuch"], "argument --models: nosuch: no such directory"),
+    ("patch_noise", ["--models", ","], "argument --models: no model named"),
+    ("patch_noise", ["--device", "xpu9"], "argument --device: device='xpu9'"),
     ("first_call", ["--models", "nosuch", "--device", "cpu"], "argument --models: nosuch: no such directory"),
     ("first_call", ["--device", "xpu9"], "argument --device: device='xpu9'"),
     ("first_call", ["--models", ",", "--device", "cpu"], "argument --models: no model named"),

@@ -2,10 +2,12 @@
 
 import math
 import re
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import MixtralConfig, MixtralForCausalLM
 
 from moelab.perplexity import perplexity, token_ids, windows
@@ -56,6 +58,34 @@ def test_matches_token_by_token_reference(model):
     assert out["scored_tokens"] == n == 149
     assert out["nll"] == pytest.approx(ref, rel=1e-5)
     assert out["ppl"] == pytest.approx(math.exp(ref), rel=1e-5)
+
+
+class Bigram(torch.nn.Module):
+    """A causal LM whose logits at a position depend on that position's token alone: each token's loss is the same
+    in any batch, so a reference can sum exactly the losses perplexity sums."""
+
+    def __init__(self, vocab: int):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, vocab)
+        torch.nn.init.normal_(self.emb.weight, std=3.0, generator=torch.Generator().manual_seed(0))
+
+    def get_input_embeddings(self):
+        return self.emb
+
+    def forward(self, input_ids, **kwargs):
+        return SimpleNamespace(logits=self.emb(input_ids))
+
+
+def test_losses_are_summed_in_float64():
+    """40k fp32 losses summed in fp32 round the mean by ~1e-8; the fp64 sum agrees with the exact one to ~1e-15."""
+    m = Bigram(500)
+    ids = torch.randint(0, 500, (40_001,), generator=torch.Generator().manual_seed(1))
+    out = perplexity(m, None, ids, context=2000, stride=2000, batch_size=20, progress=False)
+    with torch.no_grad():
+        loss_T = F.cross_entropy(m.emb.weight[ids[:-1]].float(), ids[1:], reduction="none").double()
+    scored_T = torch.arange(1, ids.numel()) % 2000 != 0  # no prediction for a window's first token
+    assert out["scored_tokens"] == int(scored_T.sum()) == 39_980
+    assert out["nll"] == pytest.approx(float(loss_T[scored_T].sum() / scored_T.sum()), rel=1e-13, abs=0)
 
 
 def test_batch_size_does_not_change_result(model):

@@ -131,8 +131,10 @@ def perplexity(
         logits_BSV = model(input_ids=x_BL, **kwargs).logits
         logits_BSV = logits_BSV[:, -(scored + 1) : -1]  # predictions of the last `scored` tokens
         target_BS = x_BL[:, length - scored :].to(logits_BSV.device)
+        # per-token losses in fp32, summed in fp64: an fp32 sum of a batch's ~10^4-10^5 losses rounds it by up to
+        # about 1e-6 of the perplexity, more than the differences a routing change can make
         nll = F.cross_entropy(logits_BSV.float().reshape(-1, logits_BSV.shape[-1]), target_BS.reshape(-1),
-                              reduction="sum")
+                              reduction="none").double().sum()
         if not math.isfinite(nll := float(nll)):  # as the patched path's router check: at the first bad window
             bar.close()
             bad = (~torch.isfinite(logits_BSV)).nonzero()
