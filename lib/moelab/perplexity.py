@@ -9,7 +9,8 @@ earlier window scored. A window's first token has no prediction inside it, so:
   would hold a single token: it has nothing to score and is not run), `scored_tokens` says so.
 The context is clipped to the model's `max_position_embeddings`, and the stride to the clipped context
 (so 2048 / 512 on a model of at most 512 positions becomes 512 / 512: no overlap); the result records
-both. Only the scored positions' logits are computed (`logits_to_keep`); the cross-entropy is summed in fp32.
+both. Only the scored positions' logits are computed (`logits_to_keep`); the per-token losses are computed in fp32
+and summed in fp64.
 """
 
 from __future__ import annotations
