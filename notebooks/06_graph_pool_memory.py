@@ -48,6 +48,7 @@ from IPython.display import display
 from moelab import results
 from moelab.graphs import REUSE_PEAK_LIMIT, REUSE_SPEED_FLOOR, check_buckets
 from moelab.kernels.report import machine_line
+from moelab.models import FAMILIES, NAMES
 from moelab.params import check_bools
 from moelab.plots import figure, save_table, savefig
 
@@ -56,6 +57,9 @@ buckets = check_buckets(buckets)
 for name, v in (("model", model), ("live_model", live_model), ("results_dir", results_dir)):
     if not isinstance(v, str):
         raise ValueError(f"{name}={v!r}: must be a str")
+if live_model not in FAMILIES and live_model not in NAMES:  # checked here, also where no GPU runs the live cell
+    raise ValueError(f"live_model={live_model!r}: must be an embedded name {list(NAMES)} or a family "
+                     f"{sorted(FAMILIES)}; the live run builds its config with fresh weights (no checkpoint path)")
 doc = results.load_results("graph-pool", results_dir or None)
 m = doc["machine"]
 src = machine_line(doc)  # device, versions, commit and date of the results: on every figure and table

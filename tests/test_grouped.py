@@ -519,3 +519,12 @@ def test_gpu_fused_supported_boundaries():
     dn_w = torch.zeros(wide, D, F, dtype=torch.bfloat16, device="cuda")
     assert not ex.fused_supported(x, gu_w, dn_w, 1)
     assert ex.fused_supported(x, gu_w[: gk.MAX_EXPERTS], dn_w[: gk.MAX_EXPERTS], 1)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's bf16 guard is for CPU tensors")
+def test_bf16_under_the_interpreter_is_refused_not_garbage():
+    """The interpreter's bf16 tl.dot returns wrong sums: a bf16 CPU layer is refused, naming the dtypes that work."""
+    x, gu, dn, logits = layer(8, 32, 16, 4, torch.bfloat16, seed=3)
+    plan = route(logits, TopK(2), renormalize=True)
+    with pytest.raises(ValueError, match=r"bfloat16 under TRITON_INTERPRET: .* need float32 or float16 on the CPU"):
+        fused_experts(x, pair_layout_padded(plan), gu, dn, plan)

@@ -323,6 +323,34 @@ def test_fingerprint_covers_names_sizes_and_both_edges_only(tmp_path):
     assert len(head) == 16
 
 
+def test_fingerprint_reads_pytorch_pickles_where_there_is_no_safetensors(tmp_path):
+    """A checkpoint saved with safe_serialization=False (pytorch_model.bin), which load() takes, has a fingerprint
+    too; safetensors win where both are there; a folder with neither is named with the patterns looked for."""
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(FileNotFoundError, match=r"no weight files to fingerprint \(\*\.safetensors, \*\.bin"):
+        models.fingerprint(tmp_path)
+    (tmp_path / "pytorch_model.bin").write_bytes(b"\x01" * 64)
+    pickled = models.fingerprint(tmp_path)
+    (tmp_path / "pytorch_model.bin").write_bytes(b"\x02" * 64)
+    assert models.fingerprint(tmp_path) != pickled and len(pickled) == 16
+    (tmp_path / "model.safetensors").write_bytes(b"\x03" * 64)
+    only = models.fingerprint(tmp_path)
+    (tmp_path / "pytorch_model.bin").write_bytes(b"\x04" * 64)
+    assert models.fingerprint(tmp_path) == only  # the pickle is not read beside safetensors
+
+
+def test_a_missing_relative_path_is_named_with_the_working_folder(tmp_path, monkeypatch):
+    """A relative checkpoint path resolves against the working folder (papermill's --cwd notebooks moves it): the
+    error names both, so the cause is plain."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError) as e:
+        models.resolve("ckpt/m")
+    assert str(e.value).startswith(f"ckpt/m: no such directory (relative to the working folder {tmp_path}: "
+                                   f"{tmp_path / 'ckpt' / 'm'}); pass one of")
+    with pytest.raises(FileNotFoundError, match=r"^/nonexistent/m: no such directory; pass one of"):
+        models.resolve("/nonexistent/m")
+
+
 @pytest.mark.parametrize("k", [0, 20])
 def test_load_refuses_a_checkpoint_whose_k_is_outside_the_expert_count(tmp_path, k):
     """The config alone is enough: no tokenizer or weights are there, so the check comes before both."""

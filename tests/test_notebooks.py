@@ -141,6 +141,8 @@ BAD_PARAMETERS = [  # (notebook, parameters, what the error must name): refused 
     ("06_graph_pool_memory", {"live": "no"}, "live='no': must be True or False"),
     ("03_k_distributions", {"calibrated_target": 0.8}, "calibrated_target=0.8: at most 1 - 2/8 = 0.750"),
     ("06_graph_pool_memory", {"buckets": [4, 0]}, "bucket 0 in [4, 0]: batch sizes must be ints >= 1"),
+    ("06_graph_pool_memory", {"live_model": "/ckpt/OLMoE-1B-7B"},
+     "live_model='/ckpt/OLMoE-1B-7B': must be an embedded name ['tiny-mixtral'"),
     ("01_routing_quickstart", {"model": "", "adaptive_quantiles": [1.5]}, "adaptive_quantiles=[1.5]: each must be"),
     ("01_routing_quickstart", {"model": "", "adaptive_k_values": [1, 2, 4]},
      "adaptive_quantiles=[0.5]: need one per threshold, len(adaptive_k_values) - 1 = 2"),

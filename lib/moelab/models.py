@@ -272,8 +272,9 @@ def resolve(name_or_path: str | Path) -> Path:
         return path
     path = Path(s).expanduser()
     if not path.exists():
+        where = "" if path.is_absolute() else f" (relative to the working folder {Path.cwd()}: {path.absolute()})"
         raise FileNotFoundError(
-            f"{path}: no such directory; pass one of {list(NAMES)} or a local transformers checkpoint directory"
+            f"{path}: no such directory{where}; pass one of {list(NAMES)} or a local transformers checkpoint directory"
         )
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"{path}: no config.json in it, so it is not a transformers checkpoint directory")
@@ -281,12 +282,14 @@ def resolve(name_or_path: str | Path) -> Path:
 
 
 def fingerprint(name_or_path: str | Path, edge_bytes: int = 16 << 20) -> str:
-    """Short fingerprint of a checkpoint's weights: sha256 over each safetensors file's name, size and first
-    and last `edge_bytes` (all of a small model; fast on a real one). Says which weights a result came from."""
+    """Short fingerprint of a checkpoint's weights: sha256 over each weight file's name, size and first and last
+    `edge_bytes` (all of a small model; fast on a real one). Says which weights a result came from. The weight
+    files: *.safetensors, or where there are none the PyTorch pickles (*.bin, *.pt, *.pth) that transformers loads."""
     h = hashlib.sha256()
-    files = sorted(resolve(name_or_path).glob("*.safetensors"))
+    path = resolve(name_or_path)
+    files = sorted(path.glob("*.safetensors")) or sorted(f for x in ("*.bin", "*.pt", "*.pth") for f in path.glob(x))
     if not files:
-        raise FileNotFoundError(f"{resolve(name_or_path)}: no *.safetensors files to fingerprint")
+        raise FileNotFoundError(f"{path}: no weight files to fingerprint (*.safetensors, *.bin, *.pt or *.pth)")
     for f in files:
         size = f.stat().st_size
         h.update(f"{f.name}:{size}:".encode())

@@ -398,6 +398,9 @@ def _check(x_TD, layout, gate_up_EHD, down_EDF, plan) -> None:
     T, D = x_TD.shape
     if x_TD.dtype not in _DTYPES:
         raise ValueError(f"x dtype={x_TD.dtype}: must be one of {_DTYPES}")
+    if x_TD.dtype == torch.bfloat16 and not x_TD.is_cuda and _INTERPRET:
+        raise ValueError("x dtype=torch.bfloat16 under TRITON_INTERPRET: the interpreter's bf16 tl.dot returns wrong "
+                         "sums, so these GEMMs need float32 or float16 on the CPU (or a GPU)")
     for name, w in (("gate_up", gate_up_EHD), ("down", down_EDF)):
         if w.dim() != 3:
             raise ValueError(f"{name} shape {tuple(w.shape)}: must be 3-D ([E, 2F, D] / [E, D, F])")
