@@ -1,5 +1,6 @@
 """Calibration: thresholds reach compute targets, the budget search stays within its budget."""
 
+import numpy as np
 import pandas as pd
 import pytest
 import torch
@@ -300,7 +301,11 @@ def test_paper_rows_sections(model):
     assert len(by["calibrated"]) == 2 and all(r["native_k"] == 2 for r in by["calibrated"])
     assert {r["kind"] for r in by["matched"]} == {"EntropyAdaptiveK", "TopP", "RatioSkip", "TopK"}
     assert all(r.get("estimated") is False for r in rows if "ppl" in r)
-    table = paper_table(rows)
+    table = paper_table(rows)  # the README's and notebook 05's columns, from the rows
+    f = pd.DataFrame([r for r in rows if r["section"] in ("baseline", "patched-native", "published", "claimed-target",
+                                                           "calibrated")])
+    np.testing.assert_allclose(table["compute %"], 100 * f["mean_k"] / f["native_k"], rtol=1e-12)
+    np.testing.assert_allclose(table["change %"], 100 * (f["ppl"] / f["ppl_base"] - 1), rtol=1e-9, atol=1e-12)
     assert list(table["model"].unique()) == ["rand-mixtral"] and (table["claimed"] == "Mixtral 8x7B").all()
 
 
@@ -464,3 +469,10 @@ def test_committed_paper_tables_verdicts_follow_from_their_rows():
     assert set(doc["verdicts"]) == set(rows["model"])
     for model, text in doc["verdicts"].items():
         assert verdict(rows[(rows["model"] == model) & (rows["section"] == "matched")]) == text, model
+
+
+def test_lower_fixed_ks_are_one_half_and_three_quarters_of_native():
+    """The lower fixed k the paper tables compare against: 1, native / 2 and 3 native / 4 (OLMoE's 6 among them)."""
+    from moelab.calibrate import lower_fixed_ks
+
+    assert lower_fixed_ks(8) == [1, 4, 6] and lower_fixed_ks(4) == [1, 2, 3] and lower_fixed_ks(2) == [1]

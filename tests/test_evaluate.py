@@ -38,6 +38,8 @@ def test_baseline_is_plain_perplexity(model, ids, base):
     assert base.summary["scored_tokens"] == ref["scored_tokens"] == 639
     assert base.summary["mean_k"] == 2 and base.summary["expert_reduction"] == 0
     assert base.summary["forward_reduction"] == pytest.approx(0.0)
+    assert base.summary["routed_tokens"] == ref["forwarded_tokens"]
+    assert base.summary["compute_frac"] == 1.0  # all native work kept
     assert set(base.layers["layer"]) == {0, 1, 2}
     q = base.layers[["ent_q05", "ent_q50", "ent_q95"]].to_numpy()
     assert (q[:, 0] <= q[:, 1]).all() and (q[:, 1] <= q[:, 2]).all() and q.max() <= torch.log(torch.tensor(8.0))
@@ -61,6 +63,7 @@ def test_top1_halves_expert_work_and_changes_ppl(model, ids, base):
     assert s["mean_k"] == 1.0 and s["expert_reduction"] == 0.5
     assert 0 < s["forward_reduction"] < 0.5  # attention, embeddings and router are not skipped
     assert abs(s["ppl_change"]) > 1e-4
+    assert s["ppl_change"] == pytest.approx(s["ppl"] / base.summary["ppl"] - 1, rel=1e-12)
     hist = ev.k_hist[ev.k_hist.tokens > 0]
     assert set(hist["k"]) == {1} and (hist["fraction"] == 1.0).all()
     assert policy_label(TopK(1)) == s["label"] == "TopK k=1"
@@ -114,6 +117,10 @@ def test_estimates(model, ids):
         want = [route_torch(own[i], p, layer.renormalize).k for i, layer in enumerate(layers)]
         assert all(torch.equal(sample.k(p, i), want[i]) for i in range(len(layers)))
         assert estimate(sample, p)["mean_k_layers"] == [float(k.float().mean()) for k in want]
+        load = sample.expert_load(p)
+        for i, layer in enumerate(layers):
+            kept = route_torch(own[i], p, layer.renormalize).expert_ids
+            assert load[i].tolist() == torch.bincount(kept[kept >= 0].long(), minlength=8).tolist()
     conf = confirm_estimates(model, sample, pols, ids, context=CTX, stride=CTX, progress=False)
     assert len(conf) == 3 and set(conf.columns) >= {"est_mean_k", "mean_k", "est_error"}
     native_k = layers[0].native_k

@@ -150,15 +150,18 @@ def test_stats_accumulate_on_device():
     pol = EntropyAdaptiveK((1, 2, 4), (1.2, 1.7))
     mine, ref = RoutingStats.zeros(4, DEV), RoutingStats.zeros(4, DEV)
     kept = 0
+    ents = []
     for T in (0, 5, 33, 64):
         logits = (torch.randn(T, 8, generator=rng) * 2).to(DEV)
         kept += int(route_triton(logits, pol, True, stats=mine).k.sum())
         ref.add_torch(route_torch(logits, pol, True))
+        ents.append(route_torch(logits, pol, True).entropy.double())
     a, b = mine.summary(), ref.summary()
     assert a["tokens"] == b["tokens"] == 102
     assert a["k_hist"] == b["k_hist"] and a["k_hist"][0] == a["k_hist"][3] == 0
     assert sum(a["k_hist"]) == 102 and a["mean_k"] == pytest.approx(kept / 102)  # kept pairs per token
     assert math.isclose(a["mean_entropy"], b["mean_entropy"], rel_tol=1e-6)
+    assert a["mean_entropy"] == pytest.approx(float(torch.cat(ents).mean()), rel=1e-6)  # nats per token
     mine.reset()
     assert mine.summary()["tokens"] == 0
 

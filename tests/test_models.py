@@ -9,6 +9,7 @@ import torch
 
 from moelab import models
 from moelab.data import eval_text, heldout_texts, training_texts
+from moelab.hf import router_logits
 from moelab.perplexity import perplexity
 from moelab.tokenizer import encode, unigram_perplexity
 from moelab.train import _stream
@@ -270,6 +271,12 @@ def test_router_stats_load_entropy_is_normalised_by_the_expert_count():
     for ent, load in zip(st["load_entropy"], st["load"]):
         assert len(load) == info["num_experts"] and sum(load) == st["tokens"] * info["native_k"]
         assert ent == pytest.approx(normalised_entropy(load), abs=1e-9) and 0 < ent <= 1
+    lg = router_logits(net, ids, context=64)  # per-token entropies, from the router logits themselves
+    for layer, q in enumerate(st["token_entropy_q"]):
+        logp = torch.log_softmax(lg[layer].float(), -1)
+        h = -(logp.exp() * logp).sum(-1) / np.log(info["num_experts"])
+        want = torch.quantile(h, torch.tensor(st["token_entropy_quantiles"])).tolist()
+        np.testing.assert_allclose(q, want, rtol=1e-5)
     ctx = models.model_context(net)
     long = models.router_stats(net, ids[: 2 * ctx], seq_len=100 * ctx)  # clipped: two chunks of ctx tokens
     assert long["tokens"] == 2 * ctx

@@ -283,6 +283,8 @@ def test_layer_targets_count_a_shared_expert_as_kept_pairs():
     shared = t.loc["moelab_adaptive, shared expert as kept pairs / native layer time_us (kept 0.800: 4 per token)"]
     assert shared["limit"] == pytest.approx(1.1 * 640 / 800) and shared["met"]
     assert sum("shared expert" in x for x in t.index) == 1  # none for the routed-only rows
+    routed = t.loc["moelab_adaptive_routed_only / native layer time_us (kept 0.600, 128-row tiles 1.000)"]
+    assert routed["measured"] == pytest.approx(31 / 50) and routed["met"]  # native layer: routed experts only
 
 
 def test_layer_runs_side_by_side():

@@ -177,6 +177,10 @@ def test_policy_figure_draws_each_policy_share_and_saving():
     from moelab.plots import policy_color  # "native" as a word, not inside another one
     assert policy_color("native-k TopK", "TopK") == POLICY_COLORS["native"]
     assert policy_color("alternative thresholds", "TopP") == POLICY_COLORS["TopP"]
+    fig2 = plot_policy_stats(stats.assign(forward_reduction=[0.0, 0.1]), "t", 2)
+    labels = [t.get_text() for t in fig2.axes[1].get_yticklabels()]
+    assert labels[0].endswith("forward saved 0.0%") and labels[1].endswith("forward saved 10.0%")
+    plt.close(fig2)
     plt.close(fig)
 
 

@@ -320,3 +320,12 @@ def test_quantile_beyond_torch_quantiles_limit(monkeypatch):
     want = np.quantile(big.numpy().astype(np.float64), [0.05, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95])
     assert list(got) == ["ent_q05", "ent_q10", "ent_q25", "ent_q50", "ent_q75", "ent_q90", "ent_q95"]
     np.testing.assert_allclose(list(got.values()), want, rtol=1e-6)
+
+
+def test_ratio_skip_keeps_an_expert_at_exactly_beta_times_the_top():
+    """p_i >= beta * p_1 keeps expert i: the boundary is kept (exact binary fractions), and beta = 1 on a flat
+    router keeps every tied expert up to k_max."""
+    probs = torch.tensor([[0.5, 0.25, 0.125, 0.125]])
+    assert RatioSkip(0.5, k_max=4).choose_k(probs, torch.zeros(1)).item() == 2
+    assert RatioSkip(0.25, k_max=4).choose_k(probs, torch.zeros(1)).item() == 4
+    assert route(torch.zeros(2, 8), RatioSkip(1.0, k_max=4), renormalize=True).k.tolist() == [4, 4]
