@@ -2,11 +2,13 @@
 
 For each embedded model (or local checkpoint), at each batch size: the unchanged model's perplexity and the
 perplexity with every MoE block patched to TopK(native k), on the first --tokens tokens of WikiText-2 test
-(`data.eval_text()`, windows of the model's context that do not overlap), fp32. Any gap is floating-point
-noise, not routing: it bounds what a routing change's perplexity can be told apart from.
+(`data.eval_text()`, windows of the model's context that do not overlap), in --dtype (the library's default:
+fp32 on the CPU, bf16 on CUDA). Any gap is floating-point noise, not routing: it bounds what a routing change's
+perplexity can be told apart from in that dtype.
 Writes data/results/patch-noise-<yyyymmdd>.json.
 
     PYTHONPATH=lib python benchmarks/patch_noise.py            # CPU, about two minutes
+    PYTHONPATH=lib python benchmarks/patch_noise.py --device cuda --dtype float32,bfloat16
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ from moe_kernels import ints_at_least  # noqa: E402
 
 def ties_at_k(model, ids: torch.Tensor, context: int) -> tuple[int, int]:
     """(routed token-layers whose router probabilities tie exactly at the k-th place, routed token-layers) in the
-    unchanged model: there moelab takes the lower expert index and torch.topk either (fp32 softmax, as the models)."""
+    unchanged model: there moelab takes the lower expert index and torch.topk either (softmax in fp32 of the
+    logits in the model's dtype, as the models; bf16 logits tie far more often than fp32 ones)."""
     with record_router(model, logits=True) as rec:
         perplexity(model, None, ids, context=context, stride=context, batch_size=1, progress=False)
     ties = total = 0
@@ -50,6 +53,8 @@ def main(argv=None):
     ap.add_argument("--tokens", type=ints_at_least(2), default="16384", help="tokens of WikiText-2 test (one count)")
     ap.add_argument("--batches", type=ints_at_least(1), default="1,8", help="comma list of windows per forward")
     ap.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto")
+    ap.add_argument("--dtype", default="auto",
+                    help=f"comma list of auto (bf16 on CUDA, fp32 on the CPU) or {', '.join(models.DTYPES)}")
     args = ap.parse_args(argv)
     try:
         args.device = str(models.pick_device(args.device))
@@ -63,11 +68,17 @@ def main(argv=None):
             models.resolve(name)
         except (ValueError, FileNotFoundError) as e:
             ap.error(f"argument --models: {e}")
+    dtypes = []
+    for d in (d.strip() for d in args.dtype.split(",")):
+        try:
+            dtypes.append(models.pick_dtype(d, torch.device(args.device)))
+        except ValueError as e:
+            ap.error(f"argument --dtype: {e}")
     if len(args.tokens) != 1:
         ap.error(f"argument --tokens: {args.tokens}: must be one count")
     rows = []
-    for name in tqdm(names, desc="models"):
-        model, tok = models.load(name, device=args.device)
+    for name, dtype in tqdm([(n, d) for n in names for d in dtypes], desc="models"):
+        model, tok = models.load(name, device=args.device, dtype=dtype)
         ids = torch.tensor(tok(eval_text(), add_special_tokens=False)["input_ids"][: args.tokens[0]])
         native_k = moe_layers(model)[0].native_k
         ties, routed = ties_at_k(model, ids, 2048)
@@ -75,18 +86,21 @@ def main(argv=None):
             kw = {"context": 2048, "stride": 2048, "batch_size": batch, "progress": False}
             base = evaluate(model, None, ids, **kw).summary
             same = evaluate(model, TopK(native_k), ids, baseline_ppl=base["ppl"], **kw).summary
-            rows.append({"model": name, "device": str(model.device), "batch_size": batch, "tokens": ids.numel(),
+            rows.append({"model": name, "device": str(model.device),
+                         "dtype": str(dtype).removeprefix("torch."), "batch_size": batch, "tokens": ids.numel(),
                          "scored_tokens": base["scored_tokens"], "context": base["context"], "native_k": native_k,
                          "ppl_unchanged": base["ppl"], "ppl_native_topk": same["ppl"],
                          "ppl_change": same["ppl_change"], "mean_k": same["mean_k"],
                          "ties_at_k": ties, "routed_token_layers": routed})
-            print({k: rows[-1][k] for k in ("model", "batch_size", "ppl_change", "ties_at_k")})
+            print({k: rows[-1][k] for k in ("model", "dtype", "batch_size", "ppl_change", "ties_at_k")})
     path = write_results("patch-noise", rows, notes=(
         "Perplexity of the unchanged model and of the model with every MoE block patched to TopK(native k) by "
         "moelab.hf, on the first tokens of WikiText-2 test with LF line ends, windows of the model's context (clipped "
-        "from 2048) that do not overlap, fp32; per-token losses summed in fp64. ppl_change is relative. "
+        "from 2048) that do not overlap, in the model dtype of each row (column dtype); "
+        "per-token losses summed in fp64. ppl_change is relative. "
         "ties_at_k: routed token-layers of the unchanged model "
-        "whose fp32 router probabilities tie exactly at the k-th place (there moelab takes the lower expert index, "
+        "whose router probabilities (fp32 softmax of logits in the row's dtype) "
+        "tie exactly at the k-th place (there moelab takes the lower expert index, "
         "torch.topk either), of routed_token_layers."))
     print(f"wrote {path}")
 

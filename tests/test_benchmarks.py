@@ -203,6 +203,7 @@ def test_patch_noise_reproduces_the_unchanged_perplexity(tmp_path):
     assert [r["batch_size"] for r in rows] == [1, 3]
     for r in rows:
         assert r["tokens"] == 2048 and r["scored_tokens"] == 2048 - 4 and r["native_k"] == 2 and r["mean_k"] == 2
+        assert r["dtype"] == "float32" and r["device"] == "cpu"  # the CPU default; on CUDA it is bf16 unless asked
         assert r["ties_at_k"] == 0 and r["routed_token_layers"] == 2048 * 4
         assert abs(r["ppl_change"]) < 1e-7 and r["ppl_native_topk"] == pytest.approx(r["ppl_unchanged"], rel=1e-7)
 
@@ -234,6 +235,7 @@ BAD_ARGS = [  # (script, arguments, what the error must say): refused at parse t
     ("patch_noise", ["--models", "tiny-olmoe,nosuch"], "argument --models: nosuch: no such directory"),
     ("patch_noise", ["--models", ","], "argument --models: no model named"),
     ("patch_noise", ["--device", "xpu9"], "argument --device: device='xpu9'"),
+    ("patch_noise", ["--dtype", "float32,fp8"], "argument --dtype: dtype='fp8': must be 'auto' or one of"),
     ("first_call", ["--models", "nosuch", "--device", "cpu"], "argument --models: nosuch: no such directory"),
     ("first_call", ["--device", "xpu9"], "argument --device: device='xpu9'"),
     ("first_call", ["--models", ",", "--device", "cpu"], "argument --models: no model named"),
