@@ -27,7 +27,7 @@ import torch
 
 from moelab.calibrate import calibration_ids, paper_rows, paper_table
 from moelab.data import eval_text
-from moelab.models import NAMES
+from moelab.models import NAMES, reference_experts
 from moelab.results import _check_stem, commit, read_file, results_dir, write_results
 
 log = logging.getLogger("paper_tables")
@@ -231,13 +231,7 @@ def main(argv=None) -> None:
             from moelab.models import fingerprint
 
             weights[name] = fingerprint(name)
-        if hasattr(model, "set_experts_implementation"):
-            # the baseline runs transformers' reference expert loop: any dtype, any device, any version
-            try:
-                model.set_experts_implementation("eager")
-            except ValueError as e:
-                log.warning("%s: keeping experts implementation %r (%s)", name,
-                            getattr(model.config, "_experts_implementation", None), e)
+        reference_experts(model)  # the baseline runs transformers' reference expert loop
         eval_ids = torch.tensor(tok(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
         if args.max_tokens:
             eval_ids = eval_ids[: args.max_tokens]

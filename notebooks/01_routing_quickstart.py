@@ -58,6 +58,7 @@ import torch
 
 from moelab import results
 from moelab.compute import policy_stats
+from moelab.models import pick_device, pick_dtype
 from moelab.data import COUNT_LAYERS, DOMAINS, load_routing_counts, normalised_entropy
 from moelab.plots import figure, plot_policy_stats, save_table, savefig
 from moelab.params import check_bools, check_ints, check_real
@@ -79,6 +80,8 @@ if any(isinstance(x, bool) or not isinstance(x, (int, float)) or not 0 <= x <= 1
     raise ValueError(f"adaptive_quantiles={adaptive_quantiles}: each must be a number in [0, 1]")
 if counts_model not in ("olmoe", "mistral"):
     raise ValueError(f"counts_model={counts_model!r}: must be 'olmoe' or 'mistral'")
+if model:  # before section 1 writes anything
+    pick_dtype(dtype, pick_device(device))
 _ = torch.manual_seed(seed)
 
 # %% [markdown]
@@ -168,11 +171,14 @@ if model:
         rows.append(policy_stats(logits_le, pols, m_native_k, m_renorm).assign(layer=layer))
     per_layer = pd.concat(rows, ignore_index=True)
     recorded = pool_layers(per_layer, m_native_k, ModelShapes.from_config(lm.config), context=ctx // 2, prefill=ctx)
-    fig = plot_policy_stats(recorded, f"{model}: router logits on WikiText-2 test, {eval_tokens} tokens x "
+    lm_dtype = str(next(lm.parameters()).dtype).removeprefix("torch.")
+    fig = plot_policy_stats(recorded, f"{model} ({lm_dtype}): router logits on WikiText-2 test, {eval_tokens} tokens x "
                      f"{len(eval_logits)} layers (E={info['num_experts']}, native top-{m_native_k})", m_native_k)
     savefig(fig, f"01_quickstart_recorded_{Path(model).name}")
-    results.save("01_policy_stats_recorded", recorded.assign(k_hist=recorded.k_hist.map(str), model=model))
-    results.save("01_policy_stats_recorded_per_layer", per_layer.assign(k_hist=per_layer.k_hist.map(str), model=model))
+    results.save("01_policy_stats_recorded", recorded.assign(k_hist=recorded.k_hist.map(str), model=model,
+                                                               dtype=lm_dtype))
+    results.save("01_policy_stats_recorded_per_layer", per_layer.assign(k_hist=per_layer.k_hist.map(str), model=model,
+                                                                           dtype=lm_dtype))
     results.save("01_summary_recorded", {r.policy: {"expert_reduction": r.expert_reduction,
                                                  "forward_reduction": r.forward_reduction}
                                       for r in recorded.itertuples()})

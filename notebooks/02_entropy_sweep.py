@@ -59,7 +59,7 @@ from moelab.calibrate import (
     verdict,
 )
 from moelab.data import eval_text
-from moelab.evaluate import confirm_estimates, estimate, estimate_grid, evaluate, router_sample
+from moelab.evaluate import confirm_estimates, estimate, estimate_grid, evaluate, model_dtype, router_sample
 from moelab.models import load, moe_info
 from moelab.params import check_bools, check_fractions, check_ints, check_real
 from moelab.plots import POLICY_COLORS, figure, save_table, savefig
@@ -78,12 +78,14 @@ if confirm_points > grid_points - 2:  # the confirmed points are distinct inner 
 net, tok = load(model, device=device, dtype=dtype)
 info = moe_info(net)
 tag = model.rstrip("/").split("/")[-1]
+run_dtype = model_dtype(net)  # said in every title, caption and result: bf16 / fp16 numbers differ from fp32 ones
 kv = tuple(k_values) or calibration_k_values(info["family"], info["native_k"])
 ids = torch.tensor(tok(eval_text(), add_special_tokens=False)["input_ids"], dtype=torch.long)
 eval_ids = ids[:eval_tokens] if eval_tokens else ids
 cal_ids = calibration_ids(tok, cal_tokens)
 kw = dict(context=context, stride=stride, batch_size=batch_size)
-print(f"{model}: {info}, k values {list(kv)}; {len(eval_ids)} evaluation tokens, {len(cal_ids)} calibration tokens")
+print(f"{model} in {run_dtype}: {info}, k values {list(kv)};"
+      f" {len(eval_ids)} evaluation tokens, {len(cal_ids)} calibration tokens")
 
 # %% [markdown]
 # ## 1 · Estimated sweep from recorded router outputs
@@ -143,7 +145,8 @@ bs = budget_search(net, sample, cal_ids, kv, budget=budget, steps=budget_steps, 
 print(f"budget {budget:+.2%}: largest reduction within it on held-out text {bs['target_reduction']:.3f} "
       f"(ppl change {bs['ppl_change']:+.3%}, within budget: {bs['within_budget']}), {bs['policy']}")
 calibrated = pd.DataFrame(cal_rows)
-save_table(calibrated, f"02_calibrated_thresholds_{tag}", caption=f"Thresholds calibrated on held-out text, {tag}")
+save_table(calibrated, f"02_calibrated_thresholds_{tag}",
+           caption=f"Thresholds calibrated on held-out text, {tag}, {run_dtype}")
 results.save("02_budget_trace", bs["trace"])
 calibrated
 
@@ -163,9 +166,10 @@ matched["pareto"] = pareto_mask(matched["expert_reduction"], matched["ppl"])
 results.save("02_matched_compute", matched)
 save_table(matched[["kind", "label", "target_reduction", "mean_k", "expert_reduction", "forward_reduction", "ppl",
                     "ppl_change", "pareto"]], f"02_matched_compute_{tag}",
-           caption=f"Perplexity at matched compute, {tag}, {len(eval_ids)} WikiText-2 test tokens")
+           caption=f"Perplexity at matched compute, {tag}, {run_dtype}, {len(eval_ids)} WikiText-2 test tokens")
 text = verdict(matched)
-results.save("02_verdict", {"model": model, "verdict": text, "baseline_ppl": base["ppl"], "tokens": len(eval_ids)})
+results.save("02_verdict", {"model": model, "dtype": run_dtype, "verdict": text,
+                             "baseline_ppl": base["ppl"], "tokens": len(eval_ids)})
 print(f"baseline perplexity {base['ppl']:.3f} on {base['scored_tokens']} scored tokens")
 print(text)
 
@@ -179,7 +183,7 @@ for kind, g in matched.groupby("kind"):
 ax.axhline(100 * budget, color="black", lw=0.6, ls=":", label=f"budget {budget:+.1%}")
 ax.set(xlabel=f"routed-expert FLOPs saved vs native k={info['native_k']} (%)", ylabel="perplexity change (%)",
        title=f"{tag}: matched compute, measured\n{len(eval_ids)} WikiText-2 test tokens on "
-             f"{next(net.parameters()).device.type}")
+             f"{next(net.parameters()).device.type} ({run_dtype})")
 ax.legend(frameon=False, fontsize=6)
 savefig(fig, f"02_pareto_{tag}")
 plt.show()

@@ -47,7 +47,7 @@ from moelab import results
 from moelab.calibrate import PUBLISHED, calibrate_thresholds, calibration_ids, calibration_k_values, sdk_preset
 from moelab.data import COUNT_LAYERS, DOMAINS, eval_text, heldout_texts, load_routing_counts
 from moelab.data import normalised_entropy as load_entropy
-from moelab.evaluate import entropy_quantiles, estimate, evaluate, router_sample
+from moelab.evaluate import entropy_quantiles, estimate, evaluate, model_dtype, router_sample
 from moelab.models import load, moe_info
 from moelab.plots import POLICY_COLORS, figure, save_table, savefig
 from moelab.params import check_bools, check_ints, check_real
@@ -64,6 +64,7 @@ net, tok = load(model, device=device, dtype=dtype)
 info = moe_info(net)
 E, native_k, family = info["num_experts"], info["native_k"], info["family"]
 tag = model.rstrip("/").split("/")[-1]
+run_dtype = model_dtype(net)  # said in every title and caption: bf16 / fp16 entropies and k differ from fp32 ones
 if preset == "auto":
     preset = sdk_preset(family)
 if preset not in PUBLISHED:
@@ -86,7 +87,8 @@ def ids_of(text: str, n: int) -> torch.Tensor:
 
 samples = {d: router_sample(net, ids_of(t, tokens_per_domain), context=context, batch_size=batch_size,
                             k_cap=min(E, max(16, native_k)), progress=interactive) for d, t in texts.items()}
-print(f"{model}: {info}; {len(samples)} domains x {tokens_per_domain} tokens; max entropy log E = {np.log(E):.3f}")
+print(f"{model} in {run_dtype}: {info}; {len(samples)} domains x {tokens_per_domain} tokens;"
+      f" max entropy log E = {np.log(E):.3f}")
 
 # %% [markdown]
 # ## 1 · Router entropy per layer and domain (nats; divided by log E in the plot)
@@ -100,7 +102,7 @@ quant = pd.DataFrame(q_rows)
 results.save("03_entropy_quantiles", quant)
 save_table(quant.pivot(index="domain", columns="layer", values="ent_q50").reset_index()
            .rename(columns=lambda c: f"layer {c}" if isinstance(c, (int, np.integer)) else c),
-           f"03_entropy_median_{tag}", caption=f"Median router entropy (nats) per layer and domain, {tag}")
+           f"03_entropy_median_{tag}", caption=f"Median router entropy (nats) per layer and domain, {tag}, {run_dtype}")
 
 n_layers = samples["wikitext2-test"].num_layers
 fig, ax = figure("full", aspect=0.3)
@@ -114,7 +116,8 @@ for j, (d, s) in enumerate(samples.items()):
         box.set(facecolor=f"C{j}", alpha=0.6, lw=0.5)
     ax.plot([], [], color=f"C{j}", label=d, lw=4, alpha=0.6)
 ax.set(xticks=np.arange(n_layers), xticklabels=[f"layer {i}" for i in range(n_layers)],
-       ylabel="router entropy / log E", title=f"{tag}: per-token router entropy, {tokens_per_domain} tokens per domain")
+       ylabel="router entropy / log E",
+       title=f"{tag} ({run_dtype}): per-token router entropy, {tokens_per_domain} tokens per domain")
 ax.legend(frameon=False, fontsize=6, ncol=len(samples), loc="upper center", bbox_to_anchor=(0.5, -0.12))
 savefig(fig, f"03_entropy_by_layer_{tag}")
 plt.show()
@@ -161,7 +164,7 @@ hists = pd.DataFrame(hist_rows)
 results.save("03_k_histograms", hists)
 summary = pd.DataFrame(summary)
 results.save("03_k_summary", summary)
-save_table(summary, f"03_k_summary_{tag}", caption=f"Mean k, estimated and measured, {tag}")
+save_table(summary, f"03_k_summary_{tag}", caption=f"Mean k, estimated and measured, {tag}, {run_dtype}")
 
 fig, axes = figure("full", aspect=0.32, ncols=len(policies), sharey=True, squeeze=False)
 for ax, (label, pol) in zip(axes[0], policies.items()):
@@ -173,6 +176,7 @@ for ax, (label, pol) in zip(axes[0], policies.items()):
     ax.set(title=label, xlabel="layer", xticks=range(wt.num_layers))
     ax.legend(frameon=False, fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=len(pol.k_values))
 axes[0][0].set_ylabel("share of tokens (measured)")
+fig.suptitle(f"{tag} ({run_dtype}): k per layer, measured on WikiText-2 test", fontsize=8)
 savefig(fig, f"03_k_by_layer_{tag}")
 plt.show()
 summary
@@ -200,7 +204,8 @@ results.save("03_expert_load", loads)
 table = loads.pivot_table(index="domain", columns=["source", "layer"], values="normalised_entropy")
 table.columns = [f"{s} L{layer}" for s, layer in table.columns]
 table = table.reset_index()
-save_table(table, f"03_expert_load_{tag}", caption=f"Normalised expert-load entropy, {tag} vs {counts_model}")
+save_table(table, f"03_expert_load_{tag}",
+           caption=f"Normalised expert-load entropy, {tag} ({run_dtype}) vs {counts_model}")
 
 fig, ax = figure()
 for j, (src, g) in enumerate(loads.groupby("source")):
@@ -208,7 +213,8 @@ for j, (src, g) in enumerate(loads.groupby("source")):
     ax.plot(m.index, m.values, "o", ms=4, label=src,  # markers only: the domains are not a sequence
             color=POLICY_COLORS["native"] if "real" in src else f"C{j}")
 ax.set(xlabel="text domain", ylabel="expert-load entropy / log E",
-       title=f"{tag}: mean over its {n_layers} layers, {tokens_per_domain} tokens per domain\n{counts_model} "
+       title=f"{tag} ({run_dtype}): mean over its {n_layers} layers, {tokens_per_domain} tokens per domain\n"
+             f"{counts_model} "
              f"(AllenAI's counts): mean over layers {', '.join(map(str, COUNT_LAYERS))}")
 ax.tick_params(axis="x", rotation=30)
 ax.legend(frameon=False, fontsize=6)

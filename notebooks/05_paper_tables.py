@@ -55,7 +55,7 @@ from IPython.display import display
 from moelab import results
 from moelab.calibrate import CLAIMS, PR_PPL_CLAIM, PUBLISHED, calibration_ids, paper_rows, paper_table
 from moelab.data import eval_text
-from moelab.models import load, resolve
+from moelab.models import load, reference_experts, resolve
 from moelab.params import check_bools, check_fractions, check_ints, check_real
 from moelab.plots import POLICY_COLORS, figure, save_table, savefig
 
@@ -93,6 +93,7 @@ check_bools(per_layer=per_layer, show_gpu_results=show_gpu_results, interactive=
 rows, verdicts = [], {}
 for name in models:
     model, tok = load(name, device=device, dtype=dtype)
+    reference_experts(model)  # as benchmarks/paper_tables.py: the baseline runs transformers' reference loop
     ids = torch.tensor(tok(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
     eval_ids = ids[:eval_tokens] if eval_tokens else ids
     cal_ids = calibration_ids(tok, cal_tokens)
@@ -196,7 +197,7 @@ if gpu is not None:
         print("this run read WikiText-2 test as shipped, with CRLF line ends (before moelab.data.eval_text()): "
               "its absolute perplexities are above LF text's (by how much: benchmarks/eval_text_lines.py, "
               "README 'The embedded models')")
-    test_name = "full WikiText-2 test" + (" (CRLF copy)" if crlf else "")
+    test_name = "full WikiText-2 test" + (" (CRLF copy)" if crlf else "") + f", {proto.get('dtype', 'float32')}"
     gpu_table = paper_table(gpu["rows"])
     save_table(gpu_table, "05_paper_table_gpu", caption=f"Paper table, {test_name}, {m['device']}")
     for name, v in gpu.get("verdicts", {}).items():

@@ -217,4 +217,16 @@ def test_an_adaptive_policy_that_changes_nothing_is_reported(ids, caplog):
         ev = evaluate(flat, EntropyAdaptiveK((1, 2), (3.0,)), ids[:128], context=CTX, stride=CTX, progress=False)
         evaluate(flat, TopK(1), ids[:128], context=CTX, stride=CTX, progress=False)  # fixed k: nothing to warn of
     assert ev.summary["mean_k"] == 1  # a threshold above log 8: every token drops to k = 1
+    with caplog.at_level("WARNING", logger="moelab.evaluate"):  # k_max everywhere on purpose: asked not to warn
+        ev = evaluate(flat, EntropyAdaptiveK((1, 2), (1.0,)), ids[:128], context=CTX, stride=CTX, progress=False,
+                      warn_unchanged=False)
+    assert ev.summary["mean_k"] == 2
     assert not [r for r in caplog.records if "changed nothing" in r.getMessage()]
+
+
+def test_the_summary_names_the_weights_dtype(model, ids, base):
+    """A bf16 perplexity is not an fp32 one (the patch alone moves it by ~1e-4): the summary says which ran."""
+    assert base.summary["dtype"] == "float32"
+    m16 = tiny_random("mixtral", num_hidden_layers=2).to(torch.bfloat16)
+    ev = evaluate(m16, TopK(1), ids[:128], context=CTX, stride=CTX, progress=False)
+    assert ev.summary["dtype"] == "bfloat16" and np.isfinite(ev.summary["ppl"]) and ev.summary["mean_k"] == 1

@@ -173,6 +173,15 @@ def test_load_device_dtype():
     assert next(net.parameters()).device.type == ("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def test_reference_experts_switches_the_unpatched_blocks_to_the_eager_loop():
+    """Notebook 05 and paper_tables.py share it, so their baselines run the same expert code in every dtype."""
+    net, _ = models.load("tiny-olmoe", dtype="bfloat16")
+    assert models.reference_experts(net) == "eager" == net.config._experts_implementation
+    ids = torch.arange(64)[None]
+    with torch.no_grad():
+        assert torch.isfinite(net(ids).logits).all()
+
+
 def test_a_local_folder_named_like_an_embedded_model(tmp_path, monkeypatch, tok):
     """A Path (or './name') is always the folder; a bare name that is also a folder here is ambiguous."""
     m = models.tiny_random("olmoe", vocab_size=len(tok))

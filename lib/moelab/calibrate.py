@@ -262,7 +262,8 @@ def budget_search(
 
     def measure(r):
         pol = calibrate_thresholds(sample, kv, r, per_layer)
-        s = evaluate(model, pol, cal_ids, baseline_ppl=baseline_ppl, progress=False, **eval_kw).summary
+        s = evaluate(model, pol, cal_ids, baseline_ppl=baseline_ppl, progress=False, warn_unchanged=r > 0,
+                     **eval_kw).summary  # reduction 0 keeps k_max everywhere on purpose
         trace.append({"target_reduction": r, "label": policy_label(pol), "expert_reduction": s["expert_reduction"],
                       "ppl": s["ppl"], "ppl_change": s["ppl_change"], "within": s["ppl_change"] <= budget})
         return pol, s

@@ -41,6 +41,7 @@ __all__ = [
     "confirm_estimates",
     "policy_label",
     "policy_params",
+    "model_dtype",
     "k_hist_frame",
     "entropy_quantiles",
     "QUANTILES",
@@ -94,6 +95,11 @@ def policy_params(policy) -> dict:
     elif isinstance(policy, RatioSkip):
         out["beta"] = float(policy.beta)
     return out
+
+
+def model_dtype(model) -> str:
+    """The dtype of the model's weights by name ('float32', 'bfloat16', ...), for results and titles."""
+    return str(next(model.parameters()).dtype).removeprefix("torch.")
 
 
 def _shapes(model) -> ModelShapes:
@@ -171,13 +177,18 @@ def evaluate(
     batch_size: int = 8,
     baseline_ppl: float | None = None,
     progress: bool = True,
+    warn_unchanged: bool = True,
 ) -> Evaluation:
     """Perplexity with routing changed by `policy` (None: the model unchanged) and its compute.
 
     policy: one policy, a list (one per MoE layer) or a dict {moe layer: policy} (see moelab.hf.patched).
     baseline_ppl: if given, the summary also has ppl_change (relative, e.g. 0.004 = +0.4%). In bf16 the patch
-    alone moves it by up to about 3e-4 on the embedded models (router ties, rounding; `benchmarks/patch_noise.py`),
-    in fp32 by under 1e-5: compare small changes in fp32.
+    alone moves it by up to about 3e-4 on the embedded models over 16,384 tokens on the H200 (router ties, and the
+    experts' sum in fp32 where the unpatched block sums in bf16; `benchmarks/patch_noise.py`), more on short texts
+    (1.7e-3 on tiny-mixtral's first 512 tokens on the CPU), in fp32 by under 1e-5: compare small changes in fp32,
+    or against the patched native TopK (`moelab.hf.native_policy`) in the same dtype. The summary's dtype says which.
+    warn_unchanged: False where an adaptive policy that keeps k_max for every token is the intent (a budget
+    search's zero-reduction bracket); otherwise that is logged as a warning.
     """
     if baseline_ppl is not None and (isinstance(baseline_ppl, bool) or not isinstance(baseline_ppl, numbers.Real)
                                      or not math.isfinite(baseline_ppl) or baseline_ppl <= 0):
@@ -196,7 +207,7 @@ def evaluate(
                          batch_size=batch_size, progress=progress)
     rec = live if policy is None else live.record
     k_by_layer = {i: rec.k(i) for i in range(len(layers)) if i in rec.k_chunks}
-    if policy is not None:
+    if policy is not None and warn_unchanged:
         _warn_unchanged(live.policies, layers, k_by_layer, rec)
     mean_k_layers = []
     layer_rows = []
@@ -215,6 +226,7 @@ def evaluate(
         "label": policy_label(policy),
         **policy_params(policy),
         "estimated": False,
+        "dtype": model_dtype(model),  # the weights' dtype: bf16 / fp16 perplexities differ from fp32 ones
         "ppl": res["ppl"],
         "nll": res["nll"],
         "scored_tokens": res["scored_tokens"],
