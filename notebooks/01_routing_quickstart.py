@@ -148,6 +148,7 @@ if model:
     from moelab import hf, models
     from moelab.compute import ModelShapes, pool_layers
     from moelab.data import eval_text, heldout_texts
+    from moelab.evaluate import model_dtype
     from moelab.perplexity import token_ids
 
     lm, tokenizer = models.load(model, device=device, dtype=dtype)
@@ -171,7 +172,7 @@ if model:
         rows.append(policy_stats(logits_le, pols, m_native_k, m_renorm).assign(layer=layer))
     per_layer = pd.concat(rows, ignore_index=True)
     recorded = pool_layers(per_layer, m_native_k, ModelShapes.from_config(lm.config), context=ctx // 2, prefill=ctx)
-    lm_dtype = str(next(lm.parameters()).dtype).removeprefix("torch.")
+    lm_dtype = model_dtype(lm)
     fig = plot_policy_stats(recorded, f"{model} ({lm_dtype}): router logits on WikiText-2 test, {eval_tokens} tokens x "
                      f"{len(eval_logits)} layers (E={info['num_experts']}, native top-{m_native_k})", m_native_k)
     savefig(fig, f"01_quickstart_recorded_{Path(model).name}")
