@@ -1,5 +1,7 @@
 """Patching transformers MoE blocks: the model's own rule reproduces it, and the model comes back intact."""
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -260,6 +262,15 @@ def test_bad_policies_raise(model):
         model(input_ids=ids(n=6))
     assert outer.mean_k() == {layer.index: 1.0 for layer in moe_layers(model)}
     assert not any("forward" in m.__dict__ or "_moelab_patched" in m.__dict__ for m in model.modules())
+
+
+def test_float64_model_refused_on_entry(model):
+    """A float64 model is refused when patched() is entered, not inside its first forward."""
+    m64 = copy.deepcopy(model).double()
+    with pytest.raises(ValueError, match=r"router weight dtype=torch.float64: patched routing takes float32"):
+        with patched(m64, TopK(1)):
+            raise AssertionError("entered")
+    assert not any("forward" in mod.__dict__ for mod in m64.modules())
 
 
 def test_non_moe_model_raises():

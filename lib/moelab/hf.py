@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from moelab.experts import run_experts
 from moelab.models import ALWAYS_RENORMALIZE, check_ids, input_device, model_context
-from moelab.routing import EntropyAdaptiveK, Policy, RatioSkip, TopK, TopP, route
+from moelab.routing import LOGIT_DTYPES, EntropyAdaptiveK, Policy, RatioSkip, TopK, TopP, route
 
 __all__ = ["MoELayer", "moe_layers", "patched", "record_router", "router_logits", "Patch", "RoutingRecord",
            "native_policy"]
@@ -274,6 +274,11 @@ def patched(model, policy_or_policies, record: bool | str = False, check: bool =
         raise ValueError(f"record={record!r}: must be False, True or 'logits'")
     layers = moe_layers(model)
     policies = _resolve_policies(layers, policy_or_policies)
+    for i in policies:  # on entry, not in the first forward: the router's logits take the gate's dtype
+        dt = layers[i].block.gate.weight.dtype
+        if dt not in LOGIT_DTYPES:
+            raise ValueError(f"{layers[i].name}: router weight dtype={dt}: patched routing takes float32, float16 "
+                             "or bfloat16 (load or cast the model to one of them)")
     rec = RoutingRecord(logits=record == "logits") if record else None
     patch = Patch(layers, policies, rec)
     saved: list[tuple[torch.nn.Module, object]] = []  # (module, its own instance forward or None)

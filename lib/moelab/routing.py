@@ -245,6 +245,9 @@ def resolve_renormalize(policy: Policy, renormalize: bool | None) -> bool:
     return r
 
 
+LOGIT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what route() and the routing kernel take
+
+
 def check_logits(logits: torch.Tensor, policy: Policy, num_experts: int | None = None, finite: bool = True):
     """Validate shape, dtype and (optionally, one host sync) finiteness and range of router logits."""
     check_policy(policy)
@@ -252,7 +255,7 @@ def check_logits(logits: torch.Tensor, policy: Policy, num_experts: int | None =
         raise ValueError(f"logits of type {type(logits).__name__}: must be a torch.Tensor [T, E]")
     if logits.dim() != 2:
         raise ValueError(f"logits.shape={tuple(logits.shape)}: must have rank 2 [T, E]")
-    if logits.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+    if logits.dtype not in LOGIT_DTYPES:
         raise ValueError(f"logits.dtype={logits.dtype}: must be float32, float16 or bfloat16")
     E = logits.shape[1]
     if num_experts is not None and (isinstance(num_experts, bool) or not isinstance(num_experts, numbers.Integral)):
