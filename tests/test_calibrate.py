@@ -306,7 +306,35 @@ def test_paper_rows_sections(model):
                                                            "calibrated")])
     np.testing.assert_allclose(table["compute %"], 100 * f["mean_k"] / f["native_k"], rtol=1e-12)
     np.testing.assert_allclose(table["change %"], 100 * (f["ppl"] / f["ppl_base"] - 1), rtol=1e-9, atol=1e-12)
+    nat = by["patched-native"][0]["ppl"]
+    np.testing.assert_allclose(table["vs patched %"], 100 * (f["ppl"] / nat - 1), rtol=1e-9, atol=1e-12)
+    assert by["patched-native"][0]["ppl_change_vs_patched"] == 0.0
+    assert all(r["ppl_change_vs_patched"] == pytest.approx(r["ppl"] / nat - 1) for r in by["matched"])
+    assert by["claimed-target"][0]["ppl_change_vs_patched"] is None  # no perplexity: nothing was run
+    assert by["claimed-target"][0]["dtype"] == "float32"
     assert list(table["model"].unique()) == ["rand-mixtral"] and (table["claimed"] == "Mixtral 8x7B").all()
+    old = [{k: v for k, v in r.items() if k != "ppl_change_vs_patched"} for r in rows]  # a file from before it
+    pd.testing.assert_frame_equal(paper_table(old), table)
+
+
+def test_paper_rows_in_bf16_warn_of_the_patch_bias(model, caplog):
+    """In 16-bit the patch alone moves perplexity: paper_rows says so and gives the change against it."""
+    import copy
+
+    from moelab.calibrate import paper_rows
+
+    m16 = copy.deepcopy(model).to(torch.bfloat16)
+    ev = torch.randint(0, 256, (128,), generator=torch.Generator().manual_seed(3))
+    cal = torch.randint(0, 256, (128,), generator=torch.Generator().manual_seed(4))
+    with caplog.at_level("WARNING", logger="moelab.calibrate"):
+        rows = paper_rows(m16, "rand-mixtral", ev, cal, context=CTX, stride=CTX, budget_steps=0, targets=(),
+                          per_layer=False, progress=False)["rows"]
+    nat = next(r for r in rows if r["section"] == "patched-native")
+    assert nat["dtype"] == "bfloat16"
+    said = [r.getMessage() for r in caplog.records if "the patch alone moves perplexity" in r.getMessage()]
+    assert len(said) == 1 and "bfloat16" in said[0] and f"{nat['ppl_change']:+.2e}" in said[0]
+    base = next(r for r in rows if r["section"] == "baseline")
+    assert base["ppl_change_vs_patched"] == pytest.approx(base["ppl"] / nat["ppl"] - 1)
 
 
 @pytest.mark.parametrize("kw, match", [
