@@ -174,7 +174,7 @@ for ax, (label, pol) in zip(axes[0], policies.items()):
         g = h[h.k == k].sort_values("layer")
         ax.bar(g.layer + (j - (len(pol.k_values) - 1) / 2) * width, g.fraction, width, label=f"k={k}", color=f"C{j}")
     ax.set(title=label, xlabel="layer", xticks=range(wt.num_layers))
-    ax.legend(frameon=False, fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=len(pol.k_values))
+    ax.legend(frameon=False, fontsize=6, loc="upper left", bbox_to_anchor=(1.0, 1.0))  # beside: clear of the x label
 axes[0][0].set_ylabel("share of tokens (measured)")
 fig.suptitle(f"{tag} ({run_dtype}): k per layer, measured on WikiText-2 test", fontsize=8)
 savefig(fig, f"03_k_by_layer_{tag}")

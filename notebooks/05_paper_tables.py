@@ -145,13 +145,13 @@ for j, name in enumerate(models):
 ax.scatter([100], [0], marker="o", s=12, facecolors="none", edgecolors="black", lw=0.6)
 ax.axhline(100 * budget, color="black", lw=0.6, ls=":")
 ax.set(xlabel="routed-expert compute, % of native k",
-       ylabel="perplexity change (%)" + (" vs patched native" if change_col != "change %" else ""),
+       ylabel="perplexity change (%)" + ("\nvs patched native" if change_col != "change %" else ""),
        title=f"measured on {where}")
 handles = [plt.Line2D([], [], ls="", marker="o", color=f"C{j}", label=n) for j, n in enumerate(models)]
 handles += [plt.Line2D([], [], ls="", marker=m, color="grey", label=k) for k, m in MARKERS.items() if k != "other"]
 handles += [plt.Line2D([], [], ls="", marker="o", mfc="none", color="black", label="native (100%, +0%)"),
             plt.Line2D([], [], ls=":", color="black", lw=0.6, label=f"budget {budget:+.1%}")]
-ax.legend(handles=handles, frameon=False, fontsize=5, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.2))
+ax.legend(handles=handles, frameon=False, fontsize=5, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.25))
 savefig(fig, "05_compute_vs_ppl")
 plt.show()
 
