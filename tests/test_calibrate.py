@@ -312,6 +312,7 @@ def test_paper_rows_sections(model):
     assert all(r["ppl_change_vs_patched"] == pytest.approx(r["ppl"] / nat - 1) for r in by["matched"])
     assert by["claimed-target"][0]["ppl_change_vs_patched"] is None  # no perplexity: nothing was run
     assert by["claimed-target"][0]["dtype"] == "float32"
+    assert {r["cal_reference"] for r in by["calibrated"]} == {"unchanged"}
     assert list(table["model"].unique()) == ["rand-mixtral"] and (table["claimed"] == "Mixtral 8x7B").all()
     old = [{k: v for k, v in r.items() if k != "ppl_change_vs_patched"} for r in rows]  # a file from before it
     pd.testing.assert_frame_equal(paper_table(old), table)
@@ -335,6 +336,8 @@ def test_paper_rows_in_bf16_warn_of_the_patch_bias(model, caplog):
     assert len(said) == 1 and "bfloat16" in said[0] and f"{nat['ppl_change']:+.2e}" in said[0]
     base = next(r for r in rows if r["section"] == "baseline")
     assert base["ppl_change_vs_patched"] == pytest.approx(base["ppl"] / nat["ppl"] - 1)
+    cal_row = next(r for r in rows if r["section"] == "calibrated")
+    assert cal_row["cal_reference"] == "patched-native"  # the budget is not charged the patch's own change
 
 
 @pytest.mark.parametrize("kw, match", [

@@ -526,10 +526,13 @@ def paper_rows(
     Sections (column `section`): baseline (unchanged model), patched-native (the model's own TopK through
     moelab: the patching noise floor), published (the configurations of the claims), claimed-target
     (thresholds calibrated on held-out text to the PR's claimed reduction), calibrated (largest reduction
-    within `budget` on held-out text, shared and per-layer thresholds), matched (EntropyAdaptiveK, TopP,
+    within `budget` on held-out text, shared and per-layer thresholds; the budget is against the unchanged model,
+    in 16-bit against the patched native TopK: column cal_reference), matched (EntropyAdaptiveK, TopP,
     RatioSkip at the same compute, and lower fixed k). Perplexity is always on eval_ids; thresholds only
     ever see cal_ids, which must not be the evaluation text itself (refused where cal_ids equal eval_ids; a
     stream that overlaps it only in part is not detected). targets=() with fixed_ks=None skips the matched section.
+    Rows with a perplexity have ppl_change (against the unchanged model) and ppl_change_vs_patched (against the
+    patched-native row: the one to read in 16-bit, where the patch alone moves perplexity; `vs_patched`).
     Returns dict(rows: list of dicts, traces: DataFrame, verdict: str, sample: RouterSample).
     """
     import time
@@ -597,7 +600,11 @@ def paper_rows(
                          "config": f"claimed {r:.1%} unreachable: k >= {kv[0]} gives at most {hi_r:.1%}",
                          "target_reduction": r, **claims})
     cal_red = []
-    cal_base = evaluate(model, None, cal_ids, progress=False, **kw).summary["ppl"]  # once for both searches
+    # the budget's reference on the calibration text, once for both searches: in 16-bit the patched native TopK, so
+    # that the patch's own change (1e-4 to 1e-3) is not charged to the thresholds; in fp32 the unchanged model
+    cal_ref = "patched-native" if model_dtype(model) in ("bfloat16", "float16") else "unchanged"
+    cal_pol = nat if cal_ref == "patched-native" else None
+    cal_base = evaluate(model, cal_pol, cal_ids, progress=False, **kw).summary["ppl"]
     for pl in (False, True) if per_layer else (False,):
         t0 = time.perf_counter()
         res = budget_search(model, sample, cal_ids, kv, budget=budget, per_layer=pl, steps=budget_steps,
@@ -605,7 +612,7 @@ def paper_rows(
         traces.append(res["trace"].assign(model=name, per_layer=pl))
         s = evaluate(model, res["policy"], eval_ids, baseline_ppl=base_ppl, progress=False, **kw).summary
         add("calibrated", s, t0, config=f"{'per-layer' if pl else 'shared'} thresholds, budget {budget:+.1%}",
-            cal_ppl_change=res["ppl_change"], cal_within_budget=res["within_budget"],
+            cal_ppl_change=res["ppl_change"], cal_within_budget=res["within_budget"], cal_reference=cal_ref,
             target_reduction=res["target_reduction"])
         cal_red.append(res["target_reduction"])
     t0 = time.perf_counter()
