@@ -84,6 +84,21 @@ def test_router_sample_rejects_bad_arguments(model, kw, match):
         router_sample(model, torch.arange(200) % 256, progress=False, **kw)
 
 
+def test_reference_ppl_is_the_unchanged_model_in_fp32_and_the_patched_native_in_bf16(model):
+    import copy
+
+    from moelab.calibrate import reference_ppl
+    from moelab.hf import native_policy
+
+    ids = torch.randint(0, 256, (128,), generator=torch.Generator().manual_seed(5))
+    kw = dict(context=CTX, stride=CTX, progress=False)
+    for m, want in ((model, "unchanged"), (copy.deepcopy(model).to(torch.bfloat16), "patched-native")):
+        ref = reference_ppl(m, ids, **kw)
+        pol = [native_policy(layer) for layer in moe_layers(m)] if want == "patched-native" else None
+        assert ref["reference"] == want and ref["ppl"] == evaluate(m, pol, ids, **kw).summary["ppl"]
+        assert ref["dtype"] == ("float32" if want == "unchanged" else "bfloat16")
+
+
 def test_budget_search_stays_within_budget():
     """On a trained model the bisection really runs; it ends on the largest in-budget reduction it measured."""
     from moelab.models import load

@@ -32,6 +32,7 @@ __all__ = [
     "thresholds_at",
     "calibrate_thresholds",
     "match_policy",
+    "reference_ppl",
     "budget_search",
     "compare_at_matched_compute",
     "pareto_mask",
@@ -236,6 +237,18 @@ def match_policy(sample: RouterSample, kind: str, target_reduction: float, k_min
     return _warn_missed(sample, pol, target_reduction, k_min, k_max, f"{kind} k in [{k_min}, {k_max}]")
 
 
+def reference_ppl(model, ids, progress: bool = False, **eval_kw) -> dict:
+    """The perplexity a routing change is measured against: the unchanged model in fp32; in 16-bit the model's own
+    TopK through moelab, since there the patch alone moves perplexity by 1e-4 to 1e-3 (router ties, fp32 expert
+    sums; `benchmarks/patch_noise.py`). Returns evaluate's summary with reference: 'unchanged' or 'patched-native'."""
+    from moelab.hf import moe_layers, native_policy
+
+    sixteen = model_dtype(model) in ("bfloat16", "float16")
+    pol = [native_policy(layer) for layer in moe_layers(model)] if sixteen else None
+    summary = evaluate(model, pol, ids, progress=progress, **eval_kw).summary
+    return {**summary, "reference": "patched-native" if sixteen else "unchanged"}
+
+
 def budget_search(
     model,
     sample: RouterSample,
@@ -251,13 +264,13 @@ def budget_search(
     """Largest routed-expert reduction whose measured perplexity on calibration text stays within budget.
 
     Bisection over the target reduction in [max(0, lowest reachable), highest reachable], each step a
-    patched perplexity on cal_ids (held-out text). Returns dict(policy, target_reduction, ppl,
-    ppl_change, within_budget, trace: DataFrame of every step).
+    patched perplexity on cal_ids (held-out text), against baseline_ppl (default: `reference_ppl` on cal_ids).
+    Returns dict(policy, target_reduction, ppl, ppl_change, within_budget, trace: DataFrame of every step).
     """
     _check_budget(budget, steps)
     kv = _check_k_values(k_values, sample.k_cap)
     if baseline_ppl is None:
-        baseline_ppl = evaluate(model, None, cal_ids, progress=False, **eval_kw).summary["ppl"]
+        baseline_ppl = reference_ppl(model, cal_ids, **eval_kw)["ppl"]
     lo, hi = max(0.0, 1 - kv[-1] / sample.native_k), 1 - kv[0] / sample.native_k
     trace = []
 
@@ -600,11 +613,8 @@ def paper_rows(
                          "config": f"claimed {r:.1%} unreachable: k >= {kv[0]} gives at most {hi_r:.1%}",
                          "target_reduction": r, **claims})
     cal_red = []
-    # the budget's reference on the calibration text, once for both searches: in 16-bit the patched native TopK, so
-    # that the patch's own change (1e-4 to 1e-3) is not charged to the thresholds; in fp32 the unchanged model
-    cal_ref = "patched-native" if model_dtype(model) in ("bfloat16", "float16") else "unchanged"
-    cal_pol = nat if cal_ref == "patched-native" else None
-    cal_base = evaluate(model, cal_pol, cal_ids, progress=False, **kw).summary["ppl"]
+    ref = reference_ppl(model, cal_ids, **kw)  # once for both searches; in 16-bit not charging the patch's own change
+    cal_base, cal_ref = ref["ppl"], ref["reference"]
     for pl in (False, True) if per_layer else (False,):
         t0 = time.perf_counter()
         res = budget_search(model, sample, cal_ids, kv, budget=budget, per_layer=pl, steps=budget_steps,
