@@ -33,7 +33,7 @@ from moelab.results import write_results
 def policies(native_k: int, family: str, num_experts: int):
     """(job, policy) in paper_tables' order of first use: native k, the published configurations, the
     calibrated kinds, lower fixed k."""
-    from moelab.calibrate import calibration_k_values, lower_fixed_ks, published_configs
+    from moelab.paper import calibration_k_values, lower_fixed_ks, published_configs
     from moelab.routing import EntropyAdaptiveK, RatioSkip, TopK, TopP
 
     kv = calibration_k_values(family, native_k)

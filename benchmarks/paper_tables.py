@@ -25,9 +25,10 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from moelab.calibrate import calibration_ids, paper_rows, paper_table
+from moelab.calibrate import calibration_ids
 from moelab.data import eval_text
 from moelab.models import NAMES, reference_experts
+from moelab.paper import paper_rows, paper_table
 from moelab.results import _check_stem, commit, read_file, results_dir, write_results
 
 log = logging.getLogger("paper_tables")

@@ -52,7 +52,6 @@ from moelab.calibrate import (
     budget_search,
     calibrate_thresholds,
     calibration_ids,
-    calibration_k_values,
     compare_at_matched_compute,
     pareto_mask,
     reference_ppl,
@@ -62,6 +61,7 @@ from moelab.calibrate import (
 from moelab.data import eval_text
 from moelab.evaluate import confirm_estimates, estimate, estimate_grid, evaluate, model_dtype, router_sample
 from moelab.models import load, moe_info
+from moelab.paper import calibration_k_values
 from moelab.params import check_bools, check_fractions, check_ints, check_real
 from moelab.plots import POLICY_COLORS, figure, save_table, savefig
 from moelab.routing import EntropyAdaptiveK, RatioSkip, TopP

@@ -31,7 +31,7 @@ tokens_per_domain: int = 512  # tokens recorded per domain (GPU-sized: 16384)
 eval_tokens: int = 512  # WikiText-2 test tokens for the measured k histograms (GPU-sized: 0, meaning all)
 context: int = 2048  # window length, clipped to the model's max_position_embeddings
 batch_size: int = 4  # windows per forward (GPU-sized: 64)
-preset: str = "auto"  # published configuration (moelab.calibrate.PUBLISHED) or auto for the family's SDK preset
+preset: str = "auto"  # published configuration (moelab.paper.PUBLISHED) or auto for the family's SDK preset
 calibrated_target: float = 0.25  # routed-expert reduction for the calibrated thresholds (held-out text)
 cal_tokens: int = 1024  # calibration tokens, equal shares of the held-out slices no model trained on (GPU-sized: 32768)
 counts_model: str = "auto"  # real routing counts to compare: olmoe, mistral or auto (by family)
@@ -44,11 +44,12 @@ import pandas as pd
 import torch
 
 from moelab import results
-from moelab.calibrate import PUBLISHED, calibrate_thresholds, calibration_ids, calibration_k_values, sdk_preset
+from moelab.calibrate import calibrate_thresholds, calibration_ids
 from moelab.data import COUNT_LAYERS, DOMAINS, eval_text, heldout_texts, load_routing_counts
 from moelab.data import normalised_entropy as load_entropy
 from moelab.evaluate import entropy_quantiles, estimate, evaluate, model_dtype, router_sample
 from moelab.models import load, moe_info
+from moelab.paper import PUBLISHED, calibration_k_values, sdk_preset
 from moelab.plots import POLICY_COLORS, figure, save_table, savefig
 from moelab.params import check_bools, check_ints, check_real
 from moelab.routing import EntropyAdaptiveK

@@ -15,7 +15,7 @@
 # %% [markdown]
 # # 05 · The paper's table, measured
 #
-# The claim under test (`moelab.calibrate.CLAIMS`, printed in section 2): entropy-guided adaptive k
+# The claim under test (`moelab.paper.CLAIMS`, printed in section 2): entropy-guided adaptive k
 # saves a quarter to a half of the expert compute of Mixtral 8x7B, Qwen-MoE and OLMoE-1B-7B at a small
 # perplexity change. Here every perplexity comes from
 # forwards whose MoE blocks were patched by `moelab.hf` (routing really changed, skipped pairs never
@@ -53,9 +53,10 @@ import torch
 from IPython.display import display
 
 from moelab import results
-from moelab.calibrate import CLAIMS, PR_PPL_CLAIM, PUBLISHED, calibration_ids, paper_rows, paper_table
+from moelab.calibrate import calibration_ids
 from moelab.data import eval_text
 from moelab.models import load, reference_experts, resolve
+from moelab.paper import CLAIMS, PR_PPL_CLAIM, PUBLISHED, paper_rows, paper_table
 from moelab.params import check_bools, check_fractions, check_ints, check_real
 from moelab.plots import POLICY_COLORS, figure, save_table, savefig
 
@@ -157,7 +158,7 @@ plt.show()
 
 # %% [markdown]
 # ## 2 · Beside the claims
-# The claims, copied (not measured) into `moelab.calibrate.CLAIMS` and printed here: the PR's compute
+# The claims, copied (not measured) into `moelab.paper.CLAIMS` and printed here: the PR's compute
 # reductions and its stated perplexity bound, and the paper's own table (mean k, perplexities). A mean k
 # below 1 is impossible when every token keeps at least one expert.
 

@@ -25,7 +25,7 @@ LAYER = {
     "moelab.kernels.layout": 3, "moelab.kernels.grouped": 3, "moelab.hf": 3, "moelab.perplexity": 3,
     # evaluation on top, and the trainer that makes the embedded models
     "moelab.evaluate": 4, "moelab.train": 4,
-    "moelab.calibrate": 5,
+    "moelab.calibrate": 5, "moelab.paper": 6,
 }
 # dispatchers import the kernels they dispatch to lazily, inside the call that takes them
 LAZY_DISPATCH = {
