@@ -186,7 +186,7 @@ def evaluate(
     alone moves it by up to about 3e-4 on the embedded models over 16,384 tokens on the H200 and the CPU (router
     ties, and the experts' sum in fp32 where the unpatched block sums in bf16; `benchmarks/patch_noise.py`), more on
     short texts (1.7e-3 on tiny-mixtral's first 512 tokens on the CPU), in fp32 by under 1e-5: compare small
-    changes in fp32, or against the patched native TopK (`moelab.hf.native_policy`) in the same dtype. The
+    changes in fp32, or against the patched native TopK in the same dtype (`moelab.calibrate.reference_ppl`). The
     summary's dtype says which.
     warn_unchanged: False where an adaptive policy that keeps k_max for every token is the intent (a budget
     search's zero-reduction bracket); otherwise that is logged as a warning.
