@@ -169,7 +169,8 @@ matched["pareto"] = pareto_mask(matched["expert_reduction"], matched["ppl"])
 results.save("02_matched_compute", matched)
 save_table(matched[["kind", "label", "target_reduction", "mean_k", "expert_reduction", "forward_reduction", "ppl",
                     "ppl_change", "pareto"]], f"02_matched_compute_{tag}",
-           caption=f"Perplexity at matched compute, {tag}, {run_dtype}, {len(eval_ids)} WikiText-2 test tokens")
+           caption=f"Perplexity at matched compute, {tag}, {run_dtype}, {len(eval_ids)} WikiText-2 test tokens; "
+                   f"ppl_change against the {base['reference']} model")
 text = verdict(matched)
 results.save("02_verdict", {"model": model, "dtype": run_dtype, "verdict": text, "baseline_ppl": base["ppl"],
                              "baseline": base["reference"], "tokens": len(eval_ids)})
