@@ -271,6 +271,27 @@ def test_benchmark_refuses_bad_arguments_before_any_work(tmp_path, script, args,
     assert not list(tmp_path.iterdir())
 
 
+def test_ci_gpu_logs_each_step_with_machine_commit_and_command(tmp_path):
+    """.ci/gpu (the GPU checks in one device call): a bad step is refused before any runs, a missing commit too;
+    a step's log opens with the machine, versions, commit and command and closes with its rc (here on the CPU,
+    where every CUDA test skips)."""
+    env = {**os.environ, "OUT": str(tmp_path), "MOELAB_COMMIT": "abc1234"}
+
+    def gpu(*steps, **extra):
+        return subprocess.run(["bash", ".ci/gpu", *steps], cwd=REPO, env={**env, **extra}, capture_output=True,
+                              text=True, timeout=300)
+
+    bad = gpu("cuda-tests", "nosuch")
+    assert bad.returncode == 2 and "nosuch: not a step" in bad.stdout and not list(tmp_path.iterdir())
+    assert gpu("cuda-tests", MOELAB_COMMIT="").returncode != 0 and not list(tmp_path.iterdir())
+    ok = gpu("cuda-tests")
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    log = (tmp_path / "logs" / "cuda-tests-abc1234.txt").read_text().splitlines()
+    assert re.match(r"# .* \(device tool\), python 3\.\d+\.\d+, torch \S+, triton \S+, transformers \S+, driver \S+, "
+                    r"tree at abc1234 \(the working tree copied there\): python -m pytest -q -m gpu ", log[0]), log[0]
+    assert re.fullmatch(r"# rc=0 wall=\d+ s", log[-1]) and "skipped" in log[-2]
+
+
 def test_paper_tables_refuses_an_unwritable_results_dir_before_any_model(tmp_path):
     """MOELAB_RESULTS_DIR that cannot be written: refused at startup, not when the first model's rows are saved."""
     (tmp_path / "file").write_text("")
