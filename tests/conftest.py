@@ -2,6 +2,7 @@
 
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -30,3 +31,15 @@ def pytest_addoption(parser):
 def pytest_configure(config):
     if config.getoption("--fill-empty"):
         fill_empty(setattr, float("nan"))
+
+
+@pytest.fixture(scope="module")
+def spread_mixtral():
+    """A 2-layer random Mixtral whose routers have real spread: what the calibration and paper-table tests route."""
+    from moelab.hf import moe_layers
+    from moelab.models import tiny_random
+
+    m = tiny_random("mixtral", num_hidden_layers=2)
+    for layer in moe_layers(m):
+        torch.nn.init.normal_(layer.block.gate.weight, std=0.4)
+    return m

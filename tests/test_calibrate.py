@@ -24,11 +24,8 @@ CTX = 64
 
 
 @pytest.fixture(scope="module")
-def model():
-    m = tiny_random("mixtral", num_hidden_layers=2)
-    for layer in moe_layers(m):
-        torch.nn.init.normal_(layer.block.gate.weight, std=0.4)
-    return m
+def model(spread_mixtral):
+    return spread_mixtral
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,6 @@ import torch
 
 import moelab.paper as paper
 from moelab.calibrate import verdict
-from moelab.hf import moe_layers
 from moelab.models import tiny_random
 from moelab.paper import calibration_k_values, lower_fixed_ks, paper_rows, paper_table, published_configs
 
@@ -16,11 +15,8 @@ CTX = 64
 
 
 @pytest.fixture(scope="module")
-def model():
-    m = tiny_random("mixtral", num_hidden_layers=2)
-    for layer in moe_layers(m):
-        torch.nn.init.normal_(layer.block.gate.weight, std=0.4)
-    return m
+def model(spread_mixtral):
+    return spread_mixtral
 
 
 def test_published_configs():
