@@ -24,7 +24,7 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from moelab.evaluate import RouterSample, estimate, evaluate, model_dtype, policy_label
+from moelab.evaluate import SIXTEEN_BIT, RouterSample, estimate, evaluate, model_dtype, policy_label
 from moelab.routing import EntropyAdaptiveK, Policy, RatioSkip, TopK, TopP, quantile
 
 __all__ = [
@@ -234,7 +234,7 @@ def reference_ppl(model, ids, progress: bool = False, **eval_kw) -> dict:
     sums; `benchmarks/patch_noise.py`). Returns evaluate's summary with reference: 'unchanged' or 'patched-native'."""
     from moelab.hf import moe_layers, native_policy
 
-    sixteen = model_dtype(model) in ("bfloat16", "float16")
+    sixteen = model_dtype(model) in SIXTEEN_BIT
     pol = [native_policy(layer) for layer in moe_layers(model)] if sixteen else None
     summary = evaluate(model, pol, ids, progress=progress, **eval_kw).summary
     return {**summary, "reference": "patched-native" if sixteen else "unchanged"}

@@ -42,6 +42,7 @@ __all__ = [
     "policy_label",
     "policy_params",
     "model_dtype",
+    "SIXTEEN_BIT",
     "k_hist_frame",
     "entropy_quantiles",
     "QUANTILES",
@@ -95,6 +96,9 @@ def policy_params(policy) -> dict:
     elif isinstance(policy, RatioSkip):
         out["beta"] = float(policy.beta)
     return out
+
+
+SIXTEEN_BIT = ("bfloat16", "float16")  # model dtypes in which the patch alone moves perplexity (see `evaluate`)
 
 
 def model_dtype(model) -> str:

@@ -26,7 +26,7 @@ from moelab.calibrate import (
     reference_ppl,
     verdict,
 )
-from moelab.evaluate import evaluate, model_dtype, router_sample
+from moelab.evaluate import SIXTEEN_BIT, evaluate, model_dtype, router_sample
 from moelab.routing import EntropyAdaptiveK
 
 __all__ = [
@@ -184,7 +184,7 @@ def paper_rows(
     nat = [native_policy(layer) for layer in moe_layers(model)]
     s = evaluate(model, nat, eval_ids, baseline_ppl=base_ppl, progress=False, **kw).summary
     add("patched-native", s, t0, config=f"TopK k={native_k} via moelab")
-    if s["dtype"] in ("bfloat16", "float16"):
+    if s["dtype"] in SIXTEEN_BIT:
         log.warning("%s in %s: the patch alone moves perplexity by %+.2e (the model's own TopK through moelab "
                     "against the unchanged model); ppl_change carries that bias, ppl_change_vs_patched does not "
                     "(or run in float32)", name, s["dtype"], s["ppl_change"])
