@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import math
-import numbers
 import warnings
 from collections.abc import Iterable
 
@@ -25,6 +24,7 @@ import torch
 from tqdm.auto import tqdm
 
 from moelab.evaluate import SIXTEEN_BIT, RouterSample, estimate, evaluate, model_dtype, policy_label
+from moelab.params import is_int, is_real
 from moelab.routing import EntropyAdaptiveK, Policy, RatioSkip, TopK, TopP, quantile
 
 __all__ = [
@@ -46,7 +46,7 @@ def calibration_ids(tokenizer, max_tokens: int, names=None) -> torch.Tensor:
     """Token ids of held-out text for calibration: an equal share of each held-out slice, concatenated."""
     from moelab.data import TRAIN_TEXTS, heldout_texts
 
-    if not _is_int(max_tokens) or max_tokens < 2:
+    if not is_int(max_tokens) or max_tokens < 2:
         raise ValueError(f"max_tokens={max_tokens!r}: must be an int >= 2")
     texts = heldout_texts()
     names = [names] if isinstance(names, str) else list(names or texts)
@@ -83,18 +83,8 @@ def _strict(ths: list[float]) -> tuple[float, ...]:
     return tuple(out)
 
 
-def _is_int(k) -> bool:
-    """An integral number (numpy's too), not a bool: what a k may be."""
-    return isinstance(k, numbers.Integral) and not isinstance(k, bool)
-
-
-def _is_real(x) -> bool:
-    """A real number (numpy's too), not a bool: what a reduction, u or p may be."""
-    return isinstance(x, numbers.Real) and not isinstance(x, bool)
-
-
 def _check_real(name: str, x) -> None:
-    if not _is_real(x):
+    if not is_real(x):
         raise ValueError(f"{name}={x!r}: must be a number")
 
 
@@ -113,26 +103,28 @@ def _warn_missed(sample: RouterSample, pol, target: float, k_min: int, k_max: in
     return pol
 
 
-def _check_budget(budget: float, steps: int) -> None:
-    if not _is_real(budget) or not budget > 0:
+def check_budget(budget: float, steps: int) -> None:
+    """A budget > 0 and bisection steps >= 0 (shared with `paper.paper_rows`, which checks before any forward)."""
+    if not is_real(budget) or not budget > 0:
         raise ValueError(f"budget={budget}: must be > 0 (relative perplexity increase, e.g. 0.005)")
-    if not _is_int(steps) or steps < 0:
+    if not is_int(steps) or steps < 0:
         raise ValueError(f"steps={steps!r}: the budget search's bisection steps must be an int >= 0")
 
 
-def _check_fixed_ks(fixed_ks, k_cap: int, what: str = "the router sample's k_cap") -> list[int]:
+def check_fixed_ks(fixed_ks, k_cap: int, what: str = "the router sample's k_cap") -> list[int]:
+    """Lower fixed k's as ints in [1, k_cap]; `what` names where k_cap comes from."""
     fixed_ks = list(fixed_ks)
-    bad = [k for k in fixed_ks if not _is_int(k) or not 1 <= k <= k_cap]
+    bad = [k for k in fixed_ks if not is_int(k) or not 1 <= k <= k_cap]
     if bad:
         raise ValueError(f"fixed_ks={fixed_ks}: {bad} not ints in [1, {k_cap}] ({what})")
     return [int(k) for k in fixed_ks]
 
 
-def _check_k_values(k_values, k_cap: int, what: str = "the sample's k_cap") -> tuple[int, ...]:
+def check_k_values(k_values, k_cap: int, what: str = "the sample's k_cap") -> tuple[int, ...]:
     """At least two strictly ascending ints in [1, k_cap]."""
     seq = isinstance(k_values, Iterable) and not isinstance(k_values, (str, bytes))
     k_values = list(k_values) if seq else k_values
-    if not seq or not all(_is_int(k) for k in k_values):
+    if not seq or not all(is_int(k) for k in k_values):
         raise ValueError(f"k_values={k_values!r}: must be a sequence of ints")
     kv = tuple(int(k) for k in k_values)
     if len(kv) < 2:
@@ -146,9 +138,9 @@ def _check_k_values(k_values, k_cap: int, what: str = "the sample's k_cap") -> t
 
 def thresholds_at(sample: RouterSample, k_values, u: float, per_layer: bool = False):
     """EntropyAdaptiveK (shared) or a per-layer list of them with thresholds at the family's quantiles."""
-    if not _is_real(u) or not 0.0 <= u <= 1.0:
+    if not is_real(u) or not 0.0 <= u <= 1.0:
         raise ValueError(f"u={u!r}: must be a number in [0, 1]")
-    kv = _check_k_values(k_values, sample.k_cap)
+    kv = check_k_values(k_values, sample.k_cap)
     q = torch.tensor(_levels(u, len(kv)), dtype=torch.float64)
 
     def make(ent_T):
@@ -178,7 +170,7 @@ def _bisect(f, lo: float, hi: float, target: float, increasing: bool, iters: int
 def calibrate_thresholds(sample: RouterSample, k_values, target_reduction: float, per_layer: bool = False):
     """Thresholds whose estimated routed-expert reduction on the sample reaches target_reduction (where tied
     entropies leave it out of reach, the closest, with a warning)."""
-    kv = _check_k_values(k_values, sample.k_cap)
+    kv = check_k_values(k_values, sample.k_cap)
     native = sample.native_k
     lo_r, hi_r = 1 - kv[-1] / native, 1 - kv[0] / native
     _check_real("target_reduction", target_reduction)
@@ -199,7 +191,7 @@ def match_policy(sample: RouterSample, kind: str, target_reduction: float, k_min
     (k_max None: the native k). Where ties in the signal leave it out of reach, the closest, with a warning."""
     k_max = sample.native_k if k_max is None else k_max
     for name, k in (("k_min", k_min), ("k_max", k_max)):
-        if not _is_int(k) or k < 1:
+        if not is_int(k) or k < 1:
             raise ValueError(f"{name}={k!r}: must be an int >= 1" + (" or None (native k)" if name == "k_max" else ""))
     if k_min > k_max:
         raise ValueError(f"k_min={k_min} > k_max={k_max}: must be k_min <= k_max")
@@ -258,8 +250,8 @@ def budget_search(
     patched perplexity on cal_ids (held-out text), against baseline_ppl (default: `reference_ppl` on cal_ids).
     Returns dict(policy, target_reduction, ppl, ppl_change, within_budget, trace: DataFrame of every step).
     """
-    _check_budget(budget, steps)
-    kv = _check_k_values(k_values, sample.k_cap)
+    check_budget(budget, steps)
+    kv = check_k_values(k_values, sample.k_cap)
     if baseline_ppl is None:
         baseline_ppl = reference_ppl(model, cal_ids, **eval_kw)["ppl"]
     lo, hi = max(0.0, 1 - kv[-1] / sample.native_k), 1 - kv[0] / sample.native_k
@@ -321,10 +313,10 @@ def compare_at_matched_compute(
     below native) gives points of its own. Rows: measured evaluations plus target and matched-on columns.
     kinds: kind names, or one name.
     """
-    kv = _check_k_values(k_values, sample.k_cap)  # checked before any measured evaluation runs
+    kv = check_k_values(k_values, sample.k_cap)  # checked before any measured evaluation runs
     kinds = (kinds,) if isinstance(kinds, str) else kinds
     k_min, k_max = kv[0], kv[-1]
-    fixed_ks = list(range(max(1, k_min), sample.native_k)) if fixed_ks is None else _check_fixed_ks(fixed_ks,
+    fixed_ks = list(range(max(1, k_min), sample.native_k)) if fixed_ks is None else check_fixed_ks(fixed_ks,
                                                                                                     sample.k_cap)
     jobs = []
     for t in targets:

@@ -15,18 +15,17 @@ import pandas as pd
 import torch
 
 from moelab.calibrate import (
-    _check_budget,
-    _check_fixed_ks,
-    _check_k_values,
-    _is_int,
-    _is_real,
     budget_search,
     calibrate_thresholds,
+    check_budget,
+    check_fixed_ks,
+    check_k_values,
     compare_at_matched_compute,
     reference_ppl,
     verdict,
 )
 from moelab.evaluate import SIXTEEN_BIT, evaluate, model_dtype, router_sample
+from moelab.params import is_int, is_real
 from moelab.routing import EntropyAdaptiveK
 
 __all__ = [
@@ -88,7 +87,7 @@ def calibration_k_values(family: str, native_k: int) -> tuple[int, ...]:
     The family's published preset if it ends at native k (Qwen-MoE [1, 2, 4]), else the ladder
     {native/4, native/2, native} (Mixtral [1, 2], OLMoE [2, 4, 8]).
     """
-    if not _is_int(native_k) or native_k < 1:
+    if not is_int(native_k) or native_k < 1:
         raise ValueError(f"native_k={native_k!r}: must be an int >= 1 (the model's top-k)")
     preset = {"mixtral": "sdk-mixtral", "qwen2_moe": "sdk-qwen-moe", "olmoe": "sdk-olmoe"}.get(family)
     if preset and PUBLISHED[preset][0][-1] == native_k:
@@ -160,14 +159,14 @@ def paper_rows(
     if eval_ids.shape == cal_ids.shape and torch.equal(eval_ids.cpu(), cal_ids.cpu()):
         raise ValueError(f"cal_ids: the same {cal_ids.numel()} tokens as eval_ids; calibrate on held-out text "
                          "(calibration_ids), never on the evaluation text")
-    _check_budget(budget, budget_steps)
-    bad = [t for t in targets if not _is_real(t) or not 0 < t < 1]
+    check_budget(budget, budget_steps)
+    bad = [t for t in targets if not is_real(t) or not 0 < t < 1]
     if bad:
         raise ValueError(f"targets={list(targets)}: {bad} not in (0, 1) (routed-expert reductions against native k)")
     if fixed_ks is not None:
-        fixed_ks = _check_fixed_ks(fixed_ks, E, f"num_experts={E}")
+        fixed_ks = check_fixed_ks(fixed_ks, E, f"num_experts={E}")
     if k_values:
-        k_values = _check_k_values(k_values, E, "num_experts")
+        k_values = check_k_values(k_values, E, "num_experts")
     kw = dict(context=context, stride=stride, batch_size=batch_size)
     claims = CLAIMS.get(family, {})
     rows, traces = [], []
@@ -252,10 +251,10 @@ def vs_patched(rows) -> list[dict]:
     row has no perplexity or its model no patched-native row. Also fills the column in results written before it."""
     rows = rows.to_dict("records") if isinstance(rows, pd.DataFrame) else [dict(r) for r in rows]
     nat = {r["model"]: r["ppl"] for r in rows
-           if r.get("section") == "patched-native" and _is_real(r.get("ppl")) and math.isfinite(r["ppl"])}
+           if r.get("section") == "patched-native" and is_real(r.get("ppl")) and math.isfinite(r["ppl"])}
     for r in rows:
         ppl, ref = r.get("ppl"), nat.get(r.get("model"))
-        ok = _is_real(ppl) and math.isfinite(ppl) and ref is not None
+        ok = is_real(ppl) and math.isfinite(ppl) and ref is not None
         r["ppl_change_vs_patched"] = ppl / ref - 1.0 if ok else None
     return rows
 

@@ -7,10 +7,20 @@ import math
 import numbers
 
 
+def is_int(k) -> bool:
+    """An integral number (numpy's too), not a bool: what a k or a count may be."""
+    return isinstance(k, numbers.Integral) and not isinstance(k, bool)
+
+
+def is_real(x) -> bool:
+    """A real number (numpy's too), not a bool: what a reduction, threshold or p may be."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
 def check_ints(lo: int, note: str = "", **values) -> None:
     """Every value an int >= lo (numpy's too; bools refused); `note` says what the lowest value means."""
     for name, v in values.items():
-        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < lo:
+        if not is_int(v) or v < lo:
             raise ValueError(f"{name}={v!r}: must be an int >= {lo}" + (f" ({note})" if note else ""))
 
 
@@ -25,7 +35,7 @@ def check_fractions(allow_empty: bool = True, **values) -> None:
     """Every value a list of numbers in (0, 1), such as routed-expert reductions."""
     for name, v in values.items():
         ok = isinstance(v, (list, tuple)) and (allow_empty or v) and all(
-            isinstance(x, numbers.Real) and not isinstance(x, bool) and 0 < x < 1 for x in v)
+            is_real(x) and 0 < x < 1 for x in v)
         if not ok:
             raise ValueError(f"{name}={v!r}: must be a list of numbers in (0, 1), e.g. [0.1, 0.25]"
                              + ("" if allow_empty else ", not empty"))
@@ -33,5 +43,5 @@ def check_fractions(allow_empty: bool = True, **values) -> None:
 
 def check_real(name: str, v, lo: float, hi: float = math.inf) -> None:
     """A finite number in [lo, hi] (hi may be inf)."""
-    if isinstance(v, bool) or not isinstance(v, numbers.Real) or not (lo <= v <= hi and math.isfinite(v)):
+    if not is_real(v) or not (lo <= v <= hi and math.isfinite(v)):
         raise ValueError(f"{name}={v!r}: must be a number in [{lo}, {hi}]")
