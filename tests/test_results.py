@@ -403,3 +403,45 @@ def test_command_line_is_the_command_as_typed(tmp_path):
                        (["probe_cmd.py", "x"], f"{py} probe_cmd.py x")):
         out = subprocess.run([sys.executable, *args], cwd=tmp_path, env=env, capture_output=True, text=True, check=True)
         assert out.stdout.strip() == want
+
+
+def test_diff_finds_each_changed_leaf_and_nothing_else():
+    nan = float("nan")
+    old = {"commit": "a", "created": "x", "wall_s": 3.0, "notes": "n",
+           "rows": [{"model": "m", "ppl": 190.0, "k": 2, "nan": nan}, {"model": "n", "ppl": 200.0, "ok": True}]}
+    new = {"commit": "b", "created": "y", "wall_s": 9.0, "notes": "n", "extra": 1,
+           "rows": [{"model": "m", "ppl": 190.0 * (1 + 1e-9), "k": 2, "nan": nan},
+                    {"model": "n", "ppl": 210.0, "ok": 1}]}
+    assert results.diff(old, old) == []
+    got = {r["path"]: r for r in results.diff(old, new)}
+    assert set(got) == {"rows[0].ppl", "rows[1].ppl", "rows[1].ok", "extra"}  # provenance and NaN == NaN left out
+    assert got["rows[1].ppl"]["rel"] == pytest.approx(10 / 210) and got["rows[1].ppl"]["field"] == "ppl"
+    assert got["rows[1].ok"]["rel"] is None  # True is no number: True -> 1 is a change of type
+    assert got["extra"]["old"] == "<missing>"
+    assert {r["path"] for r in results.diff(old, new, rtol=1e-6)} == {"rows[1].ppl", "rows[1].ok", "extra"}
+    assert results.diff(old, new, rtol=0.1, skip={"ok", "extra"}) == []
+    assert [r["path"] for r in results.diff({"rows": [1, 2]}, {"rows": [1]})] == ["rows[1]"]
+    assert results.diff({"x": float("inf")}, {"x": 1.0})[0]["rel"] == float("inf")
+    with pytest.raises(ValueError, match=r"rtol=-1: must be a finite number >= 0"):
+        results.diff(old, new, rtol=-1)
+
+
+def test_diff_command_exits_1_where_files_differ(tmp_path):
+    import subprocess
+    import sys
+
+    a, b = tmp_path / "a.json", tmp_path / "b.json.xz"
+    a.write_text(json.dumps({"commit": "a", "rows": [{"ppl": 1.0}, {"ppl": 2.0}]}))
+    b.write_bytes(lzma.compress(json.dumps({"commit": "b", "rows": [{"ppl": 1.0}, {"ppl": 2.5}]}).encode()))
+    env = {**os.environ, "PYTHONPATH": str(Path(results.__file__).parents[1])}
+
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "moelab.results", "diff", *map(str, args)], env=env,
+                              capture_output=True, text=True)
+
+    r = run(a, b)
+    assert r.returncode == 1 and "1 differences (rtol 0) among 2 / 2 numbers" in r.stdout
+    assert "rows[1].ppl: 2.0 -> 2.5  (rel 0.2)" in r.stdout
+    assert run(a, b, "--rtol", "0.25").returncode == 0
+    r = run(a, tmp_path / "none.json")
+    assert r.returncode == 2 and "none.json" in r.stderr

@@ -8,14 +8,18 @@ Two writers:
   current run directory (`MOELAB_RUN_DIR`, set by the sweep runner; `runs/interactive` otherwise), as it
   is: its provenance is the run folder's params.json and executed notebook.
 Files are written atomically (temp file + rename): a killed process leaves the old file or the new one.
+`diff(old, new)` (or `python -m moelab.results diff OLD NEW`) says where a rerun's file differs from another's.
 """
 
 from __future__ import annotations
 
+import argparse
 import datetime as _dt
 import json
 import logging
 import lzma
+import math
+import numbers
 import os
 import platform
 import re
@@ -343,3 +347,105 @@ def load_saved(directory: Path) -> dict:
             except ValueError as e:  # pyarrow's ArrowInvalid is one
                 raise ValueError(f"{p}: not readable as parquet: {e}") from e
     return out
+
+
+DIFF_SKIP = frozenset({"created", "commit", "command", "machine", "wall_s"})  # what differs between any two runs
+
+
+def diff(old: dict, new: dict, rtol: float = 0.0, skip=()) -> list[dict]:
+    """Where two results documents differ, leaf by leaf: [{path, field, old, new, rel}], `rel` the relative
+    change |new - old| / max(|old|, |new|) of two numbers (None for anything else). Numbers whose rel is at
+    most rtol count as equal, NaN equals NaN; keys in DIFF_SKIP (the provenance that differs between any two
+    runs) or `skip`, at any depth, are not compared; a key or list item on one side only is a difference."""
+    if isinstance(rtol, bool) or not isinstance(rtol, numbers.Real) or not 0 <= rtol < math.inf:
+        raise ValueError(f"rtol={rtol!r}: must be a finite number >= 0")
+    if isinstance(skip, str):
+        skip = [skip]
+    skip = DIFF_SKIP | set(skip)
+    out: list[dict] = []
+    missing = "<missing>"
+
+    def add(path, field, a, b, rel=None):
+        out.append({"path": path, "field": field, "old": a, "new": b, "rel": rel})
+
+    def walk(a, b, path, field):
+        if isinstance(a, dict) and isinstance(b, dict):
+            for k in [*a, *(k for k in b if k not in a)]:
+                if k in skip:
+                    continue
+                sub = f"{path}.{k}" if path else str(k)
+                if k not in a or k not in b:
+                    add(sub, k, a.get(k, missing), b.get(k, missing))
+                else:
+                    walk(a[k], b[k], sub, k)
+        elif isinstance(a, list) and isinstance(b, list):
+            for i in range(max(len(a), len(b))):
+                if i >= len(a) or i >= len(b):
+                    add(f"{path}[{i}]", field, a[i] if i < len(a) else missing, b[i] if i < len(b) else missing)
+                else:
+                    walk(a[i], b[i], f"{path}[{i}]", field)
+        elif _is_num(a) and _is_num(b):
+            if a == b or (math.isnan(a) and math.isnan(b)):
+                return
+            big = max(abs(a), abs(b))
+            rel = abs(b - a) / big if math.isfinite(big) else math.inf
+            if not rel <= rtol:
+                add(path, field, a, b, rel)
+        elif a != b or type(a) is not type(b):
+            add(path, field, a, b)
+
+    walk(old, new, "", "")
+    return out
+
+
+def _is_num(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def _diff_main(argv: list[str] | None = None) -> int:
+    """`python -m moelab.results diff OLD NEW [--rtol R] [--skip KEY ...]`: the differing fields, largest
+    change first; exit status 1 where the files differ, 0 where they agree."""
+    ap = argparse.ArgumentParser(prog="python -m moelab.results", description=_diff_main.__doc__)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    d = sub.add_parser("diff", help="where two results files (.json or .json.xz) differ")
+    d.add_argument("old", type=Path)
+    d.add_argument("new", type=Path)
+    d.add_argument("--rtol", type=float, default=0.0, help="numbers this close (relative) count as equal")
+    d.add_argument("--skip", nargs="*", default=[],
+                   help="more keys not to compare, besides " + ", ".join(sorted(DIFF_SKIP)))
+    d.add_argument("--most", type=int, default=20, help="how many differences to list (all are counted)")
+    a = ap.parse_args(argv)
+    try:
+        old, new = read_file(a.old), read_file(a.new)
+        rows = diff(old, new, a.rtol, a.skip)
+    except (OSError, ValueError) as e:
+        ap.error(str(e))
+    n_old, n_new = (sum(1 for _ in _numbers(doc)) for doc in (old, new))
+    print(f"{a.old.name} ({old.get('commit')}) -> {a.new.name} ({new.get('commit')}): {len(rows)} differences "
+          f"(rtol {a.rtol:g}) among {n_old} / {n_new} numbers")
+    by_field: dict[str, list] = {}
+    for r in rows:
+        by_field.setdefault(r["field"], []).append(r["rel"])
+    for field, rels in sorted(by_field.items(), key=lambda kv: -max((x or math.inf) for x in kv[1])):
+        nums = [x for x in rels if x is not None]
+        print(f"  {field}: {len(rels)} differ" + (f", largest relative change {max(nums):.3g}" if nums else ""))
+    for r in sorted(rows, key=lambda r: -(math.inf if r["rel"] is None else r["rel"]))[:max(a.most, 0)]:
+        rel = "" if r["rel"] is None else f"  (rel {r['rel']:.3g})"
+        print(f"    {r['path']}: {r['old']!r} -> {r['new']!r}{rel}")
+    return 1 if rows else 0
+
+
+def _numbers(x):
+    if isinstance(x, dict):
+        for k, v in x.items():
+            if k not in DIFF_SKIP:
+                yield from _numbers(v)
+    elif isinstance(x, list):
+        for v in x:
+            yield from _numbers(v)
+    elif _is_num(x):
+        yield x
+
+
+if __name__ == "__main__":
+    sys.exit(_diff_main())
