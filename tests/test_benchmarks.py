@@ -287,8 +287,9 @@ def test_ci_gpu_logs_each_step_with_machine_commit_and_command(tmp_path):
     ok = gpu("cuda-tests")
     assert ok.returncode == 0, ok.stdout + ok.stderr
     log = (tmp_path / "logs" / "cuda-tests-abc1234.txt").read_text().splitlines()
-    assert re.match(r"# .* \(device tool\), python 3\.\d+\.\d+, torch \S+, triton \S+, transformers \S+, driver \S+, "
-                    r"tree at abc1234 \(the working tree copied there\): python -m pytest -q -m gpu ", log[0]), log[0]
+    assert re.match(r"# .* \((device tool|CPU machine, \d+ cores)\), python 3\.\d+\.\d+, torch \S+, "
+                    r"triton \S+, transformers \S+, driver \S+, tree at abc1234: python -m pytest -q -m gpu ",
+                    log[0]), log[0]
     assert re.fullmatch(r"# rc=0 wall=\d+ s", log[-1]) and "skipped" in log[-2]
 
 
