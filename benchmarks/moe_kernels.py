@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from moelab.experts import get_gemm, run_experts, set_gemm
+from moelab.kernels import tuned_for
 from moelab.kernels.layout import pair_layout_padded
 from moelab.kernels.routing import RoutingStats, route_triton
 from moelab.results import write_results
@@ -996,7 +997,7 @@ def main():
     print(f"copy bandwidth {bw:.0f} GB/s, L2 {l2 / 2**20:.0f} MiB", flush=True)
     host = {"pinned": None, "probe_us": {}} if args.no_pin else pin_fastest_cpu()
     REPIN["on"] = not args.no_pin
-    common = {"copy_bandwidth_gbs": bw, "l2_bytes": l2, "host": host}
+    common = {"copy_bandwidth_gbs": bw, "l2_bytes": l2, "host": host, "tuned_on": tuned_on()}
     if "tune" in parts:
         tune_shapes = args.tune_routing_shapes
         rows = tune_routing(bw, args.tune_selects, tune_shapes or None)
@@ -1013,6 +1014,7 @@ def main():
         name = torch.cuda.get_device_name(0)  # the routing parts below run with it (a partial tune: merged in)
         kr.TUNED[name] = {**kr.TUNED.get(name, {}), **table} if tune_shapes else table
         kr.clear_launch_caches()
+        common["tuned_on"] = tuned_on()
     if "routing" in parts:
         notes = ("bf16 router logits, random normal. eager_us: host loop per call, Python launch included, all methods "
                  "timed in turn over 5 rounds (median), after 0.25 s of untimed rounds (since 2026-11-30 14:00; since "
@@ -1075,6 +1077,7 @@ def main():
         dev = torch.cuda.get_device_name(0)
         gk.TUNED[dev] = {**gk.TUNED.get(dev, {}), **table}  # the layer part below runs with it
         gk._launch_config.cache_clear()
+        common["tuned_on"] = tuned_on()
     if "cutlass-tiles" in parts:
         notes = ("torch._grouped_mm expert GEMMs (bf16, random weights N(0, 1/fan_in), random rows) on the padded "
                  "layout of native top-k and entropy-adaptive plans (terciles policy, as in the layer part) at "
@@ -1114,6 +1117,15 @@ def main():
         print("wrote", save(*bench_layer(tokens, args.quick, save, args.batches)))
 
 
+def tuned_on() -> dict:
+    """Whose tuned launch tables this GPU runs with (kernels.tuned_for): its own name, a same-SM device's, or
+    None (the defaults), for the routing kernel and the grouped expert GEMMs."""
+    from moelab.kernels import grouped as gk
+    from moelab.kernels import routing as kr
+
+    return {"routing": tuned_for(kr.TUNED, 0), "experts": tuned_for(gk.TUNED, 0)}
+
+
 def _save(topic, notes, common, rows):
     return write_results(topic, rows, notes=notes, extra=common)
 
@@ -1123,7 +1135,7 @@ def _save_layer(notes, common, rows, batches=()):
     from moelab.kernels.report import batch_targets, layer_targets
 
     # the expert GEMM configurations the run used (a tune-gemm part before it in the same run replaces them)
-    tuned = {str(k): v for k, v in gk.TUNED.get(torch.cuda.get_device_name(0), {}).items()}
+    tuned = {str(k): v for k, v in gk.TUNED.get(tuned_for(gk.TUNED, 0), {}).items()}
     # with the tuned tiles, so that the stored labels' tile shares are the report's (report.layer_targets)
     targets = layer_targets({"rows": rows, "experts_tuned": tuned}).to_dict("records") if rows else []
     per_batch = (batch_targets({"rows": rows, "batches": list(batches), "experts_tuned": tuned}).to_dict("records")

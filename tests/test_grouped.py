@@ -21,6 +21,7 @@ pytest.importorskip("triton")
 from conftest import fill_empty  # noqa: E402
 
 import moelab.experts as ex  # noqa: E402
+import moelab.kernels as kernels  # noqa: E402
 import moelab.kernels.grouped as gk  # noqa: E402
 from moelab.kernels.grouped import fused_experts, max_tiles, tile_map  # noqa: E402
 from moelab.kernels.layout import pair_layout_padded  # noqa: E402
@@ -351,7 +352,7 @@ def test_precision_and_tuned_beats_cutlass(monkeypatch):
     'beats_cutlass' says yes, above FEW_ROWS' rows per expert, and no entry means no (test_report checks the
     table's flags against the committed tuning run)."""
     assert gk._precision(torch.float32) == "ieee" and gk._precision(torch.float16) == "tf32"
-    monkeypatch.setattr(gk, "_device_name", lambda i: "NVIDIA H200")
+    monkeypatch.setattr(kernels, "device_identity", lambda i: ("NVIDIA H200", (9, 0, 132)))
     cuda, N, E = torch.device("cuda", 0), 4096 * 8, 64
     flags = {shape: entries[-1][1].get("beats_cutlass", False) for shape, entries in gk.TUNED["NVIDIA H200"].items()}
     assert set(flags.values()) == {True, False}  # both answers are exercised
@@ -360,7 +361,7 @@ def test_precision_and_tuned_beats_cutlass(monkeypatch):
     assert not gk.tuned_beats_cutlass(N, E, 2048, 512, cuda)  # no entry for this (D, F)
     assert not gk.tuned_beats_cutlass(gk.FEW_ROWS[-1][0] * E, E, 2048, 1024, cuda)  # few rows per expert
     assert not gk.tuned_beats_cutlass(N, E, 2048, 1024, torch.device("cpu"))
-    monkeypatch.setattr(gk, "_device_name", lambda i: "Another GPU")
+    monkeypatch.setattr(kernels, "device_identity", lambda i: ("Another GPU", (8, 0, 108)))
     assert not gk.tuned_beats_cutlass(N, E, 2048, 1024, cuda)
 
 
@@ -373,7 +374,7 @@ def test_launch_config(monkeypatch):
     cfg["down"]["BLOCK_M"] = 1  # callers get copies
     assert gk.DEFAULT["down"]["BLOCK_M"] == 64 and gk.launch_config(32768, 64, 2048, 1024) == gk.DEFAULT
     gk._launch_config.cache_clear()
-    monkeypatch.setattr(gk, "_device_name", lambda i: "Fake GPU")
+    monkeypatch.setattr(kernels, "device_identity", lambda i: ("Fake GPU", (9, 0, 132)))
     monkeypatch.setitem(gk.TUNED, "Fake GPU", {(2048, 1024): [(32768, {"down": {"BLOCK_N": 256}})]})
     try:
         got = gk._launch_config(32768, 64, 2048, 1024, 0)

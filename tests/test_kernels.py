@@ -330,6 +330,39 @@ def test_launch_config_overrides(monkeypatch):
     assert kr._select(9, "rowwise", 64) == kr._select(8, "rowwise", 128) == kr._select(9, "rowwise", 64, 2) == 0
 
 
+def test_a_device_without_tuned_launches_takes_a_same_sm_devices(monkeypatch):
+    """tuned_for: a GPU's own TUNED table, else that of a TUNED_ON device with the same compute capability and
+    SM count (an H100 SXM takes the H200's routing and GEMM launches), else none (the defaults); and the launch
+    configurations follow it."""
+    import moelab.kernels as kernels
+    import moelab.kernels.grouped as gk
+
+    def as_device(name, arch):
+        monkeypatch.setattr(kernels, "device_identity", lambda i: (name, arch))
+        kr.clear_launch_caches()
+        gk._launch_config.cache_clear()
+
+    h200 = kr.TUNED["NVIDIA H200"][(128, 8)][-1][1]  # the H200's pick at T = 65536, E = 128, k = 8
+    try:
+        as_device("NVIDIA H100 80GB HBM3", (9, 0, 132))
+        assert kernels.tuned_for(kr.TUNED, 0) == kernels.tuned_for(gk.TUNED, 0) == "NVIDIA H200"
+        assert kr._launch_config(65536, 128, 8, 0, (None,) * 4) == {**kr.DEFAULT, **h200}
+        assert gk._launch_config(32768, 64, 2048, 1024, 0) != gk._launch_config(32768, 64, 2048, 1024, -1)
+        assert kernels.tuned_for(kr.TUNED, -1) is None  # not a CUDA device
+        as_device("NVIDIA H100 PCIe", (9, 0, 114))  # another SM count: defaults
+        assert kernels.tuned_for(kr.TUNED, 0) is None
+        assert kr._launch_config(65536, 128, 8, 0, (None,) * 4) == kr._launch_config(65536, 128, 8, -1, (None,) * 4)
+        as_device("NVIDIA A100-SXM4-80GB", (8, 0, 108))
+        assert kernels.tuned_for(gk.TUNED, 0) is None
+        as_device("Own GPU", (9, 0, 132))  # a device with its own table (a tuning run adds one) keeps it
+        monkeypatch.setitem(kr.TUNED, "Own GPU", {(128, 8): [(2**62, {"split": 4})]})
+        assert kernels.tuned_for(kr.TUNED, 0) == "Own GPU" and kernels.tuned_for(gk.TUNED, 0) == "NVIDIA H200"
+        assert kr._launch_config(65536, 128, 8, 0, (None,) * 4)["split"] == 4
+    finally:
+        kr.clear_launch_caches()
+        gk._launch_config.cache_clear()
+
+
 def test_launch_spec_separates_what_triton_specialises_on():
     """The direct launch's cache key (`_spec`): ints by == 1, % 16 and 32 / 64 bits, bools apart from ints,
     tensors by dtype and 16-byte alignment, int subclasses as ints, floats not at all."""

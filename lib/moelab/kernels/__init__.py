@@ -2,7 +2,8 @@
 expert row ops (experts.py), grouped expert GEMMs (grouped.py), the issue-5 target checks (report.py).
 Dispatch lives in moelab.routing / moelab.experts, which import these lazily (on CUDA), so the CPU path
 never needs Triton. This module holds the launch helpers they share: `Launcher` (a kernel's cached direct
-launch), `launch`, `on_device_of`, `check_kernel_input`, `interpreting`, `pow2`, `cdiv`."""
+launch), `launch`, `on_device_of`, `check_kernel_input`, `interpreting`, `pow2`, `cdiv`, and `tuned_for`, which
+picks the per-device table of tuned launches (routing.TUNED, grouped.TUNED) a GPU takes."""
 
 import contextlib
 import functools
@@ -41,6 +42,31 @@ def check_kernel_input(t: torch.Tensor, what: str) -> None:
     if not t.is_cuda and not interpreting():
         raise ValueError(f"{what} on a {t.device.type} tensor: the Triton kernels need CUDA tensors, or "
                          "TRITON_INTERPRET=1 in the environment before triton is first imported")
+
+
+# The tuned launch tables (routing.TUNED, grouped.TUNED) are keyed by device name. A GPU with no table of its own
+# takes the table of a device listed here with the same compute capability and SM count: an H100 SXM the H200's
+# (both GH100 with 132 SMs; they differ in HBM). Untuned, the H100 ran routing at 0.14-0.17 of the HBM bound at
+# T = 65536 and OLMoE-like layers on 128-row CUTLASS tiles (moe-layer/routing-kernel runs at 64bc936, logs/).
+TUNED_ON = {"NVIDIA H200": (9, 0, 132)}  # device name -> (major, minor, SMs) of the GPU its tables were tuned on
+
+
+@functools.lru_cache(maxsize=16)
+def device_identity(index: int) -> tuple[str, tuple[int, int, int]]:
+    """(name, (compute capability major, minor, SM count)) of CUDA device `index`."""
+    p = torch.cuda.get_device_properties(index)
+    return p.name, (p.major, p.minor, p.multi_processor_count)
+
+
+def tuned_for(tables: dict, index: int) -> str | None:
+    """The key of `tables` (a per-device TUNED dict) whose launches CUDA device `index` takes: its own name,
+    else a TUNED_ON device with the same compute capability and SM count, else None (the defaults)."""
+    if index < 0:
+        return None
+    name, arch = device_identity(index)
+    if name in tables:
+        return name
+    return next((n for n in tables if TUNED_ON.get(n) == arch), None)
 
 
 @functools.lru_cache(maxsize=1)

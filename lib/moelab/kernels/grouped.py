@@ -34,7 +34,7 @@ except ImportError:  # pragma: no cover - older Triton: pointer loads only
     TensorDescriptor = None
 
 from moelab.experts import PairLayout
-from moelab.kernels import cdiv, interpreting, launch, on_device_of, pow2
+from moelab.kernels import cdiv, interpreting, launch, on_device_of, pow2, tuned_for
 from moelab.kernels.experts import combine_rows
 from moelab.routing import RoutingPlan
 
@@ -93,11 +93,6 @@ TUNED: dict[str, dict[tuple[int, int], list]] = {
 }
 
 
-@functools.lru_cache(maxsize=16)
-def _device_name(index: int) -> str:
-    return torch.cuda.get_device_name(index)
-
-
 def launch_config(N: int, E: int, D: int, Fd: int, device: torch.device | None = None) -> dict:
     """{"gate_up": {...}, "down": {...}} for N = T * k_max padded rows, E experts, hidden D, expert width F:
     by rows per expert (FEW_ROWS, else DEFAULT), updated by the device's tuned entry for (D, F) if any."""
@@ -119,7 +114,7 @@ def _tuned_entry(N: int, D: int, Fd: int, cuda: int) -> dict | None:
     """The device's TUNED entry for (D, F) that covers N rows, if any."""
     if cuda < 0:
         return None
-    return next((t for n_max, t in TUNED.get(_device_name(cuda), {}).get((D, Fd), []) if N <= n_max), None)
+    return next((t for n_max, t in TUNED.get(tuned_for(TUNED, cuda), {}).get((D, Fd), []) if N <= n_max), None)
 
 
 def tuned_beats_cutlass(N: int, E: int, D: int, Fd: int, device: torch.device) -> bool:

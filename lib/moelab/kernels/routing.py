@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moelab.kernels import Launcher, cdiv, on_device_of, pow2
+from moelab.kernels import Launcher, cdiv, on_device_of, pow2, tuned_for
 from moelab.routing import (
     KERNEL_MAX_EXPERTS,
     KERNEL_MAX_K,
@@ -57,8 +57,9 @@ _TOPK, _ADAPTIVE, _TOPP, _RATIO = 0, 1, 2, 3
 # Launch configuration per device, (BLOCK_E, BLOCK_K) and token count: (T up to, {select, warps, tile,
 # split}), tile = logits per program (rowwise: rows per program x BLOCK_E), split = threads per row (the
 # 16-bit row kernel). Measured by `benchmarks/moe_kernels.py --parts tune` (data/results/routing-tune-*.json);
-# a (BLOCK_E, BLOCK_K) not listed takes the entry of the same BLOCK_E with the nearest BLOCK_K, devices not
-# listed use DEFAULT. LAUNCH overrides any of the four (benchmarks and tests set it).
+# a (BLOCK_E, BLOCK_K) not listed takes the entry of the same BLOCK_E with the nearest BLOCK_K; a device not
+# listed takes a same-SM device's table (kernels.tuned_for), else DEFAULT. LAUNCH overrides any of the four
+# (benchmarks and tests set it).
 DEFAULT = {"select": "rounds", "warps": None, "tile": 1024, "split": 1}  # warps None: 8 for E <= 16, else 4
 _R4 = {"select": "rounds", "warps": 4, "tile": 1024, "split": 1}
 
@@ -89,11 +90,6 @@ TUNED: dict[str, dict[tuple[int, int], list]] = {
 LAUNCH = {"select": None, "warps": None, "tile": None, "split": None}
 
 
-@functools.lru_cache(maxsize=16)
-def _device_name(index: int) -> str:
-    return torch.cuda.get_device_name(index)
-
-
 def launch_config(T: int, E: int, device: torch.device | None = None, K: int = 8) -> dict:
     """{select, warps, tile, split} for T tokens, E experts and k_max K: LAUNCH overrides, else the device's
     tuned entry, else DEFAULT."""
@@ -115,7 +111,7 @@ def _launch_config(T: int, E: int, K: int, cuda: int, overrides: tuple) -> dict:
     block_e = pow2(max(E, 2))
     cfg = dict(DEFAULT)
     if cuda >= 0:
-        table = TUNED.get(_device_name(cuda), {})
+        table = TUNED.get(tuned_for(TUNED, cuda), {})  # its own, else a same-SM device's
         for t_max, tuned in _tuned_entries(table, block_e, pow2(K)):
             if T <= t_max:
                 cfg.update(tuned)
