@@ -5,6 +5,7 @@ import os
 import re
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -274,7 +275,7 @@ def test_benchmark_refuses_bad_arguments_before_any_work(tmp_path, script, args,
 def test_ci_gpu_logs_each_step_with_machine_commit_and_command(tmp_path):
     """.ci/gpu (the GPU checks in one device call): a bad step is refused before any runs, a missing commit too;
     a step's log opens with the machine, versions, commit and command and closes with its rc (here on the CPU,
-    where every CUDA test skips)."""
+    where every CUDA test skips); more than 8 output files are packed into one archive."""
     env = {**os.environ, "OUT": str(tmp_path), "MOELAB_COMMIT": "abc1234"}
 
     def gpu(*steps, **extra):
@@ -291,6 +292,15 @@ def test_ci_gpu_logs_each_step_with_machine_commit_and_command(tmp_path):
                     r"triton \S+, transformers \S+, driver \S+, tree at abc1234: python -m pytest -q -m gpu ",
                     log[0]), log[0]
     assert re.fullmatch(r"# rc=0 wall=\d+ s", log[-1]) and "skipped" in log[-2]
+    # more files than the 8 the device tool brings back: one archive holding them all, nothing beside it
+    for i in range(8):
+        (tmp_path / "results" / f"extra-{i}.json").write_text("{}")
+    packed = gpu("cuda-tests", MOELAB_COMMIT="def5678")
+    assert packed.returncode == 0 and "10 files: packed into gpu-def5678.tar.xz" in packed.stdout, packed.stdout
+    assert [p.name for p in tmp_path.iterdir()] == ["gpu-def5678.tar.xz"]
+    with tarfile.open(tmp_path / "gpu-def5678.tar.xz") as tar:
+        names = set(tar.getnames())
+    assert {"logs/cuda-tests-abc1234.txt", "logs/cuda-tests-def5678.txt", "results/extra-7.json"} <= names
 
 
 def test_paper_tables_refuses_an_unwritable_results_dir_before_any_model(tmp_path):
