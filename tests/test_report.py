@@ -474,3 +474,16 @@ def test_report_tables_refuse_another_topics_document():
         layer_targets([])
     with pytest.raises(ValueError, match=r"lacks \['machine', 'commit', 'created'\]"):
         machine_line({})
+
+
+def test_machine_line_says_when_a_run_borrowed_or_lacked_tuned_launches():
+    """The H100 runs with the H200's tables say so (their `tuned_on`); a run on its own tables, or from before the
+    field, shows the plain line."""
+    h100 = results.read_file(results.results_dir() / "archive" / "routing-kernel-20261205-h100.json.xz")
+    assert machine_line(h100) == ("NVIDIA H100 80GB HBM3 · torch 2.11.0+cu130 · triton 3.6.0 · transformers 5.17.0 · "
+                                  "commit bb8ca2d · 2026-12-05 · routing launches tuned on NVIDIA H200 · experts "
+                                  "launches tuned on NVIDIA H200")
+    plain = machine_line({**h100, "tuned_on": {"routing": "NVIDIA H100 80GB HBM3"}})
+    assert plain.endswith("commit bb8ca2d · 2026-12-05")
+    assert machine_line({k: v for k, v in h100.items() if k != "tuned_on"}) == plain
+    assert machine_line({**h100, "tuned_on": {"experts": None}}).endswith("2026-12-05 · experts launches untuned")
