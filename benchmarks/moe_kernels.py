@@ -1012,7 +1012,8 @@ def main():
         from moelab.kernels import routing as kr
 
         name = torch.cuda.get_device_name(0)  # the routing parts below run with it (a partial tune: merged in)
-        kr.TUNED[name] = {**kr.TUNED.get(name, {}), **table} if tune_shapes else table
+        # merged into the table the device ran with so far: its own, or a same-SM device's (kernels.tuned_for)
+        kr.TUNED[name] = {**kr.TUNED.get(tuned_for(kr.TUNED, 0), {}), **table} if tune_shapes else table
         kr.clear_launch_caches()
         common["tuned_on"] = tuned_on()
     if "routing" in parts:
@@ -1075,7 +1076,7 @@ def main():
         from moelab.kernels import grouped as gk
 
         dev = torch.cuda.get_device_name(0)
-        gk.TUNED[dev] = {**gk.TUNED.get(dev, {}), **table}  # the layer part below runs with it
+        gk.TUNED[dev] = {**gk.TUNED.get(tuned_for(gk.TUNED, 0), {}), **table}  # the layer part below runs with it
         gk._launch_config.cache_clear()
         common["tuned_on"] = tuned_on()
     if "cutlass-tiles" in parts:
