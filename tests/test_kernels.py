@@ -738,6 +738,7 @@ def test_gpu_fp32_rows_one_compile_for_every_policy(monkeypatch):
 
 @gpu
 @pytest.mark.gpu
+@pytest.mark.filterwarnings("ignore:Synchronization debug mode is a prototype:UserWarning")  # torch's own note
 def test_gpu_no_host_sync_and_graph_capture():
     T, E, D, Fd = 512, 64, 256, 128
     g = torch.Generator().manual_seed(5)
