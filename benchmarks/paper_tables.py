@@ -6,7 +6,7 @@ calibrated to a +0.5% perplexity budget (shared and per-layer), and EntropyAdapt
 lower fixed k at matched compute. Writes data/results/paper-tables-<yyyymmdd>.json (moelab.results).
 
 GPU (the full protocol; on one H200 50, 56 and 58 s for tiny-mixtral, tiny-qwen-moe and tiny-olmoe at edb55f0,
-164 s in all (logs/paper-tables-edb55f0.txt); at 2be368d, before the routing kernel served every policy kind
+164 s in all (logs/paper-tables-edb55f0.txt.xz); at 2be368d, before the routing kernel served every policy kind
 of a k_max without a compile (benchmarks/first_call.py), 1, 2.5 and 4 minutes; a run cut short is finished
 with --resume):
     PYTHONPATH=lib PYTHONUNBUFFERED=1 python benchmarks/paper_tables.py

@@ -526,8 +526,8 @@ fig.suptitle(runs_line(shown) + "\nthe committed runs that routed the same pairs
              " among them)", fontsize=7)
 savefig(fig, "04_layer_runs")
 plt.show()
-traces = sorted((REPO / "data" / "results" / "logs").glob("smi-trace-*.csv"))
-pd.DataFrame({f.stem: power_trace(f) for f in traces}).T
+traces = sorted((REPO / "data" / "results" / "logs").glob("smi-trace-*.csv*"))  # xz-compressed; all H200 but 64bc936 (H100)
+pd.DataFrame({f.name.split(".csv")[0]: power_trace(f) for f in traces}).T
 
 # %% [markdown]
 # ## 6 · Explorer (`interactive=True`)

@@ -303,6 +303,22 @@ def test_ci_gpu_logs_each_step_with_machine_commit_and_command(tmp_path):
     assert {"logs/cuda-tests-abc1234.txt", "logs/cuda-tests-def5678.txt", "results/extra-7.json"} <= names
 
 
+def test_tree_fits_the_device_tools_copy():
+    """The device tool copies tracked and untracked-not-ignored files, at most 64 MiB, and refused a tree of 63.6 MiB
+    in bytes (about 65 in 4 KiB blocks): counted in blocks, the tree leaves at least 1 MiB, and every log is
+    committed xz-compressed (3.2 MB as text, 0.4 as xz), so a benchmark step's call needs nothing moved aside."""
+    ls = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
+                        capture_output=True, text=True)
+    if ls.returncode != 0:
+        pytest.skip("not a git checkout")
+    paths = [REPO / p for p in ls.stdout.split("\0") if p and (REPO / p).is_file()]
+    # a symbolic link travels as a link (the models' tokenizer.json): its own size, not its target's
+    blocks_mib = sum(-(-p.lstat().st_size // 4096) * 4096 for p in paths) / 2**20
+    assert blocks_mib <= 63, f"the tree takes {blocks_mib:.1f} MiB in 4 KiB blocks; the device tool copies 64 at most"
+    logs = [p.name for p in paths if p.parent == REPO / "data" / "results" / "logs"]
+    assert logs and not [n for n in logs if not n.endswith(".xz")], [n for n in logs if not n.endswith(".xz")]
+
+
 def test_paper_tables_refuses_an_unwritable_results_dir_before_any_model(tmp_path):
     """MOELAB_RESULTS_DIR that cannot be written: refused at startup, not when the first model's rows are saved."""
     (tmp_path / "file").write_text("")

@@ -338,13 +338,13 @@ MAX_ROWSORT_K = 16  # 16-bit logits, 'rowsort': the best eight and the next eigh
 # fp32 row kernel: chunk loops unrolled up to this T (and always for BLOCK_E <= 16): decode-sized batches,
 # which graphs replay and where a call lasts one row's chain of loads. H200, graph time per call, E = 60 / 64
 # at T = 1-64: unrolled 3.9-5.6 / 6.5-9.2 us, loops 7.5-11.3 / 10.0-12.7 us (data/results/trials/fp32_rows.py,
-# logs/fp32-rows-5e46683.txt, with BLOCK_T shrunk to pow2(T); in the whole tile since adb43f6, T = 1-2 take 0.8-0.9
-# us more: logs/fp32-rows-decode-adb43f6.txt). Above it loops: at T = 512 they are slower in a graph (11.8 / 13.0
+# logs/fp32-rows-5e46683.txt.xz, with BLOCK_T shrunk to pow2(T); in the whole tile since adb43f6, T = 1-2 take 0.8-0.9
+# us more: logs/fp32-rows-decode-adb43f6.txt.xz). Above it loops: at T = 512 they are slower in a graph (11.8 / 13.0
 # us against 6.0 / 9.7), but the notebooks route their 512-token batches eagerly (28-38 us per call in every
 # form), and an unrolled E = 60 / 64 kernel takes 3.7-12.1 s to compile on the H200 host against 0.4-1.0 s as
-# loops, once per k_max and launch (trials/first_route.py, logs/first-route-0459b4e.txt,
-# first-route-main-job-1ba0eae.txt, first-route-decode-adb43f6.txt): at 512 the main job's routing shapes cost
-# 53.4 s of first calls against 9.4 s at 0 (logs/first-route-main-job-1ba0eae.txt). At T = 4096 / 65536 loops
+# loops, once per k_max and launch (trials/first_route.py, logs/first-route-0459b4e.txt.xz,
+# first-route-main-job-1ba0eae.txt.xz, first-route-decode-adb43f6.txt.xz): at 512 the main job's routing shapes cost
+# 53.4 s of first calls against 9.4 s at 0 (logs/first-route-main-job-1ba0eae.txt.xz). At T = 4096 / 65536 loops
 # are faster at E = 64 (9.2 / 45.5 us against 10.7 / 76.9) and 4-6% slower at E = 60
 ROWS_UNROLL_T = 64
 
@@ -851,8 +851,8 @@ def _route_rows16_kernel(
 ):
     # as _route_rows_kernel (EC, SC: E and the row stride as constants), for bf16 / fp16 logits. T, kv_packed
     # and KMIN are not specialised on (batch sizes that share a token tile share one compile: 0.5-0.8 s each on
-    # the H200 host; graph time within 0.11 us of the specialised kernel, logs/first-route-bf16-e98dbe3.txt and
-    # rows16-decode-e98dbe3.txt); its tile still shrinks to pow2(T) at decode sizes, where a call is 1.9-2.9 us. The
+    # the H200 host; graph time within 0.11 us of the specialised kernel, logs/first-route-bf16-e98dbe3.txt.xz and
+    # rows16-decode-e98dbe3.txt.xz); its tile still shrinks to pow2(T) at decode sizes, where a call is 1.9-2.9 us. The
     # program's R = BLOCK_T * SPLIT row pieces are rows-major (a row's pieces in neighbouring threads: the
     # merge is a warp shuffle); piece s of a row scans columns [s * CPS, (s + 1) * CPS), CPC chunks of CH
     R: tl.constexpr = BLOCK_T * SPLIT
@@ -1146,7 +1146,7 @@ def _shape_launch(T: int, E: int, K: int, cuda: int, overrides: tuple, elsize: i
             # loop's batch sizes share one compile per k_max and launch, not one per power of two below the
             # tile and per Triton's T == 1 / T % 16 cases (an unrolled E = 60 / 64 kernel takes 3.7-12.1 s to
             # compile on the H200 host); T = 1-2 take 0.8-0.9 us more in a graph
-            # (logs/fp32-rows-decode-adb43f6.txt)
+            # (logs/fp32-rows-decode-adb43f6.txt.xz)
             block_t = meta["BLOCK_T"] = block_tokens(None, E, cfg["tile"])[0]
     else:
         meta["SELECT"] = select
