@@ -386,7 +386,7 @@ def test_power_trace_summary(tmp_path):
     assert p["samples"] == 5 and p["capped_share"] == pytest.approx(0.4)
     assert p["capped_mhz"] == (1500.0, 1600.0, 1700.0) and p["capped_watts_median"] == pytest.approx(695.0)
     assert p["other_mhz"] == (1980.0, 1980.0, 1980.0)
-    committed = sorted((results.REPO / "data" / "results" / "logs").glob("smi-trace-*.csv.xz"))  # committed xz-compressed
+    committed = sorted((results.REPO / "data" / "results" / "logs").glob("smi-trace-*.csv.xz"))  # as committed
     assert committed and all(0 < power_trace(f)["capped_share"] < 1 for f in committed)
 
 
