@@ -303,6 +303,48 @@ def test_ci_gpu_logs_each_step_with_machine_commit_and_command(tmp_path):
     assert {"logs/cuda-tests-abc1234.txt", "logs/cuda-tests-def5678.txt", "results/extra-7.json"} <= names
 
 
+def test_ci_gpu_take_files_a_device_calls_output(tmp_path):
+    """.ci/gpu take (here, after a device call): logs land xz-compressed in data/results/logs, results as current
+    files or, with a suffix, as archived side runs; a packed gpu-<sha>.tar.xz is unpacked first; nothing is
+    overwritten, and a refused call writes nothing."""
+    import lzma
+
+    repo = tmp_path / "repo"
+    (repo / ".ci").mkdir(parents=True)
+    (repo / ".ci" / "gpu").write_text((REPO / ".ci" / "gpu").read_text())
+    out = tmp_path / "out"
+    (out / "logs").mkdir(parents=True)
+    (out / "results").mkdir()
+    (out / "logs" / "moe-layer-abc1234.txt").write_text("# H200 (device tool) ...\n# rc=0 wall=9 s\n")
+    (out / "results" / "moe-layer-20261205.json").write_text('{"rows": []}')
+
+    def take(*args):
+        return subprocess.run(["bash", ".ci/gpu", "take", *map(str, args)], cwd=repo, capture_output=True, text=True,
+                              timeout=60)
+
+    assert take(tmp_path / "nosuch").returncode == 2 and not (repo / "data").exists()
+    assert take(out, "bad/suffix").returncode == 2 and not (repo / "data").exists()
+    done = take(out, "h200")
+    assert done.returncode == 0, done.stdout + done.stderr
+    res = repo / "data" / "results"
+    assert lzma.open(res / "logs" / "moe-layer-abc1234.txt.xz", "rt").read().startswith("# H200")
+    assert json.loads(lzma.open(res / "archive" / "moe-layer-20261205-h200.json.xz", "rt").read()) == {"rows": []}
+    again = take(out, "h200")  # the log is there already: refused, and nothing else written either
+    assert again.returncode == 1 and "not overwritten" in again.stdout
+    # a packed call's output, taken as the current files
+    (out / "logs" / "moe-layer-abc1234.txt").rename(out / "logs" / "moe-layer-def5678.txt")
+    with tarfile.open(tmp_path / "gpu-def5678.tar.xz", "w:xz") as tar:
+        tar.add(out / "logs", arcname="logs")
+        tar.add(out / "results", arcname="results")
+    packed = tmp_path / "packed"
+    packed.mkdir()
+    (tmp_path / "gpu-def5678.tar.xz").rename(packed / "gpu-def5678.tar.xz")
+    done = take(packed)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert (res / "moe-layer-20261205.json").read_text() == '{"rows": []}'
+    assert (res / "logs" / "moe-layer-def5678.txt.xz").exists() and (packed / "gpu-def5678.tar.xz").exists()
+
+
 def test_tree_fits_the_device_tools_copy():
     """The device tool copies tracked and untracked-not-ignored files, at most 64 MiB, and refused a tree of 63.6 MiB
     in bytes (about 65 in 4 KiB blocks): counted in blocks, the tree leaves at least 1 MiB, and every log is
