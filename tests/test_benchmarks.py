@@ -318,9 +318,11 @@ def test_ci_gpu_take_files_a_device_calls_output(tmp_path):
     (out / "logs" / "moe-layer-abc1234.txt").write_text("# H200 (device tool) ...\n# rc=0 wall=9 s\n")
     (out / "results" / "moe-layer-20261205.json").write_text('{"rows": []}')
 
+    env = {**os.environ, "MOELAB_ASIDE": str(tmp_path / "aside")}
+
     def take(*args):
         return subprocess.run(["bash", ".ci/gpu", "take", *map(str, args)], cwd=repo, capture_output=True, text=True,
-                              timeout=60)
+                              timeout=60, env=env)
 
     assert take(tmp_path / "nosuch").returncode == 2 and not (repo / "data").exists()
     assert take(out, "bad/suffix").returncode == 2 and not (repo / "data").exists()
@@ -343,6 +345,42 @@ def test_ci_gpu_take_files_a_device_calls_output(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     assert (res / "moe-layer-20261205.json").read_text() == '{"rows": []}'
     assert (res / "logs" / "moe-layer-def5678.txt.xz").exists() and (packed / "gpu-def5678.tar.xz").exists()
+
+
+def test_ci_gpu_aside_and_back_move_the_logs_and_archive_out_of_the_tree_and_back(tmp_path):
+    """.ci/gpu aside / back (here, around a call that carries the wheels): both folders go out and come back whole;
+    neither merges into a folder that exists, and take refuses while they are aside (it would write a new logs/)."""
+    repo, aside = tmp_path / "repo", tmp_path / "aside"
+    (repo / ".ci").mkdir(parents=True)
+    (repo / ".ci" / "gpu").write_text((REPO / ".ci" / "gpu").read_text())
+    res = repo / "data" / "results"
+    for d in ("logs", "archive"):
+        (res / d).mkdir(parents=True)
+        (res / d / f"{d}-1.xz").write_bytes(b"x")
+    out = tmp_path / "out"
+    (out / "logs").mkdir(parents=True)
+    (out / "logs" / "cuda-tests-abc1234.txt").write_text("# rc=0 wall=1 s\n")
+    env = {**os.environ, "MOELAB_ASIDE": str(aside)}
+
+    def gpu(*args):
+        return subprocess.run(["bash", ".ci/gpu", *map(str, args)], cwd=repo, capture_output=True, text=True,
+                              timeout=60, env=env)
+
+    assert gpu("back").returncode == 1  # nothing aside yet
+    done = gpu("aside")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert not (res / "logs").exists() and not (res / "archive").exists()
+    assert (aside / "logs" / "logs-1.xz").exists() and (aside / "archive" / "archive-1.xz").exists()
+    assert gpu("aside").returncode == 1  # twice would nest or lose them
+    refused = gpu("take", out)
+    assert refused.returncode == 2 and "back first" in refused.stdout and not (res / "logs").exists()
+    (res / "logs").mkdir()  # made meanwhile: back refuses rather than merge
+    assert gpu("back").returncode == 1 and (aside / "logs" / "logs-1.xz").exists()
+    (res / "logs").rmdir()
+    done = gpu("back")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert (res / "logs" / "logs-1.xz").exists() and (res / "archive" / "archive-1.xz").exists() and not aside.exists()
+    assert gpu("take", out).returncode == 0 and (res / "logs" / "cuda-tests-abc1234.txt.xz").exists()
 
 
 def test_tree_fits_the_device_tools_copy():
