@@ -741,10 +741,11 @@ def tune_configs(E, k, T, selects="all"):
     return out
 
 
-def tune_routing(bw_gbs, selects="all", shapes=None):
+def tune_routing(bw_gbs, selects="all", shapes=None, save=None):
     """GPU time in a graph of the native top-k kernel per launch configuration (select, warps, tile, split);
     with selects='rowwise' also the table's current pick (the row says which configuration that was).
-    shapes: {E: k} to tune (default TUNE_SHAPES)."""
+    shapes: {E: k} to tune (default TUNE_SHAPES). save(rows) after each (E, T): a run cut short keeps what it
+    measured."""
     from moelab.kernels import routing as kr
 
     rows = []
@@ -765,6 +766,8 @@ def tune_routing(bw_gbs, selects="all", shapes=None):
                              "graph_us": us, "hbm_bound_us": bound})
                 print(f"tune E={E:4d} T={T:6d} {select:8s} tile={tile:5d} warps={warps} split={split} {us:8.2f} us "
                       f"(bound {bound:.2f})", flush=True)
+            if save is not None:
+                save(rows)
     kr.LAUNCH.update(keep)
     return rows
 
@@ -1000,14 +1003,18 @@ def main():
     common = {"copy_bandwidth_gbs": bw, "l2_bytes": l2, "host": host, "tuned_on": tuned_on()}
     if "tune" in parts:
         tune_shapes = args.tune_routing_shapes
-        rows = tune_routing(bw, args.tune_selects, tune_shapes or None)
-        table = tuned_table(rows)
         notes = ("native top-k Triton routing, GPU time per call in a CUDA graph (inputs rotated over 8 tensors), "
                  "per launch configuration: select (top-k method), tile (logits per program), warps. tuned_table: "
                  "the fastest per BLOCK_E and T, as moelab.kernels.routing.TUNED takes it.")
-        extra = {**common, "tuned_table": {str(k): v for k, v in table.items()}}  # keys "(BLOCK_E, BLOCK_K)"
-        path = write_results("routing-tune-wide" if tune_shapes else "routing-tune", rows, extra=extra, notes=notes)
-        print("wrote", path)
+
+        def save_routing_tune(rows):  # keys of tuned_table "(BLOCK_E, BLOCK_K)"
+            extra = {**common, "tuned_table": {str(k): v for k, v in tuned_table(rows).items()}}
+            return write_results("routing-tune-wide" if tune_shapes else "routing-tune", rows, extra=extra,
+                                 notes=notes)
+
+        rows = tune_routing(bw, args.tune_selects, tune_shapes or None, save_routing_tune)
+        table = tuned_table(rows)
+        print("wrote", save_routing_tune(rows))
         print("TUNED table:", table)
         from moelab.kernels import routing as kr
 
