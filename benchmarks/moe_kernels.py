@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from moelab.experts import get_gemm, run_experts, set_gemm
-from moelab.kernels import tuned_for
+from moelab.kernels import device_table, tuned_for
 from moelab.kernels.layout import pair_layout_padded
 from moelab.kernels.routing import RoutingStats, route_triton
 from moelab.results import write_results
@@ -1019,8 +1019,8 @@ def main():
         from moelab.kernels import routing as kr
 
         name = torch.cuda.get_device_name(0)  # the routing parts below run with it (a partial tune: merged in)
-        # merged into the table the device ran with so far: its own, or a same-SM device's (kernels.tuned_for)
-        kr.TUNED[name] = {**kr.TUNED.get(tuned_for(kr.TUNED, 0), {}), **table} if tune_shapes else table
+        # over the device's own entries; shapes it has none for still take a same-SM device's (kernels.device_table)
+        kr.TUNED[name] = {**kr.TUNED.get(name, {}), **table}
         kr.clear_launch_caches()
         common["tuned_on"] = tuned_on()
     if "routing" in parts:
@@ -1083,7 +1083,7 @@ def main():
         from moelab.kernels import grouped as gk
 
         dev = torch.cuda.get_device_name(0)
-        gk.TUNED[dev] = {**gk.TUNED.get(tuned_for(gk.TUNED, 0), {}), **table}  # the layer part below runs with it
+        gk.TUNED[dev] = {**gk.TUNED.get(dev, {}), **table}  # the layer part below runs with it
         gk._launch_config.cache_clear()
         common["tuned_on"] = tuned_on()
     if "cutlass-tiles" in parts:
@@ -1143,7 +1143,7 @@ def _save_layer(notes, common, rows, batches=()):
     from moelab.kernels.report import batch_targets, layer_targets
 
     # the expert GEMM configurations the run used (a tune-gemm part before it in the same run replaces them)
-    tuned = {str(k): v for k, v in gk.TUNED.get(tuned_for(gk.TUNED, 0), {}).items()}
+    tuned = {str(k): v for k, v in device_table(gk.TUNED, 0).items()}
     # with the tuned tiles, so that the stored labels' tile shares are the report's (report.layer_targets)
     targets = layer_targets({"rows": rows, "experts_tuned": tuned}).to_dict("records") if rows else []
     per_batch = (batch_targets({"rows": rows, "batches": list(batches), "experts_tuned": tuned}).to_dict("records")

@@ -331,9 +331,9 @@ def test_launch_config_overrides(monkeypatch):
 
 
 def test_a_device_without_tuned_launches_takes_a_same_sm_devices(monkeypatch):
-    """tuned_for: a GPU's own TUNED table, else that of a TUNED_ON device with the same compute capability and
-    SM count (an H100 SXM takes the H200's routing and GEMM launches), else none (the defaults); and the launch
-    configurations follow it."""
+    """A GPU's own TUNED entries, else, shape by shape, those of a TUNED_ON device with the same compute
+    capability and SM count (the H100 SXM has its own routing and GEMM tables, and takes the H200's for the
+    256- and 512-expert routers it was not tuned on), else none (the defaults); launch configurations follow."""
     import moelab.kernels as kernels
     import moelab.kernels.grouped as gk
 
@@ -342,13 +342,23 @@ def test_a_device_without_tuned_launches_takes_a_same_sm_devices(monkeypatch):
         kr.clear_launch_caches()
         gk._launch_config.cache_clear()
 
-    h200 = kr.TUNED["NVIDIA H200"][(128, 8)][-1][1]  # the H200's pick at T = 65536, E = 128, k = 8
+    h100, h200 = "NVIDIA H100 80GB HBM3", "NVIDIA H200"
+    last = {d: {key: entries[-1][1] for key, entries in kr.TUNED[d].items()} for d in (h100, h200)}  # T = 65536
+    assert last[h100][(128, 8)] != last[h200][(128, 8)] and (512, 16) not in kr.TUNED[h100]
     try:
-        as_device("NVIDIA H100 80GB HBM3", (9, 0, 132))
-        assert kernels.tuned_for(kr.TUNED, 0) == kernels.tuned_for(gk.TUNED, 0) == "NVIDIA H200"
-        assert kr._launch_config(65536, 128, 8, 0, (None,) * 4) == {**kr.DEFAULT, **h200}
+        as_device(h100, (9, 0, 132))
+        assert kernels.tuned_tables(kr.TUNED, 0) == [h100, h200] and kernels.tuned_for(gk.TUNED, 0) == h100
+        assert kr._launch_config(65536, 128, 8, 0, (None,) * 4) == {**kr.DEFAULT, **last[h100][(128, 8)]}
+        assert kr._launch_config(65536, 512, 10, 0, (None,) * 4) == {**kr.DEFAULT, **last[h200][(512, 16)]}
+        olmoe = gk._launch_config(32768, 64, 2048, 1024, 0)
+        assert olmoe["gate_up"] == {**gk.DEFAULT["gate_up"], **gk.TUNED[h100][(2048, 1024)][0][1]["gate_up"]}
+        assert kernels.device_table(gk.TUNED, 0) == gk.TUNED[h100]
+        as_device("Another GH100", (9, 0, 132))  # no table of its own: the same-SM devices', the first listed
+        assert kernels.tuned_for(kr.TUNED, 0) == h200 and kernels.device_table(kr.TUNED, 0) == {
+            **kr.TUNED[h100], **kr.TUNED[h200]}
+        assert kr._launch_config(65536, 128, 8, 0, (None,) * 4) == {**kr.DEFAULT, **last[h200][(128, 8)]}
         assert gk._launch_config(32768, 64, 2048, 1024, 0) != gk._launch_config(32768, 64, 2048, 1024, -1)
-        assert kernels.tuned_for(kr.TUNED, -1) is None  # not a CUDA device
+        assert kernels.tuned_for(kr.TUNED, -1) is None and kernels.device_table(kr.TUNED, -1) == {}  # not CUDA
         as_device("NVIDIA H100 PCIe", (9, 0, 114))  # another SM count: defaults
         assert kernels.tuned_for(kr.TUNED, 0) is None
         assert kr._launch_config(65536, 128, 8, 0, (None,) * 4) == kr._launch_config(65536, 128, 8, -1, (None,) * 4)
@@ -356,7 +366,7 @@ def test_a_device_without_tuned_launches_takes_a_same_sm_devices(monkeypatch):
         assert kernels.tuned_for(gk.TUNED, 0) is None
         as_device("Own GPU", (9, 0, 132))  # a device with its own table (a tuning run adds one) keeps it
         monkeypatch.setitem(kr.TUNED, "Own GPU", {(128, 8): [(2**62, {"split": 4})]})
-        assert kernels.tuned_for(kr.TUNED, 0) == "Own GPU" and kernels.tuned_for(gk.TUNED, 0) == "NVIDIA H200"
+        assert kernels.tuned_for(kr.TUNED, 0) == "Own GPU" and kernels.tuned_for(gk.TUNED, 0) == h200
         assert kr._launch_config(65536, 128, 8, 0, (None,) * 4)["split"] == 4
     finally:
         kr.clear_launch_caches()

@@ -216,6 +216,36 @@ def test_wide_router_launches_are_the_committed_tuning_runs_fastest():
     assert "--tune-routing-shapes 256:8,512:10" in wide["command"] and wide["commit"] == doc["commit"]
 
 
+def test_h100_tables_are_the_tuning_rule_applied_to_its_own_runs():
+    """The H100's TUNED tables (routing and expert GEMMs) are what the tuning rules (tuned_table,
+    tuned_experts_table) give on its own committed runs (side runs: archive/*-20261205-h100.json.xz), which
+    ran on an H100 and timed every selection and plan."""
+    import sys
+
+    from moelab.kernels import grouped as gk
+    from moelab.kernels import routing as kr
+
+    sys.path.insert(0, str(results.REPO / "benchmarks"))
+    import moe_kernels as mk
+
+    name = "NVIDIA H100 80GB HBM3"
+    archive = results.REPO / "data" / "results" / "archive"
+    routing = results.read_file(archive / "routing-tune-20261205-h100.json.xz")
+    gemms = results.read_file(archive / "experts-tune-20261205-h100.json.xz")
+    assert routing["machine"]["device"] == gemms["machine"]["device"] == name
+    assert {r["select"] for r in routing["rows"]} >= {"rounds", "bitonic", "split", "rowwise", "rowsort"}
+    assert mk.tuned_table(routing["rows"]) == kr.TUNED[name]
+    assert {(r["shape"], r["plan"]) for r in gemms["rows"]} == {(r["shape"], r["plan"]) for r in
+                                                               results.load_results("experts-tune")["rows"]}
+    got = mk.tuned_experts_table(gemms["rows"])
+    assert got.keys() == gk.TUNED[name].keys()
+    for shape, [(n, entry)] in got.items():
+        [(n_want, want)] = gk.TUNED[name][shape]
+        assert n == n_want and entry["beats_cutlass"] == want["beats_cutlass"]
+        for g in ("gate_up", "down"):  # a key TUNED leaves out is off
+            assert {k: v for k, v in entry[g].items() if v} == {k: v for k, v in want[g].items() if v}, (shape, g)
+
+
 def test_layer_targets_limit_and_rounds():
     """Adaptive over native at T = 4096 against 1.1 x kept/native; with interleaved rounds, the lowest, median
     and highest same-round ratio beside the ratio of medians."""

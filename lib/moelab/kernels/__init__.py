@@ -2,8 +2,8 @@
 expert row ops (experts.py), grouped expert GEMMs (grouped.py), the issue-5 target checks (report.py).
 Dispatch lives in moelab.routing / moelab.experts, which import these lazily (on CUDA), so the CPU path
 never needs Triton. This module holds the launch helpers they share: `Launcher` (a kernel's cached direct
-launch), `launch`, `on_device_of`, `check_kernel_input`, `interpreting`, `pow2`, `cdiv`, and `tuned_for`, which
-picks the per-device table of tuned launches (routing.TUNED, grouped.TUNED) a GPU takes."""
+launch), `launch`, `on_device_of`, `check_kernel_input`, `interpreting`, `pow2`, `cdiv`, and `device_table`, which
+picks the per-device tuned launches (routing.TUNED, grouped.TUNED) a GPU takes."""
 
 import contextlib
 import functools
@@ -44,11 +44,13 @@ def check_kernel_input(t: torch.Tensor, what: str) -> None:
                          "TRITON_INTERPRET=1 in the environment before triton is first imported")
 
 
-# The tuned launch tables (routing.TUNED, grouped.TUNED) are keyed by device name. A GPU with no table of its own
-# takes the table of a device listed here with the same compute capability and SM count: an H100 SXM the H200's
-# (both GH100 with 132 SMs; they differ in HBM). Untuned, the H100 ran routing at 0.14-0.17 of the HBM bound at
-# T = 65536 and OLMoE-like layers on 128-row CUTLASS tiles (moe-layer/routing-kernel runs at 64bc936, logs/).
-TUNED_ON = {"NVIDIA H200": (9, 0, 132)}  # device name -> (major, minor, SMs) of the GPU its tables were tuned on
+# The tuned launch tables (routing.TUNED, grouped.TUNED) are keyed by device name. A GPU takes its own entry for a
+# shape, else that of a device listed here with the same compute capability and SM count: an H100 SXM and the H200
+# are both GH100 with 132 SMs (they differ in HBM), so each takes the other's entries for shapes it was not tuned
+# on (the H100 the H200's 256- and 512-expert routers). Untuned, the H100 ran routing at 0.14-0.17 of the HBM bound
+# at T = 65536 and OLMoE-like layers on 128-row CUTLASS tiles (moe-layer/routing-kernel runs at 64bc936, logs/).
+TUNED_ON = {"NVIDIA H200": (9, 0, 132),  # device name -> (major, minor, SMs) of the GPU its tables were tuned on
+            "NVIDIA H100 80GB HBM3": (9, 0, 132)}
 
 
 @functools.lru_cache(maxsize=16)
@@ -58,15 +60,28 @@ def device_identity(index: int) -> tuple[str, tuple[int, int, int]]:
     return p.name, (p.major, p.minor, p.multi_processor_count)
 
 
-def tuned_for(tables: dict, index: int) -> str | None:
-    """The key of `tables` (a per-device TUNED dict) whose launches CUDA device `index` takes: its own name,
-    else a TUNED_ON device with the same compute capability and SM count, else None (the defaults)."""
+def tuned_tables(tables: dict, index: int) -> list[str]:
+    """The keys of `tables` (a per-device TUNED dict) whose launches CUDA device `index` takes, in the order a
+    shape is looked up: its own name, then the TUNED_ON devices with the same compute capability and SM count;
+    [] for none (the defaults) or a non-CUDA index."""
     if index < 0:
-        return None
+        return []
     name, arch = device_identity(index)
-    if name in tables:
-        return name
-    return next((n for n in tables if TUNED_ON.get(n) == arch), None)
+    return [n for n in tables if n == name] + [n for n in tables if n != name and TUNED_ON.get(n) == arch]
+
+
+def tuned_for(tables: dict, index: int) -> str | None:
+    """The first table device `index` looks a shape up in (tuned_tables): its own, else a same-SM device's,
+    else None. Results record it as `tuned_on`."""
+    return next(iter(tuned_tables(tables, index)), None)
+
+
+def device_table(tables: dict, index: int) -> dict:
+    """The per-shape entries device `index` runs with: a same-SM device's, overridden by its own."""
+    out: dict = {}
+    for n in reversed(tuned_tables(tables, index)):
+        out.update(tables[n])
+    return out
 
 
 @functools.lru_cache(maxsize=1)

@@ -34,7 +34,7 @@ except ImportError:  # pragma: no cover - older Triton: pointer loads only
     TensorDescriptor = None
 
 from moelab.experts import PairLayout
-from moelab.kernels import cdiv, interpreting, launch, on_device_of, pow2, tuned_for
+from moelab.kernels import cdiv, device_table, interpreting, launch, on_device_of, pow2
 from moelab.kernels.experts import combine_rows
 from moelab.routing import RoutingPlan
 
@@ -90,6 +90,21 @@ TUNED: dict[str, dict[tuple[int, int], list]] = {
                                 "down": {**_64, "BLOCK_N": 256, "num_stages": 5, **_FLAT},
                                 "beats_cutlass": False})],
     },
+    # tuned_experts_table() on data/results/archive/experts-tune-20261205-h100.json.xz (H100 SXM, torch 2.11,
+    # triton 3.6, at 4d6b4df, `.ci/gpu tune-gemm`). Against the H200's picks on the same H100 run: OLMoE-like
+    # 827 / 569 us native / terciles against 906 / 598, Mixtral-like 4898 against 5217 native; Qwen-like the
+    # H200's picks. OLMoE- and Qwen-like beat CUTLASS on every plan there (Qwen-like by 1% on the terciles plan)
+    "NVIDIA H100 80GB HBM3": {
+        (4096, 14336): [(2**62, {"gate_up": {**_TMA_128, "num_stages": 3, "PERSISTENT": True},
+                                 "down": {**_TMA_128, "BLOCK_N": 256, "num_stages": 3, **_FLAT},
+                                 "beats_cutlass": False})],
+        (2048, 1024): [(2**62, {"gate_up": {**_TMA_128, "num_stages": 4},
+                                "down": {**_64, "BLOCK_N": 256, "num_stages": 5, **_FLAT},
+                                "beats_cutlass": True})],
+        (2048, 1408): [(2**62, {"gate_up": {**_TMA_128, "num_stages": 4},
+                                "down": {**_64, "BLOCK_N": 256, "num_stages": 5, **_FLAT},
+                                "beats_cutlass": True})],
+    },
 }
 
 
@@ -114,7 +129,7 @@ def _tuned_entry(N: int, D: int, Fd: int, cuda: int) -> dict | None:
     """The device's TUNED entry for (D, F) that covers N rows, if any."""
     if cuda < 0:
         return None
-    return next((t for n_max, t in TUNED.get(tuned_for(TUNED, cuda), {}).get((D, Fd), []) if N <= n_max), None)
+    return next((t for n_max, t in device_table(TUNED, cuda).get((D, Fd), []) if N <= n_max), None)
 
 
 def tuned_beats_cutlass(N: int, E: int, D: int, Fd: int, device: torch.device) -> bool:

@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moelab.kernels import Launcher, cdiv, on_device_of, pow2, tuned_for
+from moelab.kernels import Launcher, cdiv, device_table, on_device_of, pow2
 from moelab.routing import (
     KERNEL_MAX_EXPERTS,
     KERNEL_MAX_K,
@@ -58,8 +58,8 @@ _TOPK, _ADAPTIVE, _TOPP, _RATIO = 0, 1, 2, 3
 # split}), tile = logits per program (rowwise: rows per program x BLOCK_E), split = threads per row (the
 # 16-bit row kernel). Measured by `benchmarks/moe_kernels.py --parts tune` (data/results/routing-tune-*.json);
 # a (BLOCK_E, BLOCK_K) not listed takes the entry of the same BLOCK_E with the nearest BLOCK_K; a device not
-# listed takes a same-SM device's table (kernels.tuned_for), else DEFAULT. LAUNCH overrides any of the four
-# (benchmarks and tests set it).
+# listed, or a shape its table lacks, takes a same-SM device's entries (kernels.device_table), else DEFAULT.
+# LAUNCH overrides any of the four (benchmarks and tests set it).
 DEFAULT = {"select": "rounds", "warps": None, "tile": 1024, "split": 1}  # warps None: 8 for E <= 16, else 4
 _R4 = {"select": "rounds", "warps": 4, "tile": 1024, "split": 1}
 
@@ -86,6 +86,19 @@ TUNED: dict[str, dict[tuple[int, int], list]] = {
                    (4096, _rows(4, 4096, 8, "rowsort")), (2**62, _rows(4, 16384, 2, "rowsort"))],
         (512, 16): [(512, _rows(4, 4096, 16, "rowsort")), (2**62, _rows(2, 4096, 8, "rowsort"))],
     },
+    # tuned_table() on data/results/archive/routing-tune-20261205-h100.json.xz (H100 SXM, torch 2.11, triton 3.6,
+    # at 4d6b4df, `.ci/gpu tune-routing`: every selection). The H200's picks were within 3% of these there
+    # (E = 128, T = 65536: 14.15 against 14.14 us, 50.5% of the H100's HBM bound); the wide routers take the
+    # H200's entries (kernels.device_table)
+    "NVIDIA H100 80GB HBM3": {
+        (8, 2): [(16, _R4), (512, _rows(4, 1024, 1)), (4096, _rows(4, 1024, 1)), (2**62, _rows(2, 512, 1))],
+        (64, 4): [(16, _rows(4, 1024, 8)), (512, _rows(4, 1024, 8)), (4096, _rows(4, 2048, 4)),
+                  (2**62, _rows(2, 1024, 4))],
+        (64, 8): [(16, _rows(2, 512, 8)), (512, _rows(4, 1024, 8, "rowsort")), (4096, _rows(4, 2048, 4, "rowsort")),
+                  (2**62, _rows(2, 2048, 2, "rowsort"))],
+        (128, 8): [(16, _rows(4, 2048, 8, "rowsort")), (512, _rows(4, 2048, 8, "rowsort")),
+                   (4096, _rows(2, 1024, 8, "rowsort")), (2**62, _rows(2, 4096, 2, "rowsort"))],
+    },
 }
 LAUNCH = {"select": None, "warps": None, "tile": None, "split": None}
 
@@ -111,7 +124,7 @@ def _launch_config(T: int, E: int, K: int, cuda: int, overrides: tuple) -> dict:
     block_e = pow2(max(E, 2))
     cfg = dict(DEFAULT)
     if cuda >= 0:
-        table = TUNED.get(tuned_for(TUNED, cuda), {})  # its own, else a same-SM device's
+        table = device_table(TUNED, cuda)  # its own entries, else a same-SM device's
         for t_max, tuned in _tuned_entries(table, block_e, pow2(K)):
             if T <= t_max:
                 cfg.update(tuned)
