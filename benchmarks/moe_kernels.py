@@ -19,7 +19,7 @@ with its 128 x 256 tiles against its 64 x 128 ones, which it only picks at <= 12
 here by empty groups between the experts).
 
     PYTHONPATH=lib python benchmarks/moe_kernels.py [--quick]
-        [--parts tune,routing,routing-wide,host,tune-gemm,layer,cutlass-tiles]
+        [--parts tune,routing,routing-wide,host,tune-gemm,tune-few,layer,cutlass-tiles]
         [--tokens ...]
 """
 
@@ -826,12 +826,24 @@ LOADS = {"gate_up": ((False, False, False), (True, False, False), (True, True, F
 TUNE_ROUNDS = 3  # tune-gemm: interleaved timing rounds per configuration (median kept, every round recorded)
 
 
+# the few-row class (grouped.FEW_ROWS[0]: up to 64 padded rows per expert, decode sizes) for --parts tune-few: 16-row
+# tiles, the current FEW_ROWS[0] launch first (gate_up 16 x 32 x 128, down 16 x 64 x 128, 4 warps, 3 stages), then
+# wider / deeper tiles: at T = 64 the Mixtral-like layer reads 2.8 GB of weights for 16 rows per expert
+FEW_CONFIGS = {
+    "gate_up": [(16, 32, 128, 4, 3, 1), (16, 64, 128, 4, 3, 1), (16, 32, 256, 4, 3, 1), (16, 64, 64, 4, 4, 1),
+                (16, 32, 128, 4, 5, 1), (16, 64, 128, 8, 4, 1), (16, 128, 64, 4, 4, 1), (16, 32, 64, 4, 6, 1)],
+    "down": [(16, 64, 128, 4, 3, 1), (16, 128, 128, 4, 3, 1), (16, 32, 256, 4, 3, 1), (16, 64, 256, 4, 4, 1),
+             (16, 128, 64, 4, 5, 1), (16, 64, 128, 4, 5, 1), (16, 256, 64, 8, 4, 1), (16, 128, 128, 8, 4, 1)],
+}
+FEW_TOKENS = (64, 16)  # T = 64 first: the case that misses on the H100 (a run cut short keeps it)
+
+
 @torch.no_grad()
-def tune_experts(tokens=4096, save=None, shapes=None):
-    """GPU time of each Triton expert GEMM (gate_up + SwiGLU, down) per launch configuration, with pointer and
-    with tensor-descriptor (TMA) loads, the latter also in persistent programs, on the native top-k plan and
-    the entropy-adaptive plans (`tune_policies`) of each layer shape at T = `tokens`, beside torch._grouped_mm
-    (CUTLASS; gather and SwiGLU passes included)."""
+def tune_experts(tokens=4096, save=None, shapes=None, configs=None):
+    """GPU time of each Triton expert GEMM (gate_up + SwiGLU, down) per launch configuration (`configs`,
+    default GEMM_CONFIGS), with pointer and with tensor-descriptor (TMA) loads, the latter also in persistent
+    programs, on the native top-k plan and the entropy-adaptive plans (`tune_policies`) of each layer shape at
+    T = `tokens`, beside torch._grouped_mm (CUTLASS; gather and SwiGLU passes included)."""
     from moelab.experts import grouped_gemm
     from moelab.kernels import grouped as gk
 
@@ -853,9 +865,9 @@ def tune_experts(tokens=4096, save=None, shapes=None):
             a = gk.gate_up_swiglu(x, lay.token_idx, offs, gu, gk.DEFAULT["gate_up"])
             base = {"shape": name, "T": tokens, "plan": plan_name, "kept_pairs": kept}
             fns, cfgs = {}, {}
-            for kernel, configs in GEMM_CONFIGS.items():
+            for kernel, cands in (configs or GEMM_CONFIGS).items():
                 for (bm, bn, bk, warps, stages, group), (tma, persistent, flatten) in itertools.product(
-                        configs, LOADS[kernel]):
+                        cands, LOADS[kernel]):
                     cfg = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": warps, "num_stages": stages,
                            "GROUP_M": group, "TMA": tma, "PERSISTENT": persistent, "FLATTEN": flatten}
                     if kernel == "gate_up":
@@ -879,10 +891,39 @@ def tune_experts(tokens=4096, save=None, shapes=None):
                 cfg = {"cutlass": True} if i == "cutlass" else cfgs[kernel, i]
                 rows.append({**base, "kernel": kernel, **cfg, "time_us": med, "rounds_us": us})
                 label = "cutlass" if i == "cutlass" else " ".join(f"{key}={val}" for key, val in cfg.items())
-                print(f"gemm {name:8s} {plan_name:8s} {kernel:8s} {label} {med:9.1f} us", flush=True)
+                print(f"gemm {name:8s} T={tokens:5d} {plan_name:8s} {kernel:8s} {label} {med:9.1f} us", flush=True)
         if save is not None:  # after each shape: a run cut short keeps what it measured
             save(rows)
     return rows
+
+
+def tuned_few_table(rows) -> dict:
+    """{(D, F): {"gate_up": cfg, "down": cfg}}: per shape and kernel the few-row configuration whose worst
+    slowdown over the (plan, T) cases timed is smallest (report.least_regret), beside the current
+    FEW_ROWS[0] launch's worst slowdown (`current_regret`) and the pick's (`regret`)."""
+    from moelab.kernels import grouped as gk
+    from moelab.kernels.report import GEMM_KEYS, least_regret
+
+    table = {}
+    for name, (D, Fd, *_rest) in LAYERS.items():
+        entry = {}
+        for kernel in ("gate_up", "down"):
+            cand = [{**r, "case": (r["plan"], r["T"])} for r in rows
+                    if r["shape"] == name and r["kernel"] == kernel and not r.get("cutlass")]
+            if not cand:
+                continue
+            pick = least_regret(cand, over="case")
+            best = {c: min(r["time_us"] for r in cand if r["case"] == c) for c in {r["case"] for r in cand}}
+            cur = tuple({"GROUP_M": 1, "TMA": False, "PERSISTENT": False, "FLATTEN": False,
+                         **gk.FEW_ROWS[0][1][kernel]}.get(k, False) for k in GEMM_KEYS)
+
+            def regret(cfg, cand=cand, best=best):
+                ts = [r["time_us"] / best[r["case"]] for r in cand if tuple(r.get(k, False) for k in GEMM_KEYS) == cfg]
+                return max(ts) if ts else None
+            entry[kernel] = {**dict(zip(GEMM_KEYS, pick)), "regret": regret(pick), "current_regret": regret(cur)}
+        if entry:
+            table[(D, Fd)] = entry
+    return table
 
 
 def _cutlass_gate_up(x, tok, offs, gu):
@@ -934,7 +975,7 @@ def tuned_experts_table(rows) -> dict:
     return table
 
 
-PARTS = ("tune", "routing", "routing-wide", "host", "tune-gemm", "layer", "cutlass-tiles")
+PARTS = ("tune", "routing", "routing-wide", "host", "tune-gemm", "tune-few", "layer", "cutlass-tiles")
 
 
 def among(allowed):
@@ -1086,6 +1127,24 @@ def main():
         gk.TUNED[dev] = {**gk.TUNED.get(dev, {}), **table}  # the layer part below runs with it
         gk._launch_config.cache_clear()
         common["tuned_on"] = tuned_on()
+    if "tune-few" in parts:  # a probe: the few-row launch (grouped.FEW_ROWS[0]) is not per device yet
+        notes = ("Triton expert GEMMs at decode sizes (T in FEW_TOKENS, up to 64 padded rows per expert: the "
+                 "grouped.FEW_ROWS[0] class) per launch configuration of FEW_CONFIGS (16-row tiles; the first of "
+                 "each kernel is the current FEW_ROWS[0] launch), pointer / TMA / persistent loads as tune-gemm, on "
+                 "the plans of tune_policies, beside CUTLASS; timing as tune-gemm (interleaved rounds, L2 flushed). "
+                 "few_table: per (D, F) and kernel the least-regret configuration over (plan, T), its worst "
+                 "slowdown (regret) and the current launch's (current_regret).")
+        few_rows: list = []
+
+        def save_few(rows):
+            table = tuned_few_table(few_rows + rows)
+            return write_results("experts-tune-few", few_rows + rows, notes=notes,
+                                 extra={**common, "few_table": {str(k): v for k, v in table.items()}})
+
+        for t in FEW_TOKENS:
+            few_rows += tune_experts(t, save=save_few, shapes=args.tune_shapes, configs=FEW_CONFIGS)
+        print("wrote", save_few([]))
+        print("few-row table:", tuned_few_table(few_rows))
     if "cutlass-tiles" in parts:
         notes = ("torch._grouped_mm expert GEMMs (bf16, random weights N(0, 1/fan_in), random rows) on the padded "
                  "layout of native top-k and entropy-adaptive plans (terciles policy, as in the layer part) at "
