@@ -831,10 +831,15 @@ TUNE_ROUNDS = 3  # tune-gemm: interleaved timing rounds per configuration (media
 # wider / deeper tiles: at T = 64 the Mixtral-like layer reads 2.8 GB of weights for 16 rows per expert
 FEW_CONFIGS = {
     "gate_up": [(16, 32, 128, 4, 3, 1), (16, 64, 128, 4, 3, 1), (16, 32, 256, 4, 3, 1), (16, 64, 64, 4, 4, 1),
-                (16, 32, 128, 4, 5, 1), (16, 64, 128, 8, 4, 1), (16, 128, 64, 4, 4, 1), (16, 32, 64, 4, 6, 1)],
+                (16, 32, 128, 4, 5, 1), (16, 64, 128, 8, 4, 1), (16, 128, 64, 4, 4, 1), (16, 32, 64, 4, 6, 1),
+                (16, 32, 128, 4, 3, 8), (16, 64, 128, 4, 3, 8), (32, 32, 128, 4, 3, 8), (32, 64, 128, 8, 3, 1)],
     "down": [(16, 64, 128, 4, 3, 1), (16, 128, 128, 4, 3, 1), (16, 32, 256, 4, 3, 1), (16, 64, 256, 4, 4, 1),
-             (16, 128, 64, 4, 5, 1), (16, 64, 128, 4, 5, 1), (16, 256, 64, 8, 4, 1), (16, 128, 128, 8, 4, 1)],
+             (16, 128, 64, 4, 5, 1), (16, 64, 128, 4, 5, 1), (16, 256, 64, 8, 4, 1), (16, 128, 128, 8, 4, 1),
+             (16, 128, 128, 8, 4, 8), (16, 64, 128, 4, 3, 8), (32, 128, 128, 8, 4, 1), (32, 64, 128, 4, 3, 1)],
 }
+# the last four of each (since 2026-12-05 night): at T = 64 an expert of the Mixtral-like layer gets more than 16
+# rows, so 16-row tiles read its weights twice or more; GROUP_M 8 walks an expert's row tiles column by column
+# (the second read from L2), 32-row tiles read them once
 FEW_TOKENS = (64, 16)  # T = 64 first: the case that misses on the H100 (a run cut short keeps it)
 
 
