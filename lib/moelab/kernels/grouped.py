@@ -39,7 +39,7 @@ from moelab.kernels.experts import combine_rows
 from moelab.routing import RoutingPlan
 
 __all__ = ["fused_experts", "gate_up_swiglu", "down_proj", "tile_map", "launch_config", "max_tiles",
-           "tma_supported", "tuned_beats_cutlass", "DEFAULT", "FEW_ROWS", "TUNED", "MAX_EXPERTS"]
+           "tma_supported", "tuned_beats_cutlass", "DEFAULT", "FEW_ROWS", "FEW_TUNED", "TUNED", "MAX_EXPERTS"]
 
 MAX_EXPERTS = 256  # every program loads all E group ends (padded to a power of two)
 _INTERPRET = interpreting()
@@ -107,6 +107,28 @@ TUNED: dict[str, dict[tuple[int, int], list]] = {
     },
 }
 
+# device name -> {(D, F): {"gate_up": {...}, "down": {...}}}: the few-row class (FEW_ROWS[0], decode sizes) per layer
+# shape, updating FEW_ROWS[0]'s launch key by key; measured by `benchmarks/moe_kernels.py --parts tune-few`
+# (`report.least_regret` over native and adaptive plans at T = 16 and 64: moe_kernels.tuned_few_table). H100 SXM,
+# torch 2.11, triton 3.6: data/results/archive/experts-tune-few-20261205-h100.json.xz (at 5a0e2a7, 16-row tiles, every
+# shape) and, for the Mixtral-like shape, archive/experts-tune-few-20261205-h100-mixtral.json.xz (79bee78, with
+# 32-row tiles): at T = 64 an expert there gets more than 16 rows and 16-row tiles read its weights twice or more
+# (gate_up + down 1364 us native against 959 with 32-row tiles, CUTLASS 1136); OLMoE- and Qwen-like 16-row tiles
+# with longer K steps, 1-6% faster. Not measured on the H200 (it keeps FEW_ROWS[0]).
+FEW_TUNED: dict[str, dict[tuple[int, int], dict]] = {
+    "NVIDIA H100 80GB HBM3": {
+        (4096, 14336): {"gate_up": {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3},
+                        "down": {"BLOCK_M": 32, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 4,
+                                 "TMA": True}},
+        (2048, 1024): {"gate_up": {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3},
+                       "down": {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3,
+                                "TMA": True}},
+        (2048, 1408): {"gate_up": {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3},
+                       "down": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 5,
+                                "TMA": True}},
+    },
+}
+
 
 def launch_config(N: int, E: int, D: int, Fd: int, device: torch.device | None = None) -> dict:
     """{"gate_up": {...}, "down": {...}} for N = T * k_max padded rows, E experts, hidden D, expert width F:
@@ -120,6 +142,8 @@ def _launch_config(N: int, E: int, D: int, Fd: int, cuda: int) -> dict:
     base = next((c for rows, c in FEW_ROWS if N <= rows * E), DEFAULT)
     cfg = {name: dict(c) for name, c in base.items()}
     tuned = _tuned_entry(N, D, Fd, cuda) if base is DEFAULT else None  # tuned at many rows per expert
+    if base is FEW_ROWS[0][1] and cuda >= 0:  # decode sizes
+        tuned = device_table(FEW_TUNED, cuda).get((D, Fd))
     for name in cfg:
         cfg[name].update((tuned or {}).get(name, {}))
     return cfg
