@@ -353,6 +353,12 @@ def test_a_device_without_tuned_launches_takes_a_same_sm_devices(monkeypatch):
         olmoe = gk._launch_config(32768, 64, 2048, 1024, 0)
         assert olmoe["gate_up"] == {**gk.DEFAULT["gate_up"], **gk.TUNED[h100][(2048, 1024)][0][1]["gate_up"]}
         assert kernels.device_table(gk.TUNED, 0) == gk.TUNED[h100]
+        few = gk._launch_config(128, 8, 4096, 14336, 0)  # Mixtral-like T = 64: the H100's own few-row launch
+        assert few["gate_up"]["BLOCK_M"] == few["down"]["BLOCK_M"] == 32 and few["down"]["TMA"]
+        as_device(h200, (9, 0, 132))  # the few-row launches are per device only: the H200 keeps FEW_ROWS[0]
+        assert gk._launch_config(128, 8, 4096, 14336, 0) == gk.FEW_ROWS[0][1] == gk._launch_config(128, 8, 4096,
+                                                                                                    14336, -1)
+        assert gk._launch_config(32768, 64, 2048, 1024, 0)["gate_up"]["BLOCK_M"] == 64  # its many-row table
         as_device("Another GH100", (9, 0, 132))  # no table of its own: the same-SM devices', the first listed
         assert kernels.tuned_for(kr.TUNED, 0) == h200 and kernels.device_table(kr.TUNED, 0) == {
             **kr.TUNED[h100], **kr.TUNED[h200]}

@@ -246,6 +246,36 @@ def test_h100_tables_are_the_tuning_rule_applied_to_its_own_runs():
             assert {k: v for k, v in entry[g].items() if v} == {k: v for k, v in want[g].items() if v}, (shape, g)
 
 
+def test_h100_few_row_launches_are_the_tuning_rule_applied_to_its_runs():
+    """grouped.FEW_TUNED for the H100 is what tuned_few_table gives on its tune-few runs: the Mixtral-like shape
+    from the run with 32-row tiles, where the current 16-row launch was over 1.3x the best at T = 64 (an expert
+    gets more than 16 rows and its weights are read twice), the other shapes from the 16-row run."""
+    import sys
+
+    from moelab.kernels import grouped as gk
+    from moelab.kernels.report import GEMM_KEYS
+
+    sys.path.insert(0, str(results.REPO / "benchmarks"))
+    import moe_kernels as mk
+
+    name, mixtral = "NVIDIA H100 80GB HBM3", (4096, 14336)
+    archive = results.REPO / "data" / "results" / "archive"
+    first = results.read_file(archive / "experts-tune-few-20261205-h100.json.xz")
+    mix = results.read_file(archive / "experts-tune-few-20261205-h100-mixtral.json.xz")
+    assert first["machine"]["device"] == mix["machine"]["device"] == name
+    assert {r["T"] for r in first["rows"]} == {r["T"] for r in mix["rows"]} == {16, 64}
+    got = {**mk.tuned_few_table(first["rows"]), **mk.tuned_few_table(mix["rows"])}
+    assert got.keys() == gk.FEW_TUNED[name].keys() and {r["shape"] for r in mix["rows"]} == {"mixtral"}
+    off = {"GROUP_M": 1, "TMA": False, "PERSISTENT": False, "FLATTEN": False}
+    for shape, entry in got.items():
+        for g in ("gate_up", "down"):
+            want = {**off, **gk.FEW_ROWS[0][1][g], **gk.FEW_TUNED[name][shape][g]}
+            assert {k: entry[g][k] for k in GEMM_KEYS} == {k: want[k] for k in GEMM_KEYS}, (shape, g)
+            assert entry[g]["regret"] <= entry[g]["current_regret"]
+            if shape == mixtral:
+                assert entry[g]["current_regret"] > 1.3 and entry[g]["BLOCK_M"] == 32
+
+
 def test_layer_targets_limit_and_rounds():
     """Adaptive over native at T = 4096 against 1.1 x kept/native; with interleaved rounds, the lowest, median
     and highest same-round ratio beside the ratio of medians."""

@@ -76,6 +76,11 @@ def tuned_for(tables: dict, index: int) -> str | None:
     return next(iter(tuned_tables(tables, index)), None)
 
 
+def own_table(tables: dict, index: int) -> dict:
+    """Device `index`'s own entries in `tables`, nothing from another device ({} for none or a non-CUDA index)."""
+    return tables.get(device_identity(index)[0], {}) if index >= 0 else {}
+
+
 def device_table(tables: dict, index: int) -> dict:
     """The per-shape entries device `index` runs with: a same-SM device's, overridden by its own."""
     out: dict = {}

@@ -34,7 +34,7 @@ except ImportError:  # pragma: no cover - older Triton: pointer loads only
     TensorDescriptor = None
 
 from moelab.experts import PairLayout
-from moelab.kernels import cdiv, device_table, interpreting, launch, on_device_of, pow2
+from moelab.kernels import cdiv, device_table, interpreting, launch, on_device_of, own_table, pow2
 from moelab.kernels.experts import combine_rows
 from moelab.routing import RoutingPlan
 
@@ -114,7 +114,9 @@ TUNED: dict[str, dict[tuple[int, int], list]] = {
 # shape) and, for the Mixtral-like shape, archive/experts-tune-few-20261205-h100-mixtral.json.xz (79bee78, with
 # 32-row tiles): at T = 64 an expert there gets more than 16 rows and 16-row tiles read its weights twice or more
 # (gate_up + down 1364 us native against 959 with 32-row tiles, CUTLASS 1136); OLMoE- and Qwen-like 16-row tiles
-# with longer K steps, 1-6% faster. Not measured on the H200 (it keeps FEW_ROWS[0]).
+# with longer K steps, 1-6% faster. In the layer (archive/moe-layer-20261205-h100-few.json.xz, graph time) the
+# Mixtral-like T = 64 went from 1349 to 966 us (hf grouped_mm block 1219 eager), the others 1-4% down. A device takes
+# only its own entries here: the H200 was not measured with them and keeps FEW_ROWS[0] (`.ci/gpu tune-few` there).
 FEW_TUNED: dict[str, dict[tuple[int, int], dict]] = {
     "NVIDIA H100 80GB HBM3": {
         (4096, 14336): {"gate_up": {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3},
@@ -142,8 +144,8 @@ def _launch_config(N: int, E: int, D: int, Fd: int, cuda: int) -> dict:
     base = next((c for rows, c in FEW_ROWS if N <= rows * E), DEFAULT)
     cfg = {name: dict(c) for name, c in base.items()}
     tuned = _tuned_entry(N, D, Fd, cuda) if base is DEFAULT else None  # tuned at many rows per expert
-    if base is FEW_ROWS[0][1] and cuda >= 0:  # decode sizes
-        tuned = device_table(FEW_TUNED, cuda).get((D, Fd))
+    if base is FEW_ROWS[0][1] and cuda >= 0:  # decode sizes: the device's own entry only (not a same-SM device's)
+        tuned = own_table(FEW_TUNED, cuda).get((D, Fd))
     for name in cfg:
         cfg[name].update((tuned or {}).get(name, {}))
     return cfg
