@@ -115,8 +115,9 @@ TUNED: dict[str, dict[tuple[int, int], list]] = {
 # 32-row tiles): at T = 64 an expert there gets more than 16 rows and 16-row tiles read its weights twice or more
 # (gate_up + down 1364 us native against 959 with 32-row tiles, CUTLASS 1136); OLMoE- and Qwen-like 16-row tiles
 # with longer K steps, 1-6% faster. In the layer (archive/moe-layer-20261205-h100-few.json.xz, graph time) the
-# Mixtral-like T = 64 went from 1349 to 966 us (hf grouped_mm block 1219 eager), the others 1-4% down. A device takes
-# only its own entries here: the H200 was not measured with them and keeps FEW_ROWS[0] (`.ci/gpu tune-few` there).
+# Mixtral-like T = 64 went from 1349 to 966 us (hf grouped_mm block 1219 eager), the others about 2% down. A device
+# takes only its own entries here: the H200 was not measured with them and keeps FEW_ROWS[0] (`.ci/gpu tune-few`
+# there).
 FEW_TUNED: dict[str, dict[tuple[int, int], dict]] = {
     "NVIDIA H100 80GB HBM3": {
         (4096, 14336): {"gate_up": {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3},
