@@ -246,6 +246,30 @@ def test_h100_tables_are_the_tuning_rule_applied_to_its_own_runs():
             assert {k: v for k, v in entry[g].items() if v} == {k: v for k, v in want[g].items() if v}, (shape, g)
 
 
+def test_tuned_few_table_weighs_every_plan_and_token_count():
+    """tuned_few_table picks, per shape and kernel, the configuration with the smallest worst slowdown over every
+    (plan, T) case, and reports the current FEW_ROWS[0] launch's worst slowdown beside it; CUTLASS rows are not
+    candidates."""
+    import sys
+
+    from moelab.kernels import grouped as gk
+
+    sys.path.insert(0, str(results.REPO / "benchmarks"))
+    import moe_kernels as mk
+
+    cur = {"GROUP_M": 1, "TMA": False, "PERSISTENT": False, "FLATTEN": False, **gk.FEW_ROWS[0][1]["down"]}  # as timed
+    wide = {**cur, "BLOCK_M": 32}
+    times = {(16, "native"): (100.0, 102.0), (64, "native"): (140.0, 100.0), (64, "adaptive"): (100.0, 101.0)}
+    rows = []
+    for (T, plan), (t_cur, t_wide) in times.items():
+        base = {"shape": "mixtral", "T": T, "plan": plan, "kernel": "down"}
+        rows += [{**base, **cur, "time_us": t_cur}, {**base, **wide, "time_us": t_wide},
+                 {**base, "cutlass": True, "time_us": 10.0}]
+    entry = mk.tuned_few_table(rows)[(4096, 14336)]["down"]
+    assert entry["BLOCK_M"] == 32 and entry["regret"] == 1.02 and entry["current_regret"] == 1.4
+    assert "gate_up" not in mk.tuned_few_table(rows)[(4096, 14336)]
+
+
 def test_h100_few_row_launches_are_the_tuning_rule_applied_to_its_runs():
     """grouped.FEW_TUNED for the H100 is what tuned_few_table gives on its tune-few runs: the Mixtral-like shape
     from the run with 32-row tiles, where the current 16-row launch was over 1.3x the best at T = 64 (an expert
