@@ -5,7 +5,7 @@
 #       extension: .py
 #       format_name: percent
 #       format_version: '1.3'
-#       jupytext_version: 1.19.6
+#       jupytext_version: 1.19.7
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -27,7 +27,7 @@
 
 # %% tags=["parameters"]
 run_benchmark: bool = False  # True needs a GPU: run benchmarks/moe_kernels.py first (about 1 min on an H200); False: plot only
-parts: str = "routing,layer"  # benchmark parts: routing, host, layer, tune, tune-gemm, cutlass-tiles (--help of the script)
+parts: str = "routing,layer"  # benchmark parts: routing, host, layer, tune, tune-gemm, tune-few, cutlass-tiles (--help of the script)
 tokens: str = "1,16,64,512,4096,65536"  # token counts T of the benchmark (the set)
 quick: bool = False  # benchmark fewer shapes (routing at E 64 and 128; the OLMoE-like layer only)
 results_dir: str = ""  # read results from (and with run_benchmark write them to) this folder; topics it lacks: data/results
