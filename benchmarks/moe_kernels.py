@@ -826,9 +826,9 @@ LOADS = {"gate_up": ((False, False, False), (True, False, False), (True, True, F
 TUNE_ROUNDS = 3  # tune-gemm: interleaved timing rounds per configuration (median kept, every round recorded)
 
 
-# the few-row class (grouped.FEW_ROWS[0]: up to 64 padded rows per expert, decode sizes) for --parts tune-few: 16-row
-# tiles, the current FEW_ROWS[0] launch first (gate_up 16 x 32 x 128, down 16 x 64 x 128, 4 warps, 3 stages), then
-# wider / deeper tiles: at T = 64 the Mixtral-like layer reads 2.8 GB of weights for 16 rows per expert
+# the few-row class (grouped.FEW_ROWS[0]: up to 64 padded rows per expert, decode sizes) for --parts tune-few: the
+# FEW_ROWS[0] launch first (gate_up 16 x 32 x 128, down 16 x 64 x 128, 4 warps, 3 stages), then wider / deeper
+# tiles: at T = 64 the Mixtral-like layer reads 2.8 GB of weights for about 16 rows per expert
 FEW_CONFIGS = {
     "gate_up": [(16, 32, 128, 4, 3, 1), (16, 64, 128, 4, 3, 1), (16, 32, 256, 4, 3, 1), (16, 64, 64, 4, 4, 1),
                 (16, 32, 128, 4, 5, 1), (16, 64, 128, 8, 4, 1), (16, 128, 64, 4, 4, 1), (16, 32, 64, 4, 6, 1),
@@ -1132,13 +1132,13 @@ def main():
         gk.TUNED[dev] = {**gk.TUNED.get(dev, {}), **table}  # the layer part below runs with it
         gk._launch_config.cache_clear()
         common["tuned_on"] = tuned_on()
-    if "tune-few" in parts:  # a probe: the few-row launch (grouped.FEW_ROWS[0]) is not per device yet
+    if "tune-few" in parts:  # the few-row launch per device (grouped.FEW_TUNED; paste few_table's picks there)
         notes = ("Triton expert GEMMs at decode sizes (T in FEW_TOKENS, up to 64 padded rows per expert: the "
-                 "grouped.FEW_ROWS[0] class) per launch configuration of FEW_CONFIGS (16-row tiles; the first of "
-                 "each kernel is the current FEW_ROWS[0] launch), pointer / TMA / persistent loads as tune-gemm, on "
-                 "the plans of tune_policies, beside CUTLASS; timing as tune-gemm (interleaved rounds, L2 flushed). "
-                 "few_table: per (D, F) and kernel the least-regret configuration over (plan, T), its worst "
-                 "slowdown (regret) and the current launch's (current_regret).")
+                 "grouped.FEW_ROWS[0] class) per launch configuration of FEW_CONFIGS (16-row tiles, since 79bee78 also "
+                 "32-row ones and GROUP_M 8; the first of each kernel is the FEW_ROWS[0] launch), pointer / TMA / "
+                 "persistent loads as tune-gemm, on the plans of tune_policies, beside CUTLASS; timing as tune-gemm "
+                 "(interleaved rounds, L2 flushed). few_table: per (D, F) and kernel the least-regret configuration "
+                 "over (plan, T), its worst slowdown (regret) and the FEW_ROWS[0] launch's (current_regret).")
         few_rows: list = []
 
         def save_few(rows):

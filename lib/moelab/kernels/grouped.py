@@ -144,8 +144,10 @@ def launch_config(N: int, E: int, D: int, Fd: int, device: torch.device | None =
 def _launch_config(N: int, E: int, D: int, Fd: int, cuda: int) -> dict:
     base = next((c for rows, c in FEW_ROWS if N <= rows * E), DEFAULT)
     cfg = {name: dict(c) for name, c in base.items()}
-    tuned = _tuned_entry(N, D, Fd, cuda) if base is DEFAULT else None  # tuned at many rows per expert
-    if base is FEW_ROWS[0][1] and cuda >= 0:  # decode sizes: the device's own entry only (not a same-SM device's)
+    tuned = None
+    if base is DEFAULT:  # many rows per expert
+        tuned = _tuned_entry(N, D, Fd, cuda)
+    elif base is FEW_ROWS[0][1] and cuda >= 0:  # decode sizes: the device's own entry only (not a same-SM device's)
         tuned = own_table(FEW_TUNED, cuda).get((D, Fd))
     for name in cfg:
         cfg[name].update((tuned or {}).get(name, {}))
