@@ -196,17 +196,23 @@ def test_eval_text_lines_refuses_a_text_shorter_than_one_window(tmp_path):
 
 def test_patch_noise_reproduces_the_unchanged_perplexity(tmp_path):
     """benchmarks/patch_noise.py: the model's own top-k through moelab gives the unchanged perplexity (fp32 router
-    probabilities without a tie at the k-th place), mean k the native 2, at every batch size."""
-    out = _run_script("patch_noise", ["--models", "tiny-mixtral", "--tokens", "2048", "--batches", "1,3"], tmp_path)
+    probabilities without a tie at the k-th place), mean k the native 2, at every token count and batch size; in
+    fp32 transformers' reference expert loop gives it too."""
+    out = _run_script("patch_noise", ["--models", "tiny-mixtral", "--tokens", "2048,512", "--batches", "1,3"],
+                      tmp_path)
     assert out.returncode == 0, out.stderr
     (path,) = tmp_path.glob("patch-noise-*.json")
     rows = json.loads(path.read_text())["rows"]
-    assert [r["batch_size"] for r in rows] == [1, 3]
+    assert [(r["tokens"], r["batch_size"]) for r in rows] == [(2048, 1), (2048, 3), (512, 1), (512, 3)]
     for r in rows:
-        assert r["tokens"] == 2048 and r["scored_tokens"] == 2048 - 4 and r["native_k"] == 2 and r["mean_k"] == 2
+        n = r["tokens"]
+        assert r["scored_tokens"] == n - n // 512 and r["native_k"] == 2 and r["mean_k"] == 2
         assert r["dtype"] == "float32" and r["device"] == "cpu"  # the CPU default; on CUDA it is bf16 unless asked
-        assert r["ties_at_k"] == 0 and r["routed_token_layers"] == 2048 * 4
+        assert r["ties_at_k"] == 0 and r["routed_token_layers"] == n * 4
         assert abs(r["ppl_change"]) < 1e-7 and r["ppl_native_topk"] == pytest.approx(r["ppl_unchanged"], rel=1e-7)
+        # the reference loop is a different expert path, not a routing change: equal in fp32 up to summation order
+        assert r["experts_default"] == "grouped_mm" and r["experts_reference"] == "eager"
+        assert abs(r["reference_change"]) < 1e-6 and abs(r["ppl_change_vs_reference"]) < 1e-6
 
 
 BAD_ARGS = [  # (script, arguments, what the error must say): refused at parse time, before any model or GPU
@@ -232,7 +238,7 @@ BAD_ARGS = [  # (script, arguments, what the error must say): refused at parse t
      "argument --context: 513 is past tiny-.*'s trained context \\(512 positions\\)"),
     ("patch_noise", ["--batches", "1,0"], "argument --batches: '1,0': must be a comma list of ints >= 1"),
     ("patch_noise", ["--tokens", "1"], "argument --tokens: '1': must be a comma list of ints >= 2"),
-    ("patch_noise", ["--tokens", "512,1024"], "argument --tokens: \\[512, 1024\\]: must be one count"),
+    ("patch_noise", ["--tokens", "512,512"], "argument --tokens: \\[512, 512\\]: a count named twice"),
     ("patch_noise", ["--models", "tiny-olmoe,nosuch"], "argument --models: nosuch: no such directory"),
     ("patch_noise", ["--models", ","], "argument --models: no model named"),
     ("patch_noise", ["--device", "xpu9"], "argument --device: device='xpu9'"),
