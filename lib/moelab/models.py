@@ -374,7 +374,8 @@ def load(name_or_path: str | Path, device=None, dtype=None, device_map=None):
 def reference_experts(model) -> str | None:
     """Make the unpatched blocks run transformers' reference expert loop ('eager'), as the paper tables' baselines
     do, and return the implementation in use. Its default (grouped_mm) sums differently: the same in fp32, but
-    in bf16 it moved tiny-mixtral's perplexity by about 1e-3 (relative) on 512 CPU tokens. A model or
+    in bf16 the two differ by 1.2e-3 (relative) in tiny-mixtral's perplexity on 512 CPU tokens
+    (`benchmarks/patch_noise.py`'s reference_change). A model or
     transformers version without the switch keeps what it has (logged)."""
     if hasattr(model, "set_experts_implementation"):
         try:
