@@ -351,6 +351,20 @@ def test_ci_gpu_take_files_a_device_calls_output(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     assert (res / "moe-layer-20261205.json").read_text() == '{"rows": []}'
     assert (res / "logs" / "moe-layer-def5678.txt.xz").exists() and (packed / "gpu-def5678.tar.xz").exists()
+    # the day's current file committed compressed: a new plain one beside it is refused too
+    (res / "moe-layer-20261205.json").rename(res / "moe-layer-20261205.json.xz")
+    (out / "logs" / "moe-layer-def5678.txt").rename(out / "logs" / "moe-layer-0a1b2c3.txt")
+    again = take(out)
+    assert again.returncode == 1 and "moe-layer-20261205.json(.xz) exists: not overwritten" in again.stdout
+    assert not (res / "moe-layer-20261205.json").exists() and not (res / "logs" / "moe-layer-0a1b2c3.txt.xz").exists()
+    # a large current file comes in compressed (the tree's size limit)
+    (res / "moe-layer-20261205.json.xz").unlink()
+    big = {"rows": [{"i": i, "note": "x" * 40} for i in range(2000)]}
+    (out / "results" / "moe-layer-20261205.json").write_text(json.dumps(big))
+    done = take(out)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert json.loads(lzma.open(res / "moe-layer-20261205.json.xz", "rt").read()) == big
+    assert not (res / "moe-layer-20261205.json").exists()
 
 
 def test_ci_gpu_aside_and_back_move_the_logs_and_archive_out_of_the_tree_and_back(tmp_path):

@@ -24,6 +24,21 @@ def test_load_results_newest_and_fallback(tmp_path, capsys):
     assert results.load_results("routing-kernel", tmp_path, fallback=True)["rows"] == [{"v": 2}]
 
 
+def test_current_file_is_plain_or_compressed_never_both(tmp_path):
+    """A topic's current file is the newest `<topic>-<yyyymmdd>.json` or `.json.xz` (the large committed ones are
+    compressed); one day in both forms is refused, naming both, rather than one picked silently."""
+    (tmp_path / "moe-layer-20261130.json").write_text(json.dumps({"rows": [{"v": 1}]}))
+    (tmp_path / "moe-layer-20261201.json.xz").write_bytes(lzma.compress(json.dumps({"rows": [{"v": 2}]}).encode()))
+    (tmp_path / "moe-layer-extra-20261202.json").write_text("{}")  # another topic
+    assert results.current_file("moe-layer", tmp_path).name == "moe-layer-20261201.json.xz"
+    assert results.load_results("moe-layer", tmp_path)["rows"] == [{"v": 2}]
+    assert results.current_file("routing-kernel", tmp_path) is None
+    (tmp_path / "moe-layer-20261201.json").write_text(json.dumps({"rows": [{"v": 3}]}))
+    with pytest.raises(ValueError, match=r"moe-layer-20261201\.json', 'moe-layer-20261201\.json\.xz'.*keep one"):
+        results.load_results("moe-layer", tmp_path)
+    assert results.current_file("moe-layer") is not None  # the committed files: one form a day
+
+
 def test_load_results_takes_only_its_own_topic(tmp_path):
     """A topic that starts another's name ('pair-layout', 'pair-layout-sweep') gets its own file only."""
     (tmp_path / "pair-layout-20261129.json").write_text(json.dumps({"rows": [{"v": "layout"}]}))
@@ -49,12 +64,13 @@ def test_load_runs_current_and_archived_oldest_first(tmp_path):
             "archive/moe-layer-20261130-notes.json": "2026-11-30T22:00"}
     for name, created in docs.items():
         (tmp_path / name).write_text(json.dumps({"created": created, "rows": []}))
-    # the archive's compressed form; a compressed file beside the current one is not a run
+    # the archive's compressed form, and a current file committed compressed (the newest here)
     for name, created in {"archive/moe-layer-20261128-0123abc.json.xz": "2026-11-28T09:00",
                           "moe-layer-20261201.json.xz": "2026-12-01T09:00"}.items():
         (tmp_path / name).write_bytes(lzma.compress(json.dumps({"created": created, "rows": []}).encode()))
     got = [d["created"] for d in results.load_runs("moe-layer", tmp_path)]
-    assert got == ["2026-11-28T09:00", "2026-11-29T10:00", "2026-11-30T20:00", "2026-11-30T23:00"]
+    assert got == ["2026-11-28T09:00", "2026-11-29T10:00", "2026-11-30T20:00", "2026-11-30T23:00", "2026-12-01T09:00"]
+    assert results.load_results("moe-layer", tmp_path)["created"] == "2026-12-01T09:00"
     assert results.read_file(tmp_path / "archive/moe-layer-20261128-0123abc.json.xz")["created"] == "2026-11-28T09:00"
     with pytest.raises(FileNotFoundError, match="'routing-kernel'"):
         results.load_runs("routing-kernel", tmp_path)
@@ -113,6 +129,14 @@ def test_write_results_keeps_an_earlier_run_of_the_same_day(tmp_path, monkeypatc
     results.write_results("topic-x", [{"v": 5}], out_dir=tmp_path)
     assert json.loads((tmp_path / "archive" / f"{first.stem}-bbbbbbb-2.json").read_text())["rows"] == [{"v": 4}]
     assert sorted(d["rows"][0]["v"] for d in results.load_runs("topic-x", tmp_path)) == [2, 3, 4, 5]  # all kept
+    # a current file committed compressed is kept the same way, compressed, named by its own commit
+    first.with_name(first.name + ".xz").write_bytes(lzma.compress(first.read_bytes()))
+    first.unlink()
+    monkeypatch.setattr(results, "_WRITTEN", set())
+    results.write_results("topic-x", [{"v": 6}], out_dir=tmp_path)
+    kept = tmp_path / "archive" / f"{first.stem}-bbbbbbb-3.json.xz"
+    assert results.read_file(kept)["rows"] == [{"v": 5}] and not first.with_name(first.name + ".xz").exists()
+    assert results.load_results("topic-x", tmp_path)["rows"] == [{"v": 6}]
 
 
 def test_figures_and_tables_are_written_into_figures_only(tmp_path, monkeypatch):

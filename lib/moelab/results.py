@@ -3,7 +3,9 @@
 Two writers:
 - `write_results(topic, rows, ...)`: a benchmark or GPU run's file `data/results/<topic>-<yyyymmdd>.json`
   (schema 1: topic, created, commit, command, machine, rows, notes); an earlier run's file of the same name
-  is moved to `archive/<topic>-<yyyymmdd>-<commit>.json` first, never overwritten;
+  is moved to `archive/<topic>-<yyyymmdd>-<commit>.json` first, never overwritten. A committed current file may
+  be xz-compressed (`<topic>-<yyyymmdd>.json.xz`, the large ones: the tree travels to the GPU machine under a
+  size limit); the readers take either form;
 - `save(name, obj)`: a notebook's named result (JSON for scalars/dicts, parquet for frames) in the
   current run directory (`MOELAB_RUN_DIR`, set by the sweep runner; `runs/interactive` otherwise), as it
   is: its provenance is the run folder's params.json and executed notebook.
@@ -188,11 +190,12 @@ def write_results(topic: str, rows: list[dict], notes: str = "", command: str | 
         doc.update(extra)
     path = Path(out_dir or results_dir()) / f"{topic}-{now:%Y%m%d}.json"
     data = _json_bytes(doc)  # first: a row that cannot be written must not cost the day's earlier file
-    if path.exists() and path.resolve() not in _WRITTEN:  # an earlier run's file of the same day: keep it
-        kept = _archive_name(path)
-        kept.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(path, kept)
-        print(f"{path.name}: the earlier run of this day moved to {kept}")
+    for old in (path, path.with_name(path.name + ".xz")):  # an earlier run's file of the same day: keep it
+        if old.exists() and old.resolve() not in _WRITTEN:
+            kept = _archive_name(old)
+            kept.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(old, kept)
+            print(f"{old.name}: the earlier run of this day moved to {kept}")
     _WRITTEN.add(path.resolve())
     atomic_write_bytes(path, data)
     return path
@@ -203,17 +206,39 @@ _WRITTEN: set[Path] = set()  # results files this process wrote: its own later w
 
 
 def _archive_name(path: Path) -> Path:
-    """archive/<topic>-<yyyymmdd>-<commit>.json for an earlier results file (its commit's first 7 characters;
-    -2, -3, ... where that name is taken)."""
+    """archive/<topic>-<yyyymmdd>-<commit>.json (.json.xz for a compressed file) for an earlier results file (its
+    commit's first 7 characters; -2, -3, ... where that name is taken in either form)."""
     try:
-        sha = str(json.loads(path.read_text()).get("commit", "unknown"))[:7]
-    except (OSError, ValueError, AttributeError):
+        sha = str(read_file(path).get("commit", "unknown"))[:7]
+    except (OSError, ValueError):
         sha = "unknown"
-    base = path.parent / "archive" / f"{path.stem}-{sha}"
-    out, n = base.with_suffix(".json"), 2
-    while out.exists() or out.with_name(out.name + ".xz").exists():
-        out, n = Path(f"{base}-{n}.json"), n + 1
-    return out
+    stem, xz = path.name.removesuffix(".xz").removesuffix(".json"), ".xz" if path.name.endswith(".xz") else ""
+    archive = path.parent / "archive"
+    name, n = f"{stem}-{sha}", 2
+    while (archive / f"{name}.json").exists() or (archive / f"{name}.json.xz").exists():
+        name, n = f"{stem}-{sha}-{n}", n + 1
+    return archive / f"{name}.json{xz}"
+
+
+def current_file(topic: str, directory: Path | None = None) -> Path | None:
+    """A topic's current file in `directory` (default: the committed data/results): the newest by the date in
+    its name of `<topic>-<yyyymmdd>.json` and its xz-compressed form `.json.xz`; None when there is none. Both
+    forms for that day raise ValueError: which one is the run is not for the reader to guess."""
+    d = Path(directory or REPO / "data" / "results")
+    # exactly <topic>-<yyyymmdd>.json(.xz): 'pair-layout' must not pick up 'pair-layout-sweep-...'
+    name = re.compile(rf"{re.escape(topic)}-(\d{{8}})\.json(\.xz)?")
+    days: dict[str, list[Path]] = {}
+    for f in d.glob(f"{topic}-*.json*"):
+        m = name.fullmatch(f.name)
+        if m:
+            days.setdefault(m[1], []).append(f)
+    if not days:
+        return None
+    newest = days[max(days)]
+    if len(newest) > 1:
+        raise ValueError(f"{sorted(f.name for f in newest)} in {d}: one day's results of topic {topic!r} both plain "
+                         "and xz-compressed; keep one")
+    return newest[0]
 
 
 def load_results(topic: str, directory: Path | None = None, fallback: bool = False) -> dict:
@@ -222,28 +247,27 @@ def load_results(topic: str, directory: Path | None = None, fallback: bool = Fal
     some benchmark parts still plots the others; every figure names the commit its numbers came from)."""
     committed = REPO / "data" / "results"
     d = Path(directory or committed)
-    # exactly <topic>-<yyyymmdd>.json: 'pair-layout' must not pick up 'pair-layout-sweep-...'
-    files = sorted(f for f in d.glob(f"{topic}-*.json") if re.fullmatch(rf"{re.escape(topic)}-\d{{8}}\.json", f.name))
-    if not files and fallback and d != committed:
+    found = current_file(topic, d)
+    if found is None and fallback and d != committed:
         print(f"{topic}: no results in {d}, using the committed ones in {committed}")
         return load_results(topic)
-    if not files:
+    if found is None:
         raise FileNotFoundError(f"no results for topic {topic!r} in {d}; run its benchmark on a GPU first")
-    return read_file(files[-1])
+    return read_file(found)
 
 
 def load_runs(topic: str, directory: Path | None = None) -> list[dict]:
-    """Every committed run of a topic, oldest first (by `created`): the current `<topic>-<yyyymmdd>.json` and
-    the runs it replaced, `archive/<topic>-<yyyymmdd>-<commit>.json.xz` (xz-compressed, since 2026-12-01: the
-    repository travels to the GPU machine whole, under a size limit; plain `.json` there is read too): how far a
-    number moves between runs. Side runs of another configuration, archived under a descriptive suffix
-    (`graph-pool-20261129-primed-default.json.xz`), are not replaced runs: `read_file` opens them. A file that
-    cannot be read (or has no `created`) is left out with a warning naming it, so one damaged archive does not
-    hide the history; ValueError when no file of the topic can be read."""
+    """Every committed run of a topic, oldest first (by `created`): the current `<topic>-<yyyymmdd>.json` (or
+    `.json.xz`) and the runs it replaced, `archive/<topic>-<yyyymmdd>-<commit>.json.xz` (xz-compressed, since
+    2026-12-01: the repository travels to the GPU machine whole, under a size limit; plain `.json` there is read
+    too): how far a number moves between runs. Side runs of another configuration, archived under a descriptive
+    suffix (`graph-pool-20261129-primed-default.json.xz`), are not replaced runs: `read_file` opens them. A file
+    that cannot be read (or has no `created`) is left out with a warning naming it, so one damaged archive does
+    not hide the history; ValueError when no file of the topic can be read."""
     d = Path(directory or REPO / "data" / "results")
     name = re.compile(rf"{re.escape(topic)}-\d{{8}}(-([0-9a-f]{{7,40}}|unknown)(-\d+)?)?\.json(\.xz)?")
-    candidates = (*d.glob(f"{topic}-*.json"), *(d / "archive").glob(f"{topic}-*.json*"))
-    files = [f for f in candidates if name.fullmatch(f.name)]  # the current file is plain .json: the glob above
+    candidates = (*d.glob(f"{topic}-*.json*"), *(d / "archive").glob(f"{topic}-*.json*"))
+    files = [f for f in candidates if name.fullmatch(f.name)]
     if not files:
         raise FileNotFoundError(f"no results for topic {topic!r} in {d} or {d / 'archive'}")
     docs = []

@@ -70,7 +70,7 @@ _TMA_128 = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "GROU
 _64 = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4, "GROUP_M": 16, "TMA": True}
 _FLAT = {"TMA": True, "PERSISTENT": True, "FLATTEN": True}
 TUNED: dict[str, dict[tuple[int, int], list]] = {
-    # benchmarks/moe_kernels.py tuned_experts_table() on data/results/experts-tune-20261201.json (H200, torch 2.11,
+    # benchmarks/moe_kernels.py tuned_experts_table() on data/results/experts-tune-20261201.json.xz (H200, torch 2.11,
     # triton 3.6, at 18235a1, T = 4096, median of 3 interleaved rounds in shuffled order, picked over three plans:
     # native top-k, the terciles policy and the median policy, tune_policies). The first few configurations of a
     # GEMM are within a few percent, less than one round's spread, so picks move between runs. The down GEMMs run

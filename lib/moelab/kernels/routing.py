@@ -69,7 +69,7 @@ def _rows(warps: int, tile: int, split: int, select: str = "rowwise") -> dict:
 
 
 TUNED: dict[str, dict[tuple[int, int], list]] = {
-    # benchmarks/moe_kernels.py tuned_table() on the rows of data/results/routing-tune-20261130.json (H200,
+    # benchmarks/moe_kernels.py tuned_table() on the rows of data/results/routing-tune-20261130.json.xz (H200,
     # torch 2.11, triton 3.6, measured at 7a973f4: the row kernels against the table's previous picks;
     # bf16 logits take the 32-bit-key row kernel at every E listed, fp32 the int64 one up to BLOCK_E 64)
     "NVIDIA H200": {
@@ -901,7 +901,7 @@ def _route_rows16_kernel(
     l7 = v0
     # the first chunk starts the online sums; the others go through a loop that is not unrolled
     # (unrolled, compile time grew with E: 15 s at E = 128 and 90 s at 256 with Triton 3.6). Loading one or
-    # two chunks ahead was measured too (routing-tune-20261130.json, 'pre'): no faster, the integer
+    # two chunks ahead was measured too (routing-tune-20261130.json.xz, 'pre'): no faster, the integer
     # pipe is the limit (min/max and key bit operations issue at half the fp32 rate).
     ok = col0 < EC
     x16 = _load16(ptrs, rmask, ok, MASKED)
