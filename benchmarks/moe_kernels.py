@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from moelab.experts import get_gemm, run_experts, set_gemm
-from moelab.kernels import device_table, tuned_for
+from moelab.kernels import device_table, own_table, tuned_for
 from moelab.kernels.layout import pair_layout_padded
 from moelab.kernels.routing import RoutingStats, route_triton
 from moelab.results import write_results
@@ -931,6 +931,17 @@ def tuned_few_table(rows) -> dict:
     return table
 
 
+def few_entries(table: dict) -> dict:
+    """tuned_few_table's picks as grouped.FEW_TUNED entries: {(D, F): {kernel: launch}}, the launch keys only,
+    those at their defaults (GROUP_M 1, flags off) left out as in the committed entries."""
+    from moelab.kernels.report import GEMM_KEYS
+
+    off = {"GROUP_M": 1, "TMA": False, "PERSISTENT": False, "FLATTEN": False}
+    return {shape: {kernel: {k: cfg[k] for k in GEMM_KEYS if k in cfg and off.get(k, None) != cfg[k]}
+                    for kernel, cfg in entry.items()}
+            for shape, entry in table.items()}
+
+
 def _cutlass_gate_up(x, tok, offs, gu):
     """gather, torch._grouped_mm, SwiGLU: the steps the Triton gate_up GEMM fuses."""
     from moelab.experts import grouped_gemm
@@ -1149,7 +1160,14 @@ def main():
         for t in FEW_TOKENS:
             few_rows += tune_experts(t, save=save_few, shapes=args.tune_shapes, configs=FEW_CONFIGS)
         print("wrote", save_few([]))
-        print("few-row table:", tuned_few_table(few_rows))
+        table = tuned_few_table(few_rows)
+        print("few-row table:", table)
+        from moelab.kernels import grouped as gk
+
+        dev = torch.cuda.get_device_name(0)  # the layer part below runs with the picks (merged over its own entries)
+        gk.FEW_TUNED[dev] = {**gk.FEW_TUNED.get(dev, {}), **few_entries(table)}
+        gk._launch_config.cache_clear()
+        print(f"grouped.FEW_TUNED[{dev!r}] =", gk.FEW_TUNED[dev])
     if "cutlass-tiles" in parts:
         notes = ("torch._grouped_mm expert GEMMs (bf16, random weights N(0, 1/fan_in), random rows) on the padded "
                  "layout of native top-k and entropy-adaptive plans (terciles policy, as in the layer part) at "
@@ -1206,15 +1224,16 @@ def _save_layer(notes, common, rows, batches=()):
     from moelab.kernels import grouped as gk
     from moelab.kernels.report import batch_targets, layer_targets
 
-    # the expert GEMM configurations the run used (a tune-gemm part before it in the same run replaces them)
+    # the expert GEMM configurations the run used (a tune-gemm / tune-few part before it in the same run replaces them)
     tuned = {str(k): v for k, v in device_table(gk.TUNED, 0).items()}
+    few = {str(k): v for k, v in own_table(gk.FEW_TUNED, 0).items()}  # decode sizes: the device's own entries
     # with the tuned tiles, so that the stored labels' tile shares are the report's (report.layer_targets)
     targets = layer_targets({"rows": rows, "experts_tuned": tuned}).to_dict("records") if rows else []
     per_batch = (batch_targets({"rows": rows, "batches": list(batches), "experts_tuned": tuned}).to_dict("records")
                  if batches else [])
     return write_results("moe-layer", rows, notes=notes,
                          extra={**common, "layer_targets": targets, "batches": list(batches),
-                                "batch_targets": per_batch, "experts_tuned": tuned})
+                                "batch_targets": per_batch, "experts_tuned": tuned, "experts_few_tuned": few})
 
 
 if __name__ == "__main__":

@@ -365,6 +365,16 @@ def test_ci_gpu_take_files_a_device_calls_output(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     assert json.loads(lzma.open(res / "moe-layer-20261205.json.xz", "rt").read()) == big
     assert not (res / "moe-layer-20261205.json").exists()
+    # a same-day earlier run that the device's second run moved to results/archive: filed in the archive too
+    second = tmp_path / "second"
+    (second / "results" / "archive").mkdir(parents=True)
+    (second / "results" / "moe-layer-20261206.json").write_text('{"rows": [2]}')
+    (second / "results" / "archive" / "moe-layer-20261206-0a1b2c3.json").write_text('{"rows": [1]}')
+    done = take(second, "h200")
+    assert done.returncode == 0, done.stdout + done.stderr
+    arch = res / "archive"
+    assert json.loads(lzma.open(arch / "moe-layer-20261206-h200.json.xz", "rt").read()) == {"rows": [2]}
+    assert json.loads(lzma.open(arch / "moe-layer-20261206-0a1b2c3-h200.json.xz", "rt").read()) == {"rows": [1]}
 
 
 def test_ci_gpu_aside_and_back_move_the_logs_and_archive_out_of_the_tree_and_back(tmp_path):

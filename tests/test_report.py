@@ -298,6 +298,7 @@ def test_h100_few_row_launches_are_the_tuning_rule_applied_to_its_runs():
             assert entry[g]["regret"] <= entry[g]["current_regret"]
             if shape == mixtral:
                 assert entry[g]["current_regret"] > 1.3 and entry[g]["BLOCK_M"] == 32
+    assert mk.few_entries(got) == gk.FEW_TUNED[name]  # the form the tune-few part installs for a layer part after it
 
 
 def test_layer_targets_limit_and_rounds():
