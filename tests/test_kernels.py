@@ -355,11 +355,14 @@ def test_a_device_without_tuned_launches_takes_a_same_sm_devices(monkeypatch):
         assert kernels.device_table(gk.TUNED, 0) == gk.TUNED[h100]
         few = gk._launch_config(128, 8, 4096, 14336, 0)  # Mixtral-like T = 64: the H100's own few-row launch
         assert few["gate_up"]["BLOCK_M"] == few["down"]["BLOCK_M"] == 32 and few["down"]["TMA"]
-        as_device(h200, (9, 0, 132))  # the few-row launches are per device only: the H200 keeps FEW_ROWS[0]
-        assert gk._launch_config(128, 8, 4096, 14336, 0) == gk.FEW_ROWS[0][1] == gk._launch_config(128, 8, 4096,
-                                                                                                    14336, -1)
+        as_device(h200, (9, 0, 132))  # its own few-row launch (gate_up through TMA too), not the H100's
+        few200 = gk._launch_config(128, 8, 4096, 14336, 0)
+        assert few200["gate_up"]["BLOCK_M"] == 32 and few200["gate_up"]["TMA"] and few200 != few
         assert gk._launch_config(32768, 64, 2048, 1024, 0)["gate_up"]["BLOCK_M"] == 64  # its many-row table
         as_device("Another GH100", (9, 0, 132))  # no table of its own: the same-SM devices', the first listed
+        # but the few-row launches are per device only: FEW_ROWS[0], as off CUDA
+        assert gk._launch_config(128, 8, 4096, 14336, 0) == gk.FEW_ROWS[0][1] == gk._launch_config(128, 8, 4096,
+                                                                                                    14336, -1)
         assert kernels.tuned_for(kr.TUNED, 0) == h200 and kernels.device_table(kr.TUNED, 0) == {
             **kr.TUNED[h100], **kr.TUNED[h200]}
         assert kr._launch_config(65536, 128, 8, 0, (None,) * 4) == {**kr.DEFAULT, **last[h200][(128, 8)]}

@@ -301,6 +301,29 @@ def test_h100_few_row_launches_are_the_tuning_rule_applied_to_its_runs():
     assert mk.few_entries(got) == gk.FEW_TUNED[name]  # the form the tune-few part installs for a layer part after it
 
 
+def test_h200_few_row_launches_are_the_tuning_rule_applied_to_its_run():
+    """grouped.FEW_TUNED for the H200 is few_entries(tuned_few_table) of its one tune-few run (every candidate, 32-row
+    tiles included): the Mixtral-like shape takes 32-row tiles, where the 16-row launch was over 1.4x the best."""
+    import sys
+
+    from moelab.kernels import grouped as gk
+
+    sys.path.insert(0, str(results.REPO / "benchmarks"))
+    import moe_kernels as mk
+
+    name = "NVIDIA H200"
+    archive = results.REPO / "data" / "results" / "archive"
+    doc = results.read_file(archive / "experts-tune-few-20261205-h200-few.json.xz")
+    assert doc["machine"]["device"] == name and {r["T"] for r in doc["rows"]} == {16, 64}
+    got = mk.tuned_few_table(doc["rows"])
+    assert mk.few_entries(got) == gk.FEW_TUNED[name]
+    for shape, entry in got.items():
+        for g in ("gate_up", "down"):
+            assert entry[g]["regret"] <= entry[g]["current_regret"]
+            if shape == (4096, 14336):
+                assert entry[g]["current_regret"] > 1.4 and entry[g]["BLOCK_M"] == 32
+
+
 def test_layer_targets_limit_and_rounds():
     """Adaptive over native at T = 4096 against 1.1 x kept/native; with interleaved rounds, the lowest, median
     and highest same-round ratio beside the ratio of medians."""

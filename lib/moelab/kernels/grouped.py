@@ -109,16 +109,32 @@ TUNED: dict[str, dict[tuple[int, int], list]] = {
 
 # device name -> {(D, F): {"gate_up": {...}, "down": {...}}}: the few-row class (FEW_ROWS[0], decode sizes) per layer
 # shape, updating FEW_ROWS[0]'s launch key by key; measured by `benchmarks/moe_kernels.py --parts tune-few`
-# (`report.least_regret` over native and adaptive plans at T = 16 and 64: moe_kernels.tuned_few_table). H100 SXM,
-# torch 2.11, triton 3.6: data/results/archive/experts-tune-few-20261205-h100.json.xz (at 5a0e2a7, 16-row tiles, every
-# shape) and, for the Mixtral-like shape, archive/experts-tune-few-20261205-h100-mixtral.json.xz (79bee78, with
-# 32-row tiles): at T = 64 an expert there gets more than 16 rows and 16-row tiles read its weights twice or more
-# (gate_up + down 1364 us native against 959 with 32-row tiles, CUTLASS 1136); OLMoE- and Qwen-like 16-row tiles
-# with longer K steps, 1-6% faster. In the layer (archive/moe-layer-20261205-h100-few.json.xz, graph time) the
-# Mixtral-like T = 64 went from 1349 to 966 us (hf grouped_mm block 1219 eager), the others about 2% down. A device
-# takes only its own entries here: the H200 was not measured with them and keeps FEW_ROWS[0] (`.ci/gpu tune-few`
-# there).
+# (`report.least_regret` over native and adaptive plans at T = 16 and 64: moe_kernels.tuned_few_table, in the form
+# moe_kernels.few_entries gives). H100 SXM, torch 2.11, triton 3.6: data/results/archive/experts-tune-few-20261205-
+# h100.json.xz (at 5a0e2a7, 16-row tiles, every shape) and, for the Mixtral-like shape,
+# archive/experts-tune-few-20261205-h100-mixtral.json.xz (79bee78, with 32-row tiles): at T = 64 an expert there gets
+# more than 16 rows and 16-row tiles read its weights twice or more (gate_up + down 1364 us native against 959 with
+# 32-row tiles, CUTLASS 1136); OLMoE- and Qwen-like 16-row tiles with longer K steps, 1-6% faster. In the layer
+# (archive/moe-layer-20261205-h100-few.json.xz, graph time) the Mixtral-like T = 64 went from 1349 to 966 us (hf
+# grouped_mm block 1219 eager), the others about 2% down. H200, same versions: archive/experts-tune-few-20261205-
+# h200-few.json.xz (16118e1, every candidate in one run); its layer with them (moe-layer-20261205-h200-few.json.xz,
+# the run before them beside it, -16118e1-h200-few): Mixtral-like T = 64 971 -> 668 us, the others 1-3% down. A device
+# takes only its own entries here (`.ci/gpu decode-layer tune-few` measures a new one).
 FEW_TUNED: dict[str, dict[tuple[int, int], dict]] = {
+    "NVIDIA H200": {
+        (4096, 14336): {"gate_up": {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3,
+                                    "TMA": True},
+                        "down": {"BLOCK_M": 32, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 4,
+                                 "TMA": True}},
+        (2048, 1024): {"gate_up": {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3,
+                                   "TMA": True},
+                       "down": {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3,
+                                "TMA": True}},
+        (2048, 1408): {"gate_up": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3,
+                                   "GROUP_M": 8, "TMA": True},
+                       "down": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3,
+                                "TMA": True}},
+    },
     "NVIDIA H100 80GB HBM3": {
         (4096, 14336): {"gate_up": {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3},
                         "down": {"BLOCK_M": 32, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 4,
