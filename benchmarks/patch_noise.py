@@ -8,8 +8,8 @@ reference expert loop ('eager', the paper tables' baseline) in place of its defa
 bounds what a routing change's perplexity can be told apart from in that dtype.
 Writes data/results/patch-noise-<yyyymmdd>.json.
 
-    PYTHONPATH=lib python benchmarks/patch_noise.py            # CPU, about three minutes
-    PYTHONPATH=lib python benchmarks/patch_noise.py --tokens 512,16384 --dtype float32,bfloat16   # about 10 min
+    PYTHONPATH=lib python benchmarks/patch_noise.py            # CPU, about a minute
+    PYTHONPATH=lib python benchmarks/patch_noise.py --tokens 512,16384 --dtype float32,bfloat16   # CPU, about 3 min
     PYTHONPATH=lib python benchmarks/patch_noise.py --device cuda --dtype float32,bfloat16
 """
 
