@@ -537,9 +537,18 @@ pd.DataFrame({f.name.split(".csv")[0]: power_trace(f) for f in traces}).T
 if interactive:
     import ipywidgets as widgets
 
-    def show(shape):
-        d = routing[routing["shape"] == shape].pivot_table(index="T", columns="method",
-                                                           values=["graph_us", "eager_us"])
-        display(d.round(2))
+    # The table goes into the Output widget kernel-side (append_display_data), not by capturing display() in it
+    # (`with out:`, what widgets.interactive does): a headless executor (papermill, nbconvert) mimics a captured
+    # Output by sending messages to the kernel mid-cell, which can hang it for good (nbclient issue 312).
+    pick = widgets.Dropdown(options=list(dict.fromkeys(routing["shape"])), description="shape")
+    table = widgets.Output()
 
-    display(widgets.interactive(show, shape=widgets.Dropdown(options=list(dict.fromkeys(routing["shape"])))))
+    def show(change=None):
+        d = routing[routing["shape"] == pick.value].pivot_table(index="T", columns="method",
+                                                                values=["graph_us", "eager_us"])
+        table.outputs = ()
+        table.append_display_data(d.round(2))
+
+    pick.observe(show, names="value")
+    show()
+    display(widgets.VBox([pick, table]))

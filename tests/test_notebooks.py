@@ -25,6 +25,9 @@ NB_DIR = REPO / "notebooks"
 NOTEBOOKS = sorted(NB_DIR.glob("[0-9][0-9]_*.ipynb"))
 SCRIPTS = sorted(NB_DIR.glob("[0-9][0-9]_*.py"))
 CI_OVERRIDES = yaml.safe_load((NB_DIR / "grids" / "ci.yaml").read_text()) or {}
+# Each cell of a test's notebook run is bounded, so a hung kernel or executor fails its test instead of running
+# the suite past CI's limit (no CPU cell takes near this long).
+CELL_TIMEOUT_S = 1200
 PARAM_LINE = re.compile(r"^(?P<name>[A-Za-z_]\w*): (?P<type>[\w\[\], ]+) = (?P<value>.+?)  # (?P<help>\S.*)$")
 
 
@@ -103,7 +106,7 @@ def test_notebook_executes_headless(nb, tmp_path, monkeypatch):
     monkeypatch.setenv("MOELAB_RUN_DIR", str(tmp_path / "run"))
     params = dict(CI_OVERRIDES.get(nb.stem) or {})
     t0 = time.time()
-    sweep.execute(nb, tmp_path / "out.ipynb", params)
+    sweep.execute(nb, tmp_path / "out.ipynb", params, cell_timeout_s=CELL_TIMEOUT_S)
     elapsed = time.time() - t0
     figures = sorted(p.name for p in (tmp_path / "figures").glob("*.png"))
     assert figures, f"{nb.name} saved no figure through moelab.plots.savefig"
@@ -155,7 +158,7 @@ def test_bad_parameters_are_named(stem, params, message, tmp_path, monkeypatch):
     monkeypatch.setenv("MOELAB_FIGURES", str(tmp_path / "figures"))
     monkeypatch.setenv("MOELAB_RUN_DIR", str(tmp_path / "run"))
     with pytest.raises(sweep.NotebookRunError) as info:
-        sweep.execute(NB_DIR / f"{stem}.ipynb", tmp_path / "out.ipynb", params)
+        sweep.execute(NB_DIR / f"{stem}.ipynb", tmp_path / "out.ipynb", params, cell_timeout_s=CELL_TIMEOUT_S)
     assert "ValueError" in str(info.value) and message in str(info.value)
 
 
@@ -165,7 +168,8 @@ def test_kernel_bench_explorer_runs(tmp_path, monkeypatch):
     pytest.importorskip("ipywidgets")
     monkeypatch.setenv("MOELAB_FIGURES", str(tmp_path / "figures"))
     monkeypatch.setenv("MOELAB_RUN_DIR", str(tmp_path / "run"))
-    sweep.execute(NB_DIR / "04_kernel_bench.ipynb", tmp_path / "out.ipynb", {"interactive": True})
+    sweep.execute(NB_DIR / "04_kernel_bench.ipynb", tmp_path / "out.ipynb", {"interactive": True},
+                  cell_timeout_s=CELL_TIMEOUT_S)
     # the explorer cell shows one widget, stored with the notebook: a shape dropdown and, in its output, the
     # first shape's table of graph and eager times per T
     out = nbformat.read(str(tmp_path / "out.ipynb"), as_version=4)
@@ -180,12 +184,24 @@ def test_kernel_bench_explorer_runs(tmp_path, monkeypatch):
     assert dropdown["description"] == "shape" and shapes and len(set(shapes)) == len(shapes)
     (table,) = [o["data"]["text/html"] for o in output["outputs"] if "text/html" in o.get("data", {})]
     assert "graph_us" in table and "eager_us" in table and "<table" in table
+    # filled kernel-side: the Output never captured display() (msg_id stays empty), so the executor never sent the
+    # kernel a message mid-cell, the path that can hang a headless run for good (nbclient issue 312)
+    assert not output.get("msg_id")
+
+
+def test_a_cell_past_its_timeout_fails_named(tmp_path):
+    toy = write_toy_notebook(tmp_path / "toy.ipynb")
+    with pytest.raises(sweep.NotebookRunError) as info:
+        sweep.execute(toy, tmp_path / "out.ipynb", {"x": 1, "sleep_s": 60}, cell_timeout_s=2)
+    assert info.value.error["ename"] == "CellTimeoutError" and "toy.ipynb" in str(info.value)
+    with pytest.raises(ValueError, match=r"cell_timeout_s=0: must be a number of seconds > 0, or None"):
+        sweep.execute(toy, tmp_path / "out.ipynb", {}, cell_timeout_s=0)
 
 
 def test_failing_cell_is_named(tmp_path):
     toy = write_toy_notebook(tmp_path / "toy.ipynb")
     with pytest.raises(sweep.NotebookRunError) as info:
-        sweep.execute(toy, tmp_path / "out.ipynb", {"x": 5, "fail_at": 5})
+        sweep.execute(toy, tmp_path / "out.ipynb", {"x": 5, "fail_at": 5}, cell_timeout_s=CELL_TIMEOUT_S)
     msg = str(info.value)
     assert "toy.ipynb: cell 2" in msg and "ValueError: x=5 is the configured failure" in msg
     assert "line 13: raise ValueError" in msg  # the failing line of the cell, from the traceback

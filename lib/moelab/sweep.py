@@ -273,9 +273,13 @@ def _excerpt(source: str, lines: int = 3, width: int = 200) -> str:
 
 
 def execute(notebook: Path, output: Path, parameters: dict, cwd: Path | None = None,
-            kernel: str = "python3", name: str | None = None) -> None:
+            kernel: str = "python3", name: str | None = None, cell_timeout_s: float | None = None) -> None:
     """Run one notebook with papermill; a failing cell raises NotebookRunError naming the cell (and the
-    notebook as `name`, default its file name)."""
+    notebook as `name`, default its file name). cell_timeout_s bounds each cell (None: no bound; a sweep bounds
+    whole runs with its grid's timeout_s instead): a cell past it fails as CellTimeoutError."""
+    number = isinstance(cell_timeout_s, (int, float)) and not isinstance(cell_timeout_s, bool)
+    if cell_timeout_s is not None and not (number and cell_timeout_s > 0):
+        raise ValueError(f"cell_timeout_s={cell_timeout_s!r}: must be a number of seconds > 0, or None")
     import papermill
     from nbclient.exceptions import CellTimeoutError, DeadKernelError
     from papermill.exceptions import PapermillExecutionError
@@ -284,6 +288,7 @@ def execute(notebook: Path, output: Path, parameters: dict, cwd: Path | None = N
         papermill.execute_notebook(
             str(notebook), str(output), parameters=parameters, kernel_name=kernel,
             cwd=str(cwd or Path(notebook).parent), progress_bar=False, log_output=False,
+            execution_timeout=cell_timeout_s,
         )
     except PapermillExecutionError as e:
         line = _failing_line(e.traceback, e.exec_count)
