@@ -5,7 +5,7 @@
 #       extension: .py
 #       format_name: percent
 #       format_version: '1.3'
-#       jupytext_version: 1.19.6
+#       jupytext_version: 1.19.7
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -60,7 +60,7 @@ from moelab import results
 from moelab.compute import policy_stats
 from moelab.models import pick_device, pick_dtype
 from moelab.data import COUNT_LAYERS, DOMAINS, load_routing_counts, normalised_entropy
-from moelab.plots import figure, plot_policy_stats, save_table, savefig
+from moelab.plots import explorer, figure, plot_policy_stats, save_table, savefig
 from moelab.params import check_bools, check_ints, check_real
 from moelab.routing import EntropyAdaptiveK, RatioSkip, TopK, TopP, route
 
@@ -248,11 +248,9 @@ if interactive:
                "EntropyAdaptiveK": EntropyAdaptiveK((x_kv[0], x_kv[-1]), (threshold,)),
                f"TopP p={p:.2f}": TopP(p, k_max=x_k),
                f"RatioSkip beta={beta:.2f}": RatioSkip(beta, k_max=x_k)}
-        fig = plot_policy_stats(policy_stats(x_TE, pol, x_k, x_renorm), f"explorer ({source})", x_k)
-        plt.show()
-        plt.close(fig)
+        return plot_policy_stats(policy_stats(x_TE, pol, x_k, x_renorm), f"explorer ({source})", x_k)
 
-    explorer = widgets.interactive(
+    display(explorer(
         explore,
         threshold=widgets.FloatSlider(value=float(x_entropy_T.median()), min=lo, max=hi, step=(hi - lo) / 100,
                                       description="entropy thr", continuous_update=False),
@@ -260,5 +258,4 @@ if interactive:
                               continuous_update=False),
         beta=widgets.FloatSlider(value=ratio_beta, min=0.0, max=1.0, step=0.05, description="beta",
                                  continuous_update=False),
-    )
-    display(explorer)
+    ))

@@ -5,7 +5,7 @@
 #       extension: .py
 #       format_name: percent
 #       format_version: '1.3'
-#       jupytext_version: 1.19.6
+#       jupytext_version: 1.19.7
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -63,7 +63,7 @@ from moelab.evaluate import confirm_estimates, estimate, estimate_grid, evaluate
 from moelab.models import load, moe_info
 from moelab.paper import calibration_k_values
 from moelab.params import check_bools, check_fractions, check_ints, check_real
-from moelab.plots import POLICY_COLORS, figure, save_table, savefig
+from moelab.plots import POLICY_COLORS, explorer, figure, save_table, savefig
 from moelab.routing import EntropyAdaptiveK, RatioSkip, TopP
 
 check_ints(3, grid_points=grid_points)
@@ -219,7 +219,6 @@ if interactive:
         ax.bar(kv, [(ks == k).float().mean().item() for k in kv], color=POLICY_COLORS["EntropyAdaptiveK"])
         ax.set(xlabel="k", ylabel="share of tokens (all layers)", xticks=list(kv),
                title=f"estimated mean k {e['mean_k']:.2f}, saves {e['expert_reduction']:.1%} (estimate)")
-        plt.show()
-        plt.close(fig)
+        return fig
 
-    display(widgets.interactive(show, **{f"t{i}": s for i, s in enumerate(sliders)}))
+    display(explorer(show, **{f"t{i}": s for i, s in enumerate(sliders)}))

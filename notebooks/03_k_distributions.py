@@ -5,7 +5,7 @@
 #       extension: .py
 #       format_name: percent
 #       format_version: '1.3'
-#       jupytext_version: 1.19.6
+#       jupytext_version: 1.19.7
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -50,7 +50,7 @@ from moelab.data import normalised_entropy as load_entropy
 from moelab.evaluate import entropy_quantiles, estimate, evaluate, model_dtype, router_sample
 from moelab.models import load, moe_info
 from moelab.paper import PUBLISHED, calibration_k_values, sdk_preset
-from moelab.plots import POLICY_COLORS, figure, save_table, savefig
+from moelab.plots import POLICY_COLORS, explorer, figure, save_table, savefig
 from moelab.params import check_bools, check_ints, check_real
 from moelab.routing import EntropyAdaptiveK
 
@@ -250,11 +250,10 @@ if interactive:
         ax.set(xlabel="layer", ylabel="share of tokens", xticks=range(wt.num_layers),
                title=f"estimated mean k {e['mean_k']:.2f} of native {native_k}: saves {e['expert_reduction']:.1%}")
         ax.legend(frameon=False, fontsize=6)
-        plt.show()
-        plt.close(fig)
+        return fig
 
     kmax = wt.k_cap
-    display(widgets.interactive(
+    display(explorer(
         show,
         t1=widgets.FloatSlider(value=float(ent.quantile(0.3)), min=lo, max=hi, step=(hi - lo) / 200,
                                continuous_update=False),

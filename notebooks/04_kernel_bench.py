@@ -52,7 +52,7 @@ from moelab.kernels.report import (GRAPH_LIMIT_US, HBM_FRACTION, LAYER_SLACK, ST
                                    power_trace, routing_targets, run_docs, run_policies, runs_line, stage_paths,
                                    stage_table, stage_time)
 from moelab.params import check_bools
-from moelab.plots import figure, save_table, savefig
+from moelab.plots import explorer, figure, save_table, savefig
 
 check_bools(run_benchmark=run_benchmark, quick=quick, interactive=interactive)
 REPO = results.REPO
@@ -537,18 +537,8 @@ pd.DataFrame({f.name.split(".csv")[0]: power_trace(f) for f in traces}).T
 if interactive:
     import ipywidgets as widgets
 
-    # The table goes into the Output widget kernel-side (append_display_data), not by capturing display() in it
-    # (`with out:`, what widgets.interactive does): a headless executor (papermill, nbconvert) mimics a captured
-    # Output by sending messages to the kernel mid-cell, which can hang it for good (nbclient issue 312).
-    pick = widgets.Dropdown(options=list(dict.fromkeys(routing["shape"])), description="shape")
-    table = widgets.Output()
+    def show(shape):
+        return routing[routing["shape"] == shape].pivot_table(index="T", columns="method",
+                                                              values=["graph_us", "eager_us"]).round(2)
 
-    def show(change=None):
-        d = routing[routing["shape"] == pick.value].pivot_table(index="T", columns="method",
-                                                                values=["graph_us", "eager_us"])
-        table.outputs = ()
-        table.append_display_data(d.round(2))
-
-    pick.observe(show, names="value")
-    show()
-    display(widgets.VBox([pick, table]))
+    display(explorer(show, shape=widgets.Dropdown(options=list(dict.fromkeys(routing["shape"])), description="shape")))

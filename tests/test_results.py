@@ -208,6 +208,37 @@ def test_policy_figure_draws_each_policy_share_and_saving():
     plt.close(fig)
 
 
+def test_explorer_redraws_kernel_side_and_closes_its_figures():
+    """plots.explorer shows render(**control values) in its Output and again when a control changes, without
+    capturing display() in the Output (msg_id stays empty: the path that hangs headless runs), and closes the
+    figures render returns."""
+    widgets = pytest.importorskip("ipywidgets")
+    import matplotlib.pyplot as plt
+    import pandas as pd
+
+    from moelab import plots
+
+    calls = []
+
+    def render(n, label):
+        calls.append((n, label))
+        return pd.DataFrame({"n": [n], "label": [label]})
+
+    n, label = widgets.IntSlider(value=3, min=1, max=9), widgets.Dropdown(options=["a", "b"])
+    box = plots.explorer(render, n=n, label=label)
+    slider, dropdown, out = box.children
+    assert (slider, dropdown) == (n, label) and isinstance(out, widgets.Output)
+    assert calls == [(3, "a")] and len(out.outputs) == 1 and "3" in out.outputs[0]["data"]["text/plain"]
+    label.value = "b"
+    n.value = 5
+    assert calls == [(3, "a"), (3, "b"), (5, "b")] and len(out.outputs) == 1
+    assert "5" in out.outputs[0]["data"]["text/plain"] and "b" in out.outputs[0]["data"]["text/plain"]
+    assert not out.msg_id
+    before = set(plt.get_fignums())
+    plots.explorer(lambda n: plt.figure(), n=widgets.IntSlider(value=1))
+    assert set(plt.get_fignums()) == before
+
+
 def test_atomic_writes_get_the_mode_an_ordinary_open_gives(tmp_path):
     """Results, figures and tables are written through mkstemp (owner-only, 0600); they must end as readable
     by others as any file the process opens, so colleagues on a shared GPU box can read them."""

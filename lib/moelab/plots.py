@@ -140,3 +140,27 @@ def plot_policy_stats(stats, title: str, native_k: int):
     ax_r.tick_params(axis="y", labelsize=6)
     fig.suptitle(title, fontsize=9)
     return fig
+
+
+def explorer(render, **controls):
+    """ipywidgets `controls` above an Output showing render(**their values), redrawn when one changes; render
+    returns what to show (a figure, which is then closed, or a frame).
+
+    The Output is filled kernel-side (append_display_data), never by capturing display() in it (`with out:`, what
+    widgets.interactive does): a headless executor (papermill, nbconvert) mimics a capturing Output by sending the
+    kernel messages mid-cell, which can hang the run for good (nbclient issue 312; it hung one CI run)."""
+    import ipywidgets as widgets
+
+    out = widgets.Output()
+
+    def update(change=None):
+        shown = render(**{name: c.value for name, c in controls.items()})
+        out.outputs = ()
+        out.append_display_data(shown)
+        if isinstance(shown, matplotlib.figure.Figure):
+            plt.close(shown)
+
+    for c in controls.values():
+        c.observe(update, names="value")
+    update()
+    return widgets.VBox([*controls.values(), out])
