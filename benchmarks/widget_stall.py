@@ -4,7 +4,8 @@ Runs a one-cell notebook N times through nbclient (what papermill drives), each 
 explorer over a small frame, written either as widgets.interactive (display() captured in its Output, which
 nbclient mimics by sending the kernel comm messages on the shell socket it is waiting on) or as
 moelab.plots.explorer (the Output filled kernel-side). A run whose cell takes most of the timeout stalled: without
-a timeout (papermill's default) it would have waited for good, as one CI run did. Writes
+a timeout (papermill's default) it would have waited for good, as one CI run did, on a 2-core machine busy
+with the test suite: --load N keeps N other processes spinning meanwhile, as such a machine is. Writes
 data/results/widget-stall-<date>.json; CPU only, about 2 s a run.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata as md
+import multiprocessing as mp
 import time
 
 import nbformat
@@ -53,6 +55,12 @@ def run_once(source: str, timeout_s: float) -> tuple[float, bool]:
     return end - start, False
 
 
+def spin() -> None:
+    """A process that keeps one core busy until it is terminated (--load)."""
+    while True:
+        pass
+
+
 def md_time(stamp: str) -> float:
     from datetime import datetime
 
@@ -64,6 +72,7 @@ def main(argv=None):
     ap.add_argument("--runs", type=int, default=150, help="runs per variant (>= 1)")
     ap.add_argument("--variants", default="interactive,explorer", help=f"comma list of {sorted(CELLS)}")
     ap.add_argument("--timeout-s", type=float, default=20.0, help="cell timeout in seconds (> 1)")
+    ap.add_argument("--load", type=int, default=0, help="processes kept spinning during the runs (>= 0)")
     args = ap.parse_args(argv)
     runs = args.runs if args.runs >= 1 else ap.error(f"--runs {args.runs}: must be >= 1")
     variants = args.variants.split(",")
@@ -72,19 +81,29 @@ def main(argv=None):
         ap.error(f"--variants {bad}: each must be one of {sorted(CELLS)}")
     if not args.timeout_s > 1:
         ap.error(f"--timeout-s {args.timeout_s}: must be > 1")
+    if args.load < 0:
+        ap.error(f"--load {args.load}: must be >= 0")
+    spinners = [mp.Process(target=spin, daemon=True) for _ in range(args.load)]
+    for sp in spinners:
+        sp.start()
     rows = []
-    for variant in variants:
-        for i in tqdm(range(runs), desc=variant):
-            cell_s, timed_out = run_once(CELLS[variant], args.timeout_s)
-            rows.append({"variant": variant, "run": i, "cell_s": round(cell_s, 3), "timed_out": timed_out,
-                         "stalled": timed_out or cell_s >= STALL_SHARE * args.timeout_s})
+    try:
+        for variant in variants:
+            for i in tqdm(range(runs), desc=variant):
+                cell_s, timed_out = run_once(CELLS[variant], args.timeout_s)
+                rows.append({"variant": variant, "run": i, "cell_s": round(cell_s, 3), "timed_out": timed_out,
+                             "stalled": timed_out or cell_s >= STALL_SHARE * args.timeout_s})
+    finally:
+        for sp in spinners:
+            sp.terminate()
     summary = {v: sum(r["stalled"] for r in rows if r["variant"] == v) for v in variants}
     packages = ("nbclient", "papermill", "jupyter_client", "ipykernel", "ipywidgets", "pyzmq")
     versions = {p: md.version(p) for p in packages}
     path = write_results("widget-stall", rows, notes=(
-        f"stalled runs of {runs} per variant: {summary}; a stalled cell ran until the {args.timeout_s} s timeout, "
-        "where pyzmq's timed poll found the waiting reply (so it finished, late)"),
-        extra={"timeout_s": args.timeout_s, "stalled": summary, "versions": versions, "source": CELLS})
+        f"stalled runs of {runs} per variant, {args.load} spinning processes beside: {summary}; a stalled cell ran "
+        f"until the {args.timeout_s} s timeout, where pyzmq's timed poll found the waiting reply (it finished, late)"),
+        extra={"timeout_s": args.timeout_s, "load": args.load, "stalled": summary, "versions": versions,
+               "source": CELLS})
     print(f"stalled of {runs}: {summary} -> {path}")
 
 

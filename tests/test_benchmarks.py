@@ -262,6 +262,7 @@ BAD_ARGS = [  # (script, arguments, what the error must say): refused at parse t
     ("widget_stall", ["--runs", "0"], "--runs 0: must be >= 1"),
     ("widget_stall", ["--variants", "explorer,interact"], "--variants \\['interact'\\]: each must be one of"),
     ("widget_stall", ["--timeout-s", "1"], "--timeout-s 1.0: must be > 1"),
+    ("widget_stall", ["--load", "-1"], "--load -1: must be >= 0"),
 ]
 
 
@@ -274,13 +275,14 @@ def _run_script(script, args, results_dir):
 def test_widget_stall_times_the_explorer_cell(tmp_path):
     """benchmarks/widget_stall.py runs the one-cell explorer notebook through nbclient and records each run's cell
     time, stall flag and the executor's package versions; the explorer variant here, once."""
-    out = _run_script("widget_stall", ["--runs", "1", "--variants", "explorer"], tmp_path)
+    out = _run_script("widget_stall", ["--runs", "1", "--variants", "explorer", "--load", "1"], tmp_path)
     assert out.returncode == 0, out.stderr
     (path,) = tmp_path.glob("widget-stall-*.json")
     doc = json.loads(path.read_text())
     (row,) = doc["rows"]
     assert row["variant"] == "explorer" and not row["stalled"] and 0 < row["cell_s"] < 0.9 * doc["timeout_s"]
-    assert doc["stalled"] == {"explorer": 0} and set(doc["versions"]) >= {"nbclient", "ipywidgets", "pyzmq"}
+    assert doc["stalled"] == {"explorer": 0} and doc["load"] == 1
+    assert set(doc["versions"]) >= {"nbclient", "ipywidgets", "pyzmq"}
 
 
 @pytest.mark.parametrize("script,args,message", BAD_ARGS, ids=[f"{s} {' '.join(a)}" for s, a, _ in BAD_ARGS])
