@@ -48,9 +48,9 @@ from IPython.display import display
 
 from moelab import results
 from moelab.kernels.report import (GRAPH_LIMIT_US, HBM_FRACTION, LAYER_SLACK, STAGES, batch_summary, batch_targets,
-                                   expert_gemms, gemm_scaling, layer_runs, layer_targets, layout_sweep, machine_line,
-                                   power_trace, routing_targets, run_docs, run_policies, runs_line, stage_paths,
-                                   stage_table, stage_time)
+                                   decode_table, expert_gemms, gemm_scaling, layer_runs, layer_targets, layout_sweep,
+                                   machine_line, power_trace, routing_targets, run_docs, run_policies, runs_line,
+                                   stage_paths, stage_table, stage_time)
 from moelab.params import check_bools
 from moelab.plots import explorer, figure, save_table, savefig
 
@@ -387,6 +387,22 @@ savefig(fig, "04_adaptive_saving")
 plt.show()
 save_table(saving.round(3), "04_adaptive_saving", caption=machine_line(layer_doc))
 saving.round(3)
+
+# %% [markdown]
+# The decode sizes as a table: native and adaptive time in a CUDA graph beside the shares of pairs kept and of
+# experts used. The decode GEMM launch is tuned per device (`grouped.FEW_TUNED`) and can be newer than the whole
+# layer run above; a later run of the decode layer alone on the same device (`.ci/gpu decode-layer`, filed as
+# `archive/moe-layer-<date>-<suffix>-decode.json.xz`) follows it where there is one.
+
+# %%
+display(decode_table(layer_doc).round(3))
+later = [results.read_file(f) for f in (REPO / "data" / "results" / "archive").glob("moe-layer-*-decode.json*")]
+later = [d for d in later
+         if d["created"] > layer_doc["created"] and d["machine"]["device"] == layer_doc["machine"]["device"]]
+if later:
+    newest = max(later, key=lambda d: d["created"])
+    print("the decode layer alone, later:", machine_line(newest))
+    display(decode_table(newest).round(3))
 
 # %% [markdown]
 # Where the layer's time goes at T = 4096 (`benchmarks/layer_stages.py`, run on its own): each step

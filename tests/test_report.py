@@ -8,6 +8,7 @@ from moelab.kernels.report import (
     STAGES,
     batch_summary,
     batch_targets,
+    decode_table,
     expert_gemms,
     gemm_scaling,
     layer_runs,
@@ -480,6 +481,38 @@ def test_batch_targets_per_input_batch():
     assert (s["met"], s["batches"]) == (1, 3)  # 0.80 <= 0.825; 0.83 and 0.84 above their bounds
     assert s["ratio_min"] == pytest.approx(0.80) and s["ratio_max"] == pytest.approx(0.84)
     assert batch_targets({"rows": doc["rows"]}).empty and batch_summary({"rows": doc["rows"]}).empty
+
+
+def test_decode_table_compares_decode_sizes_of_batch_zero():
+    """Only T in (1, 16, 64) and batch 0; the time ratio beside the shares of pairs kept and experts used."""
+    def row(var, T, t, kept, used, batch=0):
+        return {"shape": "olmoe", "T": T, "batch": batch, "variant": var, "time_us": t, "graph_us": t / 2,
+                "kept_pairs": kept, "native_pairs": 8 * T, "experts_used": used}
+
+    doc = {"rows": [row("moelab_topk", 16, 200.0, 128, 59), row("moelab_adaptive", 16, 160.0, 66, 44),
+                    row("hf_grouped_mm", 16, 400.0, 128, 59), row("moelab_topk", 4096, 900.0, 32768, 64),
+                    row("moelab_adaptive", 4096, 600.0, 19000, 64), row("moelab_topk", 64, 220.0, 512, 64, batch=1)]}
+    t = decode_table(doc)
+    assert list(zip(t["shape"], t["T"])) == [("olmoe", 16)]  # T = 4096 is not a decode size; T = 64 has batch 1 only
+    r = t.iloc[0]
+    assert r["time_ratio_eager"] == pytest.approx(0.8) and r["time_ratio_graph"] == pytest.approx(0.8)
+    assert r["native_graph_us"] == 100.0 and r["kept_pairs_ratio"] == pytest.approx(66 / 128)
+    assert (r["experts_native"], r["experts_adaptive"]) == (59, 44)
+    assert r["experts_used_ratio"] == pytest.approx(44 / 59)
+
+
+def test_committed_h200_decode_run_saves_only_where_experts_go_unused():
+    """The README's decode item on the H200's run of its decode launch: with every expert still used the adaptive
+    layer takes the native time (within 1%, though it keeps 74-81% of the pairs); with experts unused it saves."""
+    doc = results.read_file(results.REPO / "data/results/archive/moe-layer-20261206-h200-decode.json.xz")
+    assert doc["machine"]["device"] == "NVIDIA H200"
+    t = decode_table(doc)
+    assert len(t) == 6
+    full = t[t["experts_used_ratio"] == 1]
+    assert len(full) == 3 and (full["time_ratio_graph"] - 1).abs().max() < 0.01
+    assert full["kept_pairs_ratio"].max() < 0.82
+    part = t[t["experts_used_ratio"] < 1]
+    assert (part["time_ratio_graph"] < 0.97).all()
 
 
 def test_power_trace_summary(tmp_path):

@@ -16,14 +16,16 @@ import re
 import numpy as np
 import pandas as pd
 
-__all__ = ["routing_targets", "layer_targets", "batch_targets", "batch_summary", "machine_line", "stage_table",
-           "stage_time", "gemm_scaling", "least_regret", "expert_gemms", "layout_sweep", "layer_runs", "power_trace",
-           "stage_paths", "run_docs", "runs_line", "policy_k", "run_policies", "STAGES", "STAGE_TIMES", "GEMM_KEYS"]
+__all__ = ["routing_targets", "layer_targets", "batch_targets", "batch_summary", "decode_table", "machine_line",
+           "stage_table", "stage_time", "gemm_scaling", "least_regret", "expert_gemms", "layout_sweep", "layer_runs",
+           "power_trace", "stage_paths", "run_docs", "runs_line", "policy_k", "run_policies", "STAGES", "STAGE_TIMES",
+           "GEMM_KEYS", "DECODE_TOKENS"]
 
 GRAPH_LIMIT_US = 5.0  # routing in a CUDA graph, T <= 4096
 HBM_FRACTION = 0.5  # routing at T = 65536, E = 64 and 128: fraction of the HBM bound
 EAGER_SPEEDUP = 8.0  # eager call against the torch version's eager call
 LAYER_SLACK = 1.1  # adaptive layer time <= slack * kept/native * native layer time (T = 4096)
+DECODE_TOKENS = (1, 16, 64)  # the issue's decode sizes, where weight reads dominate
 
 
 def _rows(doc: dict, topic: str, *cols: str) -> pd.DataFrame:
@@ -141,6 +143,31 @@ def layer_targets(doc: dict, tokens: int = 4096) -> pd.DataFrame:
                                         ratio <= LAYER_SLACK * kept_s, "x"))
     cols = ["variant", "timer", "kept", "tiles"]  # present also when the run has no T = tokens (a quick run)
     return pd.DataFrame(out).reindex(columns=list(dict.fromkeys([*pd.DataFrame(out).columns, *cols])))
+
+
+def decode_table(doc: dict, tokens=DECODE_TOKENS) -> pd.DataFrame:
+    """The layer at decode sizes (batch 0), one row per (shape, T): native and adaptive time in a CUDA graph, the
+    adaptive / native time (graph and eager) beside the share of pairs kept and of experts used. There the expert
+    weights are read whatever the rows, so only experts that no token of the batch uses save time."""
+    df = _rows(doc, "moe-layer", "shape", "T", "variant", "experts_used", "kept_pairs", "native_pairs")
+    df = df[df["T"].isin(tokens)]
+    if "batch" in df:
+        df = df[df["batch"].fillna(0) == 0]
+    nat = df[df["variant"] == "moelab_topk"].set_index(["shape", "T"])
+    ada = df[df["variant"] == "moelab_adaptive"].set_index(["shape", "T"])
+    both = nat.index.intersection(ada.index)
+    nat, ada = nat.loc[both], ada.loc[both]
+    graph = "graph_us" in df
+    return pd.DataFrame({
+        "native_graph_us": nat["graph_us"] if graph else np.nan,
+        "adaptive_graph_us": ada["graph_us"] if graph else np.nan,
+        "time_ratio_graph": ada["graph_us"] / nat["graph_us"] if graph else np.nan,
+        "time_ratio_eager": ada["time_us"] / nat["time_us"],
+        "kept_pairs_ratio": ada["kept_pairs"] / ada["native_pairs"],
+        "experts_native": nat["experts_used"].astype(int),
+        "experts_adaptive": ada["experts_used"].astype(int),
+        "experts_used_ratio": ada["experts_used"] / nat["experts_used"],
+    }, index=both).reset_index()
 
 
 def _row_tile(var: str, row, tuned: dict | None) -> int:
