@@ -433,7 +433,8 @@ def test_ci_gpu_aside_and_back_move_the_logs_and_archive_out_of_the_tree_and_bac
 def test_tree_fits_the_device_tools_copy():
     """The device tool copies tracked and untracked-not-ignored files, at most 64 MiB, and refused a tree of 63.6 MiB
     in bytes (about 65 in 4 KiB blocks): counted in blocks, the tree leaves at least 1 MiB, and every log is
-    committed xz-compressed (3.2 MB as text, 0.4 as xz), so a benchmark step's call needs nothing moved aside."""
+    committed xz-compressed (3.2 MB as text, 0.4 as xz; since 2026-12-06 packed, 344 of them in one 0.17 MiB bundle
+    that took 1.4 MiB of blocks as files), so a benchmark step's call needs nothing moved aside."""
     ls = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
                         capture_output=True, text=True)
     if ls.returncode != 0:
@@ -452,3 +453,54 @@ def test_paper_tables_refuses_an_unwritable_results_dir_before_any_model(tmp_pat
     out = _run_script("paper_tables", ["--models", "tiny-olmoe", "--max-tokens", "256"], tmp_path / "file" / "sub")
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert re.search(r"results directory .*file/sub \(MOELAB_RESULTS_DIR\): not writable", out.stderr), out.stderr
+
+
+def test_ci_gpu_pack_logs_bundles_the_loose_logs_and_every_one_still_reads_by_name(tmp_path):
+    """.ci/gpu pack-logs: the loose text logs go into one packed-<date>.tar.xz (the smi traces stay files); each reads
+    back by its docs name through moelab.results.read_log, unchanged; take then refuses a log already packed, and
+    a second pack the same day refuses rather than overwrite."""
+    import lzma
+
+    from moelab import results
+
+    repo = tmp_path / "repo"
+    (repo / ".ci").mkdir(parents=True)
+    (repo / ".ci" / "gpu").write_text((REPO / ".ci" / "gpu").read_text())
+    logs = repo / "data" / "results" / "logs"
+    logs.mkdir(parents=True)
+    texts = {f"moe-layer-{i:07x}.txt": f"# H200 (device tool) run {i}\n# rc=0 wall={i} s\n" for i in range(3)}
+    for name, text in texts.items():
+        (logs / f"{name}.xz").write_bytes(lzma.compress(text.encode()))
+    (logs / "smi-trace-0000000.csv.xz").write_bytes(lzma.compress(b"timestamp\n"))
+
+    def gpu(*args):
+        return subprocess.run(["bash", ".ci/gpu", *map(str, args)], cwd=repo, capture_output=True, text=True,
+                              timeout=60, env={**os.environ, "MOELAB_ASIDE": str(tmp_path / "aside")})
+
+    done = gpu("pack-logs")
+    assert done.returncode == 0, done.stdout + done.stderr
+    bundles = list(logs.glob("packed-*.tar.xz"))
+    assert len(bundles) == 1 and "packed 3 logs" in done.stdout
+    assert sorted(p.name for p in logs.iterdir()) == sorted([bundles[0].name, "smi-trace-0000000.csv.xz"])
+    for name, text in texts.items():
+        assert results.read_log(f"logs/{name}.xz", logs) == text
+    assert results.log_names(logs) == sorted([*texts, "smi-trace-0000000.csv"])
+    again = gpu("pack-logs")
+    assert again.returncode == 1 and "exists" in again.stdout and bundles[0].exists()
+    out = tmp_path / "out" / "logs"
+    out.mkdir(parents=True)
+    (out / "moe-layer-0000001.txt").write_text("# again\n")
+    refused = gpu("take", out.parent)
+    assert refused.returncode == 1 and "packed" in refused.stdout and not (logs / "moe-layer-0000001.txt.xz").exists()
+
+
+def test_every_log_the_docs_name_is_committed():
+    """A log named in the README, the docs, the library, the benchmarks, the notebooks or .ci (logs/<name>.txt.xz or
+    .csv.xz) reads back, loose or from a packed bundle: the docs' provenance links hold."""
+    from moelab import results
+
+    names = set(results.log_names(REPO / "data" / "results" / "logs"))
+    places = [REPO / "README.md", *(REPO / "docs").glob("*.md"), *(REPO / "lib" / "moelab").rglob("*.py"),
+              *(REPO / "benchmarks").glob("*.py"), *(REPO / "notebooks").glob("*.py"), REPO / ".ci" / "gpu"]
+    named = {m for p in places for m in re.findall(r"logs/([A-Za-z0-9_.-]+\.(?:txt|csv))(?:\.xz)?", p.read_text())}
+    assert len(named) > 50 and not sorted(named - names), sorted(named - names)

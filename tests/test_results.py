@@ -500,3 +500,33 @@ def test_diff_command_exits_1_where_files_differ(tmp_path):
     assert run(a, b, "--rtol", "0.25").returncode == 0
     r = run(a, tmp_path / "none.json")
     assert r.returncode == 2 and "none.json" in r.stderr
+
+
+def test_read_log_loose_first_then_bundles_and_a_missing_one_named(tmp_path, monkeypatch, capsys):
+    """read_log takes the docs' name in any form; a loose file wins over a bundled one of the same name; a log found
+    nowhere raises FileNotFoundError naming it and the bundles looked in; the CLI prints it or lists the names."""
+    import tarfile
+    from io import BytesIO
+
+    with tarfile.open(tmp_path / "packed-20261206.tar.xz", "w:xz") as tar:
+        for name, text in (("a-1234567.txt", "packed a\n"), ("b-1234567.txt", "packed b\n")):
+            info = tarfile.TarInfo(name)
+            info.size = len(text)
+            tar.addfile(info, BytesIO(text.encode()))
+    (tmp_path / "b-1234567.txt.xz").write_bytes(lzma.compress(b"loose b\n"))
+    for form in ("logs/a-1234567.txt.xz", "a-1234567.txt", "a-1234567"):
+        assert results.read_log(form, tmp_path) == "packed a\n"
+    assert results.read_log("b-1234567.txt.xz", tmp_path) == "loose b\n"
+    with pytest.raises(FileNotFoundError, match=r"'logs/c-1234567.txt.xz'.*1 bundle"):
+        results.read_log("logs/c-1234567.txt.xz", tmp_path)
+    assert results.log_names(tmp_path) == ["a-1234567.txt", "b-1234567.txt"]
+    monkeypatch.setenv("MOELAB_RESULTS_DIR", str(tmp_path.parent))
+    (tmp_path.parent / "logs").mkdir(exist_ok=True)
+    (tmp_path.parent / "logs" / "d-1234567.txt.xz").write_bytes(lzma.compress(b"# rc=0\n"))
+    assert results._main(["log", "logs/d-1234567.txt.xz"]) == 0 and capsys.readouterr().out == "# rc=0\n"
+    assert results._main(["log", "--list"]) == 0 and capsys.readouterr().out == "d-1234567.txt\n"
+    for argv in (["log"], ["log", "d", "--list"], ["log", "nosuch"]):
+        with pytest.raises(SystemExit) as e:
+            results._main(argv)
+        assert e.value.code == 2
+    assert "no nosuch.txt.xz" in capsys.readouterr().err

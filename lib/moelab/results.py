@@ -11,6 +11,8 @@ Two writers:
   is: its provenance is the run folder's params.json and executed notebook.
 Files are written atomically (temp file + rename): a killed process leaves the old file or the new one.
 `diff(old, new)` (or `python -m moelab.results diff OLD NEW`) says where a rerun's file differs from another's.
+`read_log(name)` (or `python -m moelab.results log NAME`) reads a GPU call's log by the name the docs give it
+(`logs/<step>-<sha>.txt.xz`), whether it lies in data/results/logs as a file or packed in a bundle there.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import re
 import shlex
 import subprocess
 import sys
+import tarfile
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -165,6 +168,48 @@ def write_json(path: Path, obj) -> Path:
 
 def results_dir() -> Path:
     return Path(os.environ.get("MOELAB_RESULTS_DIR", REPO / "data" / "results"))
+
+
+LOG_BUNDLES = "packed-*.tar.xz"  # logs/packed-<yyyymmdd>.tar.xz: the logs packed that day (.ci/gpu pack-logs)
+
+
+def _log_member(name: str) -> str:
+    """'logs/<name>.txt.xz', '<name>.txt.xz', '<name>.txt' or '<name>' -> '<name>.txt', a bundle's member name
+    (.csv stays .csv)."""
+    member = Path(str(name)).name.removesuffix(".xz")
+    return member if member.endswith((".txt", ".csv")) else member + ".txt"
+
+
+def read_log(name: str, directory: Path | None = None) -> str:
+    """A GPU call's log as text, by the name the docs give it (`logs/<step>-<sha>.txt.xz`): the file in
+    data/results/logs, or the member of a bundle there (`packed-<date>.tar.xz`: one solid xz of many small logs
+    takes a tenth of the disk blocks they take as files, and the tree travels to the GPU machine under a limit)."""
+    d = Path(directory) if directory is not None else results_dir() / "logs"
+    member = _log_member(name)
+    loose = d / (member + ".xz")
+    if loose.is_file():
+        return lzma.decompress(loose.read_bytes()).decode()
+    bundles = sorted(d.glob(LOG_BUNDLES))
+    for bundle in bundles:
+        with tarfile.open(bundle, "r:xz") as tar:
+            try:
+                f = tar.extractfile(member)
+            except KeyError:
+                continue
+            if f is not None:
+                return f.read().decode()
+    raise FileNotFoundError(f"log {name!r}: no {loose.name} in {d}, and no member {member} in its {len(bundles)} "
+                            f"bundle(s) ({LOG_BUNDLES}); `python -m moelab.results log --list` lists them")
+
+
+def log_names(directory: Path | None = None) -> list[str]:
+    """Every log's member name (`<step>-<sha>.txt`), loose or bundled, sorted."""
+    d = Path(directory) if directory is not None else results_dir() / "logs"
+    names = {p.name.removesuffix(".xz") for p in d.glob("*.xz") if not p.name.endswith(".tar.xz")}
+    for bundle in d.glob(LOG_BUNDLES):
+        with tarfile.open(bundle, "r:xz") as tar:
+            names.update(m.name for m in tar.getmembers() if m.isfile())
+    return sorted(names)
 
 
 def write_results(topic: str, rows: list[dict], notes: str = "", command: str | None = None,
@@ -426,10 +471,11 @@ def _is_num(x) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
-def _diff_main(argv: list[str] | None = None) -> int:
+def _main(argv: list[str] | None = None) -> int:
     """`python -m moelab.results diff OLD NEW [--rtol R] [--skip KEY ...]`: the differing fields, largest
-    change first; exit status 1 where the files differ, 0 where they agree."""
-    ap = argparse.ArgumentParser(prog="python -m moelab.results", description=_diff_main.__doc__)
+    change first; exit status 1 where the files differ, 0 where they agree. `python -m moelab.results log NAME`:
+    a GPU call's log (loose or bundled) on standard output; `log --list`: every log's name."""
+    ap = argparse.ArgumentParser(prog="python -m moelab.results", description=_main.__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("diff", help="where two results files (.json or .json.xz) differ")
     d.add_argument("old", type=Path)
@@ -438,7 +484,18 @@ def _diff_main(argv: list[str] | None = None) -> int:
     d.add_argument("--skip", nargs="*", default=[],
                    help="more keys not to compare, besides " + ", ".join(sorted(DIFF_SKIP)))
     d.add_argument("--most", type=int, default=20, help="how many differences to list (all are counted)")
+    lg = sub.add_parser("log", help="a GPU call's log by its name (logs/<step>-<sha>.txt.xz), loose or bundled")
+    lg.add_argument("name", nargs="?")
+    lg.add_argument("--list", action="store_true", help="every log's name instead")
     a = ap.parse_args(argv)
+    if a.cmd == "log":
+        if a.list == (a.name is not None):
+            ap.error("log: give a NAME or --list (one of them)")
+        try:
+            print("\n".join(log_names()) if a.list else read_log(a.name), end="\n" if a.list else "")
+        except (OSError, tarfile.TarError, lzma.LZMAError) as e:
+            ap.error(str(e))
+        return 0
     try:
         old, new = read_file(a.old), read_file(a.new)
         rows = diff(old, new, a.rtol, a.skip)
@@ -472,4 +529,4 @@ def _numbers(x):
 
 
 if __name__ == "__main__":
-    sys.exit(_diff_main())
+    sys.exit(_main())
