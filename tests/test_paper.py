@@ -159,6 +159,19 @@ def test_committed_paper_tables_verdicts_follow_from_their_rows():
         assert verdict(rows[(rows["model"] == model) & (rows["section"] == "matched")]) == text, model
 
 
+def test_committed_paper_tables_repeat_on_another_device():
+    """The README's claim for the H100 run at 1e7420b: the same command gives every number of the committed H200 run
+    (c191ba9) again, bit for bit, but the per-model wall times; the verdicts are the same text."""
+    from moelab import results
+
+    h200 = results.load_results("paper-tables")
+    h100 = results.read_file(results.results_dir() / "archive" / "paper-tables-20261206-h100.json.xz")
+    assert "H200" in h200["machine"]["device"] and "H100" in h100["machine"]["device"]
+    assert h100["commit"].startswith("1e7420b") and h200["commit"].startswith("c191ba9")
+    assert h100["command"] == h200["command"] and h100["verdicts"] == h200["verdicts"]
+    assert {r["field"] for r in results.diff(h200, h100)} == {"model_wall_s"}
+
+
 def test_lower_fixed_ks_are_one_half_and_three_quarters_of_native():
     """The lower fixed k the paper tables compare against: 1, native / 2 and 3 native / 4 (OLMoE's 6 among them)."""
     assert lower_fixed_ks(8) == [1, 4, 6] and lower_fixed_ks(4) == [1, 2, 3] and lower_fixed_ks(2) == [1]
