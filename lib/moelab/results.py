@@ -183,7 +183,7 @@ def _log_member(name: str) -> str:
 def read_log(name: str, directory: Path | None = None) -> str:
     """A GPU call's log as text, by the name the docs give it (`logs/<step>-<sha>.txt.xz`): the file in
     data/results/logs, or the member of a bundle there (`packed-<date>.tar.xz`: one solid xz of many small logs
-    takes a tenth of the disk blocks they take as files, and the tree travels to the GPU machine under a limit)."""
+    takes an eighth of the disk blocks they take as files, and the tree travels to the GPU machine under a limit)."""
     d = Path(directory) if directory is not None else results_dir() / "logs"
     member = _log_member(name)
     loose = d / (member + ".xz")
