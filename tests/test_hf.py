@@ -40,7 +40,7 @@ def tiny(family: str):
                                                head_dim=8))
     elif family == "olmoe":
         m = OlmoeForCausalLM(OlmoeConfig(**COMMON, intermediate_size=24, num_experts=16, num_experts_per_tok=8,
-                                         norm_topk_prob=False))
+                                         norm_topk_prob=False, eos_token_id=0))  # its default, 50279, is past vocab
     else:  # the newer families at their real expert counts (moelab.models._RANDOM); hybrids mix linear attention
         m = models.tiny_random(family)
     for layer in moe_layers(m):  # routers some classes initialise to zero: give them real spread
