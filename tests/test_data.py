@@ -185,3 +185,34 @@ def test_routing_counts_rows_follow_the_layer_order(tmp_path, monkeypatch):
     assert c.shape == (len(data.COUNT_LAYERS), data.COUNT_MODELS["mistral"])
     for i, counter in enumerate(layers):
         assert {e: int(n) for e, n in enumerate(c[i]) if n} == dict(counter)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "flipped", "not xz"])
+def test_a_damaged_xz_corpus_is_named(tmp_path, monkeypatch, damage):
+    """A damaged compressed corpus fails with its path, not a bare LZMAError."""
+    import shutil
+
+    (tmp_path / "text").mkdir()
+    shutil.copy(data.data_dir() / "SHA256SUMS", tmp_path)
+    xz = tmp_path / "text" / "tinyshakespeare.txt.xz"
+    good = (data.data_dir() / "text" / xz.name).read_bytes()
+    xz.write_bytes({"truncated": good[: len(good) // 2], "not xz": b"garbage" * 10,
+                    "flipped": good[:4096] + bytes(b ^ 0xFF for b in good[4096:8192]) + good[8192:]}[damage])
+    monkeypatch.setenv("MOELAB_DATA", str(tmp_path))
+    with pytest.raises(ValueError, match=f"{xz}: damaged xz file"):
+        data.load_text("tinyshakespeare")
+
+
+def test_check_file_hashes_a_listed_file_once_per_version_and_record_hashes_updates_the_list(tmp_path, monkeypatch):
+    d = _data_folder(tmp_path, {"models/m/config.json": b"{}"})
+    monkeypatch.setenv("MOELAB_DATA", str(d))
+    f = data.check_file("models/m/config.json")
+    assert f == d / "models/m/config.json"
+    f.write_bytes(b'{"a": 1}')
+    with pytest.raises(ValueError, match=f"{f}: sha256 .* does not match SHA256SUMS"):
+        data.check_file("models/m/config.json")
+    with pytest.raises(ValueError, match="models/m/other.json: not listed in"):
+        data.check_file("models/m/other.json")
+    data.record_hashes(["models/m/config.json"])
+    assert data.check_file("models/m/config.json") == f
+    assert (d / "SHA256SUMS").read_text().count("models/m/config.json") == 1

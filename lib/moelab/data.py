@@ -55,29 +55,77 @@ def _hashes() -> dict[str, str]:
 def _hashes_in(d: Path) -> dict[str, str]:
     sums = d / "SHA256SUMS"
     out = {}
-    for line in sums.read_text().splitlines():
+    for i, line in enumerate(sums.read_text().splitlines(), 1):
         if line.strip():
-            digest, rel = line.split(maxsplit=1)
-            out[rel.strip()] = digest
+            parts = line.split(maxsplit=1)
+            if len(parts) != 2 or len(parts[0]) != 64:
+                raise ValueError(f"{sums}, line {i}: {line!r} is not '<sha256> <path>'")
+            out[parts[1].strip()] = parts[0]
     return out
 
 
-def _read_checked(rel: str) -> bytes:
-    """The bytes of a listed file, from `rel` or its xz-compressed copy `rel.xz`, hash-checked."""
-    path = data_dir() / rel
+@lru_cache(maxsize=64)
+def _sha256(path: str, size: int, mtime_ns: int) -> str:  # size and mtime: a changed file is hashed again
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def file_sha256(path: Path) -> str:
+    """sha256 of a file's bytes, computed once per process for each (path, size, mtime)."""
+    st = Path(path).stat()
+    return _sha256(str(Path(path).resolve()), st.st_size, st.st_mtime_ns)
+
+
+def _listed(rel: str) -> str:
     if rel not in _hashes():
-        raise ValueError(f"{rel}: not listed in {data_dir() / 'SHA256SUMS'}; known: {sorted(_hashes())}")
+        raise ValueError(f"{rel}: not listed in {data_dir() / 'SHA256SUMS'}")
+    return _hashes()[rel]
+
+
+def _mismatch(path: Path, got: str, want: str) -> ValueError:
+    return ValueError(f"{path}: sha256 {got} does not match SHA256SUMS {want}; the file is altered or damaged: "
+                      "restore it from the repository (a retrained model: `moelab.data.record_hashes`)")
+
+
+def check_file(rel: str) -> Path:
+    """data_dir() / rel, once its sha256 matches data/SHA256SUMS; an error naming the file otherwise."""
+    want, path = _listed(rel), data_dir() / rel
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: missing; restore it from the repository")
+    if (got := file_sha256(path)) != want:
+        raise _mismatch(path, got, want)
+    return path
+
+
+def record_hashes(rels) -> None:
+    """Write the current sha256 of each data_dir() / rel into SHA256SUMS (e.g. after retraining a model)."""
+    sums = data_dir() / "SHA256SUMS"
+    new = {rel: file_sha256(data_dir() / rel) for rel in rels}
+    lines = [f"{new.pop(rel, digest)}  {rel}" for rel, digest in _hashes().items()]
+    lines += [f"{digest}  {rel}" for rel, digest in new.items()]
+    sums.write_text("\n".join(lines) + "\n")
+    _hashes_in.cache_clear()
+
+
+def _read_checked(rel: str) -> bytes:
+    """The bytes of a listed file, from `rel` or its xz-compressed copy `rel.xz` (the hash is the original's)."""
+    want, path = _listed(rel), data_dir() / rel
     xz = path.with_name(path.name + ".xz")
     if path.exists():
         raw = path.read_bytes()
-    elif xz.exists():  # the corpora are stored compressed; the hash is the original file's
-        raw = lzma.decompress(xz.read_bytes())
+    elif xz.exists():
+        try:
+            raw = lzma.decompress(xz.read_bytes())
+        except lzma.LZMAError as e:
+            raise ValueError(f"{xz}: damaged xz file ({e}); restore it from the repository") from None
         path = xz
     else:
         raise FileNotFoundError(f"{path}: missing (nor {xz.name}); restore it from the repository (see data/NOTICE.md)")
-    digest = hashlib.sha256(raw).hexdigest()
-    if digest != _hashes()[rel]:
-        raise ValueError(f"{path}: sha256 {digest} does not match SHA256SUMS {_hashes()[rel]}; file altered")
+    if (got := hashlib.sha256(raw).hexdigest()) != want:
+        raise _mismatch(path, got, want)
     return raw
 
 
@@ -98,9 +146,8 @@ def _load_text(d: Path, name: str) -> str:  # d: the folder it was read from, so
 
 
 def eval_text() -> str:
-    """WikiText-2 test, the evaluation text, with LF line ends. The copy shipped (byte for byte its source's)
-    ends every line with CRLF, unlike the original release; its 2,891 CRLF tokens, which no model here saw in
-    training, cost about 11 nats each and raised perplexity by about a tenth (data/NOTICE.md)."""
+    """WikiText-2 test, the evaluation text, with LF line ends: the shipped copy (byte for byte its source's)
+    ends every line with CRLF, a token no model here saw in training (data/NOTICE.md)."""
     return load_text(EVAL_TEXT).replace("\r\n", "\n")
 
 
@@ -124,10 +171,8 @@ REPEAT_BLOCK = 200  # characters: a held-out slice repeats its training part if 
 
 
 def heldout_repeats(name: str) -> float:
-    """Share of the held-out slice's REPEAT_BLOCK-character blocks that occur verbatim in the training part.
-
-    The five OLMoE domain files repeat text (four end with a second copy of their beginning, the GitHub
-    file repeats its blocks), so their last 5% is text the models were trained on (1.0 for all five)."""
+    """Share of the held-out slice's REPEAT_BLOCK-character blocks that occur verbatim in the training part
+    (the five OLMoE domain files repeat their own text, so their held-out slices were trained on)."""
     return _heldout_repeats(data_dir(), name)
 
 
@@ -139,11 +184,8 @@ def _heldout_repeats(d: Path, name: str) -> float:  # d: cached per data folder,
 
 
 def heldout_texts(unseen_only: bool = True) -> dict[str, str]:
-    """Held-out part of the training corpora: calibration, validation.
-
-    unseen_only (default): only slices none of whose text occurs in their training part
-    (`heldout_repeats` == 0: tinyshakespeare and WikiText-2 valid); False: all seven, e.g. to compare the
-    five routed domains' text, which the models did see in training."""
+    """Held-out part of the training corpora (calibration, validation). unseen_only: only the slices none of
+    whose text occurs in their training part (`heldout_repeats` == 0); False: all of them."""
     return {n: split_heldout(load_text(n))[1] for n in TRAIN_TEXTS if not unseen_only or heldout_repeats(n) == 0}
 
 
