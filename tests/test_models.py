@@ -47,7 +47,7 @@ def heldout_ids(tok):
 
 
 def test_registry_configs():
-    cfgs = models.configs()
+    cfgs = {name: models.build_config(name) for name in models.NAMES}
     assert set(cfgs) == set(EXPECTED)
     for name, (family, E, k, renorm) in EXPECTED.items():
         assert models.moe_info(cfgs[name]) | {"shared_expert": True} == {
@@ -301,7 +301,7 @@ def test_check_ids_refuses_a_negative_id_and_names_its_position():
 
 
 def test_build_refuses_k_outside_the_expert_count_and_n_params_counts_tied_weights_once():
-    E = models.configs()["tiny-mixtral"].num_local_experts
+    E = models.build_config("tiny-mixtral").num_local_experts
     for k in (0, E + 1):
         with pytest.raises(ValueError, match=rf"num_experts_per_tok={k}: must be in \[1, num_experts={E}\]"):
             models.build("mixtral", num_experts_per_tok=k, num_local_experts=E)
@@ -437,3 +437,73 @@ def test_unigram_perplexity_refuses_ids_outside_the_vocabulary(tok):
     with pytest.raises(ValueError, match=rf"train_text: token id {V} at position 0"):
         unigram_perplexity(tok, [V], [3])
     assert unigram_perplexity(tok, [0, V - 1], [V - 1])["scored_tokens"] == 1
+
+
+def _embedded_copy(tmp_path, monkeypatch, name="tiny-mixtral"):
+    """A data folder with one embedded model, its tokenizer and SHA256SUMS, as MOELAB_DATA."""
+    import shutil
+
+    src = models.models_dir()
+    shutil.copy(src.parent / "SHA256SUMS", tmp_path)
+    for sub in (name, "tokenizer"):
+        shutil.copytree(src / sub, tmp_path / "models" / sub, symlinks=True)
+    monkeypatch.setenv("MOELAB_DATA", str(tmp_path))
+    return tmp_path / "models" / name
+
+
+@pytest.mark.parametrize("file", ["model.safetensors", "tokenizer.json", "config.json"])
+def test_an_altered_embedded_model_file_is_refused_by_name(tmp_path, monkeypatch, file):
+    """Each file of an embedded model is checked against data/SHA256SUMS before anything is loaded."""
+    f = _embedded_copy(tmp_path, monkeypatch) / file
+    raw = bytearray(f.read_bytes())
+    if file == "model.safetensors":  # 4 KiB flipped in the middle of the weights
+        mid = len(raw) // 2
+        raw[mid : mid + 4096] = bytes(b ^ 0xFF for b in raw[mid : mid + 4096])
+    elif file == "tokenizer.json":  # written through the link, into the shared tokenizer
+        raw = bytearray(b"\xff\xfe garbage")
+    else:
+        raw = raw[: len(raw) // 2]
+    f.write_bytes(bytes(raw))
+    with pytest.raises(ValueError, match=rf"{tmp_path}/models/[\w-]+/{file}: sha256 \w+ does not match SHA256SUMS"):
+        models.load("tiny-mixtral")
+
+
+@pytest.fixture(scope="module")
+def local_ckpt(tmp_path_factory, tok):
+    d = tmp_path_factory.mktemp("ckpt") / "m"
+    models.tiny_random("mixtral").save_pretrained(d)
+    tok.save_pretrained(d)
+    return d
+
+
+def test_a_local_checkpoint_with_non_finite_weights_is_refused_by_tensor_name(tmp_path, local_ckpt):
+    import shutil
+    import struct
+
+    d = shutil.copytree(local_ckpt, tmp_path / "m")
+    f = d / "model.safetensors"
+    raw = bytearray(f.read_bytes())
+    n = struct.unpack("<Q", raw[:8])[0]
+    start = 8 + n + json.loads(raw[8 : 8 + n])["model.embed_tokens.weight"]["data_offsets"][0]
+    raw[start + 4096 : start + 8192] = b"\xff" * 4096  # NaN in fp32 and bf16
+    f.write_bytes(bytes(raw))
+    with pytest.raises(ValueError, match=rf"{d}: non-finite values in 1 weight tensor\(s\): model.embed_tokens.weight"):
+        models.load(d)
+
+
+@pytest.mark.parametrize("file, damage", [("tokenizer.json", b"\xff\xfe{garbage"), ("tokenizer.json", b'{"model": '),
+                                          ("config.json", None), ("tokenizer_config.json", b"[1, 2")])
+def test_a_corrupt_json_file_of_a_local_checkpoint_is_named_before_the_weights_load(tmp_path, monkeypatch, local_ckpt,
+                                                                                   file, damage):
+    import shutil
+
+    import transformers
+
+    d = shutil.copytree(local_ckpt, tmp_path / "m")
+    f = d / file
+    f.write_bytes(damage if damage is not None else f.read_bytes()[:-20])
+    called = []
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: called.append(a))
+    with pytest.raises(ValueError, match=rf"{f}: not valid JSON"):
+        models.load(d)
+    assert not called

@@ -1,6 +1,6 @@
 """The embedded MoE models: registry, loading, and what moelab needs to know about any MoE model.
 
-Three small models trained by `moelab.train` live in data/models/<name> and mirror the routing
+Three small models trained by `tools/train.py` live in data/models/<name> and mirror the routing
 geometry of Mixtral-8x7B (8 experts, top-2, renormalised), Qwen1.5-MoE-A2.7B (60 experts, top-4, not
 renormalised, shared expert with a gate) and OLMoE-1B-7B (64 experts, top-8, not renormalised).
 `load` takes those names or any local transformers MoE checkpoint directory (a family moelab has no
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import json
 import logging
 import numbers
 import os
@@ -20,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from moelab.data import data_dir
+from moelab.data import check_file, data_dir
 from moelab.routing import quantile
 
 log = logging.getLogger(__name__)
@@ -55,7 +56,7 @@ _SHARED = dict(  # every embedded model: one tokenizer, one width, one depth
     pad_token_id=1,
 )
 
-# name -> (family, config kwargs). Expert widths keep ~9.5M parameters (~19 MB in bf16) per model.
+# name -> (family, config kwargs): about 9.5M parameters each
 TINY = {
     "tiny-mixtral": (
         "mixtral",
@@ -136,15 +137,6 @@ def model_dir(name: str) -> Path:
 def tokenizer_dir() -> Path:
     """The shared tokenizer of the embedded models (a copy also sits in each model's folder)."""
     return models_dir() / "tokenizer"
-
-
-def configs() -> dict:
-    """The three tiny configs (transformers config objects), by registry name."""
-    out = {}
-    for name, (family, kwargs) in TINY.items():
-        cfg_cls, _ = _classes(family)
-        out[name] = cfg_cls(**kwargs)
-    return out
 
 
 def build_config(name_or_family: str, **overrides):
@@ -267,7 +259,7 @@ def resolve(name_or_path: str | Path) -> Path:
         if not (path / "config.json").exists():
             raise FileNotFoundError(
                 f"{path}: embedded model {s!r} has no checkpoint (no config.json); "
-                f"train it with `python -m moelab.train --model {s}` or restore data/models from git"
+                f"train it with `python tools/train.py --model {s}` or restore data/models from git"
             )
         return path
     path = Path(s).expanduser()
@@ -332,20 +324,60 @@ def pick_dtype(dtype, device: torch.device) -> torch.dtype:
     raise ValueError(f"dtype={dtype!r}: must be 'auto' or one of {sorted(DTYPES)}")
 
 
+MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+_JSON_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+               "special_tokens_map.json", "model.safetensors.index.json")
+
+
+def _check_json(path: Path) -> None:
+    """Every JSON file transformers reads from the checkpoint parses: an error naming the file otherwise."""
+    for f in (path / n for n in _JSON_FILES):
+        if f.exists():
+            try:
+                json.loads(f.read_bytes())
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise ValueError(f"{f}: not valid JSON ({e}); a truncated or corrupt file?") from None
+
+
+def _load_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    if not ((path / "tokenizer.json").exists() or (path / "tokenizer_config.json").exists()):
+        raise FileNotFoundError(f"{path}: no tokenizer files (tokenizer.json, tokenizer_config.json) beside the model")
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # noqa: BLE001 (tokenizers raises plain Exceptions)
+        raise ValueError(f"{path}: its tokenizer does not load ({type(e).__name__}: {e})") from None
+
+
+def _check_finite(model, where: str = "") -> None:
+    """ValueError naming every parameter that holds a NaN or an inf (one isfinite().all() per tensor)."""
+    bad = [n for n, p in model.named_parameters()
+           if p.is_floating_point() and p.device.type != "meta" and not bool(torch.isfinite(p).all())]
+    if bad:
+        raise ValueError(f"{where}non-finite values in {len(bad)} weight tensor(s): {', '.join(bad[:8])}"
+                         f"{' ...' if len(bad) > 8 else ''} (a corrupt checkpoint?)")
+
+
 def load(name_or_path: str | Path, device=None, dtype=None, device_map=None):
     """(model, tokenizer) from a registry name or a local checkpoint dir; eval mode.
 
-    device: default CPU; 'auto' takes CUDA when there is one (`pick_device`). dtype: a torch dtype or
-    its name; default ('auto') float32 on CPU, bfloat16 on CUDA (with a device_map: on the map's
-    devices). device_map: passed to `from_pretrained` (accelerate) for models that need several
-    GPUs, e.g. "auto" or {module: gpu}; then `device` is ignored. Raises FileNotFoundError for a missing
-    checkpoint and ValueError for a model that is not an MoE model; an MoE family moelab has no adapter
-    for loads with a warning (`hf.patched` refuses it, with the reason).
+    An embedded model's files are checked against data/SHA256SUMS first. Then the config, the tokenizer
+    (before any weights are read) and the weight files' headers; after loading, every weight must be finite.
+    Each failure names the file (or the tensor).
+    device: default CPU; 'auto' takes CUDA when there is one (`pick_device`). dtype: a torch dtype or its
+    name; default float32 on CPU, bfloat16 on CUDA. device_map: passed to `from_pretrained` (accelerate) for
+    models spread over several GPUs, e.g. "auto" or {module: gpu}; then `device` is ignored. An MoE family
+    moelab has no adapter for loads with a warning (`hf.patched` refuses it).
     """
     from safetensors import SafetensorError, safe_open
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     path = resolve(name_or_path)
+    if isinstance(name_or_path, str) and name_or_path in TINY and path == model_dir(name_or_path):
+        for f in MODEL_FILES:
+            check_file(f"models/{name_or_path}/{f}")
+    _check_json(path)
     cfg = AutoConfig.from_pretrained(path)
     try:
         info = moe_info(cfg)
@@ -353,9 +385,8 @@ def load(name_or_path: str | Path, device=None, dtype=None, device_map=None):
         raise ValueError(f"{path}: {e}") from None
     if info["family"] not in ADAPTED:
         log.warning("%s: family %r is not one moelab has an adapter for (%s)", path, info["family"], sorted(ADAPTED))
-    if not ((path / "tokenizer.json").exists() or (path / "tokenizer_config.json").exists()):  # before any weights
-        raise FileNotFoundError(f"{path}: no tokenizer files (tokenizer.json, tokenizer_config.json) beside the model")
-    for f in sorted(path.glob("*.safetensors")):  # headers only: a truncated file named here, not deep in transformers
+    tokenizer = _load_tokenizer(path)
+    for f in sorted(path.glob("*.safetensors")):  # headers only: a truncated file named here
         try:
             with safe_open(f, "pt"):
                 pass
@@ -367,16 +398,14 @@ def load(name_or_path: str | Path, device=None, dtype=None, device_map=None):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=device_map).eval()
     else:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    _check_finite(model, f"{path}: ")
     return model, tokenizer
 
 
 def reference_experts(model) -> str | None:
-    """Make the unpatched blocks run transformers' reference expert loop ('eager'), as the paper tables' baselines
-    do, and return the implementation in use. Its default (grouped_mm) sums differently: the same in fp32, but
-    in bf16 the two differ by 1.2e-3 (relative) in tiny-mixtral's perplexity on 512 CPU tokens
-    (`benchmarks/patch_noise.py`'s reference_change). A model or
-    transformers version without the switch keeps what it has (logged)."""
+    """Make the unpatched blocks run transformers' reference expert loop ('eager'), as the paper tables'
+    baselines do, and return the implementation in use. The default (grouped_mm) sums in another order, which
+    differs in bf16 (`benchmarks/patch_noise.py`). A model without the switch keeps what it has (logged)."""
     if hasattr(model, "set_experts_implementation"):
         try:
             model.set_experts_implementation("eager")
