@@ -1,23 +1,22 @@
 """Decode-step CUDA graphs: batch-size buckets, one shared memory pool, eager forwards that borrow it.
 
-Flow: `GraphRunner(step_fn, make_inputs, buckets)` -> `.capture()` (largest bucket first, every graph
-into ONE `torch.cuda.MemPool` on one capture stream, as torchtitan's cudagraph.py shares one pool)
--> `runner(*inputs)` pads the batch to its bucket, copies into the static inputs, replays, and
-returns the first n rows of the static outputs. `runner.eager(*inputs)` runs step_fn without a
-graph, its scratch memory taken from the same pool (see moelab.scratch) unless reuse is off.
-Replaying while eager scratch of the pool is live raises `ScratchLiveError`.
+    runner = GraphRunner(step_fn, make_inputs, buckets).capture()   # largest bucket first, one MemPool
+    out = runner(*inputs)        # pad to the bucket, copy into the static inputs, replay, copy out n rows
+    out = runner.eager(*inputs)  # step_fn without a graph, its memory taken from the same pool
 
-Static outputs live OUTSIDE the pool: one buffer per output, [max bucket, ...], allocated before the
-captures; each graph ends by copying its result into the first b rows. Were they the graphs' own
-results, every bucket's output would stay allocated inside the pool after capture, pinning blocks
-the larger graphs freed, and an eager forward borrowing the pool could not reuse them (the pool
-grows). `hf_decode_step` ends the step with greedy next-token ids, so those buffers are tiny.
+As in torchtitan's cudagraph.py, every graph is captured into ONE `torch.cuda.MemPool` on one capture
+stream; the eager forward runs on that stream inside the pool (`moelab.scratch`), so it reuses the blocks
+the graphs leave free between replays. A replay while eager memory of the pool is live raises
+`ScratchLiveError`; a tensor an eager forward leaves in the pool is caught by comparing the pool's held
+blocks before and after it.
 
-Proof helpers: `pool_segments` / `pool_bytes` read the allocator snapshot (segments carry their pool
-id); `trace_allocations` records the allocator's own alloc events of a call, and
-`fraction_in_segments` says which share of those bytes fell inside given segments, and
-`fraction_on_ranges` which share lay on addresses the graphs' own allocations used during capture
-(the direct proof that eager scratch and graph memory are the same bytes).
+Static outputs live OUTSIDE the pool: one [max bucket, ...] buffer per output, each graph ending with a copy
+into its first b rows. Were they the graphs' own results, each bucket's output would pin pool blocks that
+the eager forward could otherwise reuse.
+
+Proof helpers: `pool_segments` / `pool_bytes` / `pool_blocks` read the allocator snapshot;
+`trace_allocations` records a call's alloc events; `fraction_in_segments` and `fraction_on_ranges` say which
+share of those bytes lay inside the pool, or on the very addresses the graphs used during capture.
 """
 
 from __future__ import annotations
@@ -35,7 +34,6 @@ import torch
 
 from moelab.scratch import (
     PoolLock,
-    PoolLockTimeout,
     ScratchBuffers,
     ScratchLiveError,
     active_scopes,
@@ -46,28 +44,6 @@ from moelab.scratch import (
     share_pool_lock,
 )
 
-__all__ = [
-    "make_buckets",
-    "check_buckets",
-    "bucket_for",
-    "capture_order",
-    "GraphRunner",
-    "pool_segments",
-    "pool_bytes",
-    "pool_blocks",
-    "trace_allocations",
-    "fraction_in_segments",
-    "merge_ranges",
-    "fraction_on_ranges",
-    "hf_decode_step",
-    "HOST_FACTORY_FAMILIES",
-    "prefer_graph_pool",
-    "ScratchLiveError",
-    "PoolLockTimeout",
-    "REUSE_PEAK_LIMIT",
-    "REUSE_SPEED_FLOOR",
-]
-
 log = logging.getLogger(__name__)
 
 # the pool-reuse targets that benchmarks/graph_pool.py checks and notebook 06 shows
@@ -75,7 +51,6 @@ REUSE_PEAK_LIMIT = 1.05  # serving loop's reserved peak with reuse <= this x max
 REUSE_SPEED_FLOOR = 0.98  # decode tokens/s with reuse >= this x the shared pool's without reuse
 
 
-# ----- buckets (pure logic)
 def make_buckets(max_batch: int) -> list[int]:
     """Powers of two up to max_batch, and max_batch itself: 1, 2, 4, ..., max_batch."""
     if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
@@ -84,8 +59,7 @@ def make_buckets(max_batch: int) -> list[int]:
     while b < max_batch:
         out.append(b)
         b *= 2
-    out.append(max_batch)
-    return out
+    return out + [max_batch]
 
 
 def check_buckets(buckets: Sequence[int]) -> list[int]:
@@ -120,19 +94,17 @@ def capture_order(buckets: Sequence[int]) -> list[int]:
     return sorted(check_buckets(buckets), reverse=True)
 
 
-# families whose forward builds a tensor on the host and copies it over (MiniMax's lightning attention:
-# torch.zeros(...).to(values) for its state without a cache), which a CUDA-graph capture refuses
+# families whose forward builds a tensor on the host and copies it over (MiniMax's lightning attention),
+# which a CUDA-graph capture refuses
 HOST_FACTORY_FAMILIES = frozenset({"minimax"})
 
 
 def hf_decode_step(model, output: str = "ids", on_device: bool | None = None) -> Callable:
     """step(ids_BL) of a transformers causal LM: last position only, greedy ids [B] or logits [B, V].
 
-    One forward without KV cache. output_router_logits=False: the trained configs keep it on from
-    training, and the router aux loss it adds syncs with the host (bincount), which capture refuses.
-    on_device: run the forward under `torch.device(<the ids' device>)`, so that factory calls without a
-    device land there instead of on the host (None: for HOST_FACTORY_FAMILIES only; elsewhere the
-    function mode would only add host time to eager steps).
+    One forward without KV cache, output_router_logits=False (the router aux loss syncs with the host, which
+    capture refuses). on_device: run the forward under `torch.device(<the ids' device>)`, so that factory calls
+    without a device land there (None: for HOST_FACTORY_FAMILIES only; it costs host time elsewhere).
     """
     if output not in ("ids", "logits"):
         raise ValueError(f"output={output!r}: must be 'ids' (greedy next tokens) or 'logits' (last position)")
@@ -148,7 +120,7 @@ def hf_decode_step(model, output: str = "ids", on_device: bool | None = None) ->
     return step
 
 
-# ----- allocator snapshot helpers
+# ----- allocator snapshots and traces
 def _pool_snapshot(pid: tuple[int, int]) -> list:
     """The allocator snapshot of one pool's segments (the whole snapshot where torch cannot narrow it)."""
     params = inspect.signature(torch.cuda.memory_snapshot).parameters
@@ -158,14 +130,14 @@ def _pool_snapshot(pid: tuple[int, int]) -> list:
     return torch.cuda.memory_snapshot()
 
 
+def _of_pool(snapshot: list, pid: tuple[int, int]) -> list:
+    return [s for s in snapshot if tuple(s.get("segment_pool_id", (0, 0))) == tuple(pid)]
+
+
 def pool_segments(pid: tuple[int, int], snapshot: list | None = None) -> list[tuple[int, int, int]]:
     """(address, total_size, allocated_size) of every allocator segment of pool `pid`."""
-    segs = _pool_snapshot(pid) if snapshot is None else snapshot
-    return [
-        (s["address"], s["total_size"], s["allocated_size"])
-        for s in segs
-        if tuple(s.get("segment_pool_id", (0, 0))) == tuple(pid)
-    ]
+    segs = _of_pool(_pool_snapshot(pid) if snapshot is None else snapshot, pid)
+    return [(s["address"], s["total_size"], s["allocated_size"]) for s in segs]
 
 
 def pool_bytes(pid: tuple[int, int], snapshot: list | None = None) -> dict:
@@ -177,9 +149,7 @@ def pool_bytes(pid: tuple[int, int], snapshot: list | None = None) -> dict:
 def pool_blocks(pid: tuple[int, int], snapshot: list | None = None) -> frozenset[tuple[int, int]]:
     """(address, size) of every block of pool `pid` that a tensor holds (allocator state 'active_allocated')."""
     held = []
-    for seg in _pool_snapshot(pid) if snapshot is None else snapshot:
-        if tuple(seg.get("segment_pool_id", (0, 0))) != tuple(pid):
-            continue
+    for seg in _of_pool(_pool_snapshot(pid) if snapshot is None else snapshot, pid):
         addr = seg["address"]  # blocks come in address order; older snapshots give no block address
         for b in seg["blocks"]:
             if b["state"] == "active_allocated":
@@ -203,13 +173,13 @@ def _entry_key(e: dict) -> tuple:
 
 def _events_after(dev: list, n: int, anchor: tuple) -> list:
     """The entries of one device's history after its first n at the body's start, whose last entries then were
-    `anchor`. Once the history is full its oldest entries make way and the anchor moves towards the front: it
-    is found again there; if it has gone too, the body's first events have gone with it, and this raises."""
+    `anchor`. A full history drops its oldest entries, moving the anchor towards the front: it is found again
+    there; if it has gone too, the body's first events have gone with it, and this raises."""
     m = len(anchor)
     if m == 0:
-        return dev[n:] if len(dev) >= n else dev  # another device's empty history: nothing made way unseen before
-    for i in range(min(n, len(dev)) - m, -1, -1):  # the latest match at or left of the anchor's old place: found
-        if tuple(_entry_key(e) for e in dev[i:i + m]) == anchor:  # after as many steps as entries made way
+        return dev[n:] if len(dev) >= n else dev
+    for i in range(min(n, len(dev)) - m, -1, -1):  # the latest match at or left of the anchor's old place
+        if tuple(_entry_key(e) for e in dev[i:i + m]) == anchor:
             return dev[i + m:]
     raise RuntimeError(f"trace_allocations: the memory history being recorded ({len(dev)} entries) dropped the "
                        "entries before the body's first events (it is full), so the body's alloc events cannot be "
@@ -219,12 +189,9 @@ def _events_after(dev: list, n: int, anchor: tuple) -> list:
 
 @contextlib.contextmanager
 def trace_allocations():
-    """Record the allocator's alloc events in the body; yields a list filled with (address, size) on exit, also
-    when the body raises. Where memory history is already being recorded (someone's own snapshot), its settings
-    and history are left as they are and the body's events are read from it, found after the entries that ended
-    it at the start (so also once the history is full and its oldest entries make way; if the body's own first
-    events made way too, the exit raises instead of returning a part; a history of the state alone, which keeps one
-    entry, is refused at the start)."""
+    """Record the allocator's alloc events of the body; yields a list filled with (address, size) on exit, also
+    when the body raises. Where someone already records memory history, their settings and history are left as
+    they are and the body's events are read from it (found after the entries that ended it at the start)."""
     events: list[tuple[int, int]] = []
     torch.cuda.synchronize()
     if getattr(torch._C, "_cuda_isHistoryEnabled", lambda: False)():
@@ -254,7 +221,7 @@ def trace_allocations():
             for dev in torch.cuda.memory._snapshot()["device_traces"]:
                 events.extend((e["addr"], e["size"]) for e in dev if e["action"] == "alloc")
         finally:
-            torch.cuda.memory._record_memory_history(enabled=None)
+            record(enabled=None)
 
 
 def fraction_in_segments(allocs: Sequence[tuple[int, int]], segments: Sequence[tuple[int, int, int]]) -> float:
@@ -262,10 +229,7 @@ def fraction_in_segments(allocs: Sequence[tuple[int, int]], segments: Sequence[t
     total = sum(n for _, n in allocs)
     if total == 0:
         return float("nan")
-    inside = 0
-    for addr, n in allocs:
-        if any(base <= addr and addr + n <= base + size for base, size, _ in segments):
-            inside += n
+    inside = sum(n for addr, n in allocs if any(base <= addr and addr + n <= base + size for base, size, _ in segments))
     return inside / total
 
 
@@ -300,8 +264,8 @@ def fraction_on_ranges(allocs: Sequence[tuple[int, int]], ranges: Sequence[tuple
 class _Graph:
     graph: "torch.cuda.CUDAGraph"
     inputs: tuple  # static input tensors, batch = bucket
-    outputs: tuple  # static outputs: the first `bucket` rows of the runner's output buffers (outside the pool)
-    pool: object  # MemPool (shared) or the graph's own pool handle (private)
+    outputs: tuple  # the first `bucket` rows of the runner's output buffers (outside the pool)
+    pool: object  # the shared MemPool, or the graph's own pool handle (private)
 
 
 def _input_tuple(x, name: str) -> tuple:
@@ -323,7 +287,8 @@ def _as_tuple(out) -> tuple:
 
 
 def _copy_rows(statics: tuple, outs: tuple) -> None:
-    """Copy each result into its static buffer; no reference to a result outlives the call (capture)."""
+    """Copy each result into its static buffer. A function, so that no reference to a result outlives it: the
+    results' blocks go back to the pool within the capture."""
     for buf, o in zip(statics, outs, strict=True):
         buf.copy_(o)
 
@@ -331,16 +296,13 @@ def _copy_rows(statics: tuple, outs: tuple) -> None:
 class GraphRunner:
     """CUDA graphs of `step_fn` for a set of batch-size buckets, sharing one pool (or one pool each).
 
-    step_fn(*inputs) -> tensor or tuple of tensors, every input and output batched along dim 0 and
-    rows independent of one another (a decode step). make_inputs(b) builds example inputs of batch b
-    (their content is used for warm-up; padding rows are zero at replay).
-    pool: 'shared' (one MemPool for all buckets, captured largest first) or 'private' (one pool each).
+    step_fn(*inputs) -> tensor or tuple of tensors, every input and output batched along dim 0 with rows
+    independent of one another (a decode step). make_inputs(b) builds example inputs of batch b (used for
+    warm-up; padding rows are zero at replay).
+    pool: 'shared' (one MemPool for all buckets) or 'private' (one pool each, for comparison).
     stream: the capture stream (a new one if None); eager forwards that borrow the pool run on it.
-    eager_example: inputs of a typical (the largest) eager forward, e.g. a prefill chunk. Given one,
-    capture() primes the shared pool with it by default (see `capture`): the pool then holds
-    max(graphs, eager) instead of graphs + eager-sized segments added later.
-    Outputs of every bucket are views of one preallocated buffer per output (see the module docstring);
-    a replay's result is copied out at once, so buckets can share the rows.
+    eager_example: inputs of the largest eager forward (e.g. a prefill chunk), with which `capture` may prime
+    the pool. device='cpu' builds a runner for eager forwards only.
     lock_wait_s: how long a replay, eager forward or scratch scope on the shared pool waits for another
     thread's before PoolLockTimeout (None: forever); see `moelab.scratch.PoolLock`.
     """
@@ -362,19 +324,19 @@ class GraphRunner:
             raise ValueError(f"pool={pool!r}: must be 'shared' or 'private'")
         if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
             raise ValueError(f"warmup={warmup!r}: must be an int >= 1 (cuBLAS and lazy state before capture)")
+        if device is None and not torch.cuda.is_available():
+            raise ValueError("device=None means the current CUDA device, and this machine has none "
+                             "(device='cpu' builds a runner for eager forwards only; capture needs CUDA)")
         self.step_fn = step_fn
         self.make_inputs = make_inputs
         self.buckets = check_buckets(buckets)
         self.pool_mode = pool
         self.warmup = warmup
-        if device is None and not torch.cuda.is_available():
-            raise ValueError("device=None means the current CUDA device, and this machine has none "
-                             "(device='cpu' builds a runner for eager forwards only; capture needs CUDA)")
         self.device = check_device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
         self.graphs: dict[int, _Graph] = {}
         self.out_buffers: tuple = ()  # one [max bucket, ...] buffer per output, ordinary allocator
         self.pool = None  # the shared MemPool
-        self.stream = stream  # capture stream (new one if None); pass one to share cuBLAS workspaces across runners
+        self.stream = stream
         if eager_example is not None:
             if pool != "shared":
                 raise ValueError("eager_example primes the shared pool: it needs pool='shared'")
@@ -389,41 +351,31 @@ class GraphRunner:
         self._captured_segments: list = []  # the shared pool's segments right after capture
         self._graph_ranges: list = []  # address ranges the graphs' own allocations used during capture
         self._leak: tuple[frozenset, str] | None = None  # (the pool's held blocks before the leaking forward, message)
-        # one capture, eager forward or replay at a time: a replay must not land between another thread's safety
-        # check and its eager kernels (they share the capture stream's blocks); after capture it is also the
-        # shared pool's `pool_lock`, held by any thread's scratch scope on that pool
+        # one capture, eager forward or replay at a time (a replay must not land between another thread's safety
+        # check and its eager kernels); after capture also the pool's `pool_lock`, held by any scratch scope on it
         self._lock = PoolLock(lock_wait_s, arg="lock_wait_s")
 
-    # capture
+    # ----- capture
     def capture(self, release_cache: bool = True, prime: tuple | bool | str = "auto") -> "GraphRunner":
         """Warm up and capture every bucket, largest first. release_cache: empty_cache() after (warm-up blocks).
 
-        prime: whether one eager forward runs inside the shared pool before the captures. Priming
-        leaves free segments sized for the eager forward, the graphs are captured into them, and later
-        eager forwards find the same segments free (the pool need not grow). torch.cuda.graph() calls
-        empty_cache() on entry, but the caching allocator only releases pools no one holds: a live
-        MemPool keeps its segments.
-          'auto' (default): with an `eager_example`, capture both ways and keep the layout whose pool
-              is smaller after one eager forward, the unprimed one on a tie (its graphs share their
-              blocks compactly); `prime_choice` records both sizes. Without one: no priming.
+        prime: whether one eager forward runs inside the shared pool before the captures, leaving free segments
+        sized for it; the graphs are captured into them, and later eager forwards find them free.
+          'auto' (default): with an `eager_example`, capture both ways and keep the layout whose pool is smaller
+              after one eager forward, the unprimed one on a tie (`prime_choice` records both). Without one: no.
           True: prime with `eager_example`; a tuple: prime with those inputs; False: never.
+        A capture that fails leaves no graphs and no pool: capture() can be called again.
         """
         if not torch.cuda.is_available():
             raise RuntimeError("GraphRunner.capture needs CUDA")
         if self.graphs:
             raise RuntimeError("already captured")
+        auto = False
         if isinstance(prime, str):
             if prime != "auto":
                 raise ValueError(f"prime={prime!r}: must be 'auto', True, False or a tuple of inputs")
-            if self.eager_example is None or self.pool_mode != "shared":
-                return self._capture_guarded(release_cache, None)
-            with self._lock.hold("a capture"):
-                try:
-                    return self._capture_auto(release_cache)
-                except BaseException:
-                    self._release()  # no half-built runner: capture() can be called again
-                    raise
-        if prime is True:
+            auto, prime = self.eager_example is not None and self.pool_mode == "shared", None
+        elif prime is True:
             if self.eager_example is None:
                 raise ValueError("prime=True primes with eager_example, and this runner has none: pass "
                                  "GraphRunner(..., eager_example=inputs) or prime=(inputs,)")
@@ -435,12 +387,9 @@ class GraphRunner:
             self._check_inputs(prime)
         if prime is not None and self.pool_mode != "shared":
             raise ValueError("prime needs pool='shared': a private pool per bucket has nothing to share")
-        return self._capture_guarded(release_cache, prime)
-
-    def _capture_guarded(self, release_cache: bool, prime: tuple | None) -> "GraphRunner":
         with self._lock.hold("a capture"):
             try:
-                return self._capture_once(release_cache, prime)
+                return self._capture_auto(release_cache) if auto else self._capture_once(release_cache, prime)
             except BaseException:
                 self._release()
                 raise
@@ -465,7 +414,7 @@ class GraphRunner:
         return self
 
     def _release(self) -> None:
-        """Drop the graphs and their pool (a trial layout of capture('auto'))."""
+        """Drop the graphs and their pool (a failed capture, or a trial layout of capture('auto'))."""
         torch.cuda.synchronize(self.device)
         self.graphs.clear()
         self.out_buffers = ()
@@ -485,13 +434,10 @@ class GraphRunner:
         cur = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(cur)
         if prime is not None:
-            if self.pool is None:
-                raise ValueError("prime needs pool='shared': a private pool per bucket has nothing to share")
             with torch.no_grad(), torch.cuda.stream(self.stream):
                 _as_tuple(self.step_fn(*prime))  # lazy state (cuBLAS workspace) outside the pool first
-            # its activations' blocks stay cached in the ordinary pool: give them back before the same
-            # forward runs in the graph pool, or the process briefly holds two eager peaks (process-wide,
-            # as the empty_cache() that torch.cuda.graph() itself calls on entry)
+            # give its cached activations back before the same forward runs in the graph pool, or the process
+            # briefly holds two eager peaks
             self.stream.synchronize()
             torch.cuda.empty_cache()
             self._eager_in(self.pool, self.stream, tuple(prime), _pool_state(self.pool.id))
@@ -502,8 +448,8 @@ class GraphRunner:
                 made = _input_tuple(self.make_inputs(b), f"make_inputs({b})")
                 self._check_inputs(made, b)
                 self.stream.wait_stream(cur)  # the warm-up reads inputs made on the current stream
-                with torch.cuda.stream(self.stream):  # the runner's own static inputs (a caller's tensor would
-                    inputs = tuple(t.clone() for t in made)  # be overwritten by replays), in its stream's segment
+                with torch.cuda.stream(self.stream):  # the runner's own static inputs (a replay would overwrite
+                    inputs = tuple(t.clone() for t in made)  # a caller's tensor), in its stream's segment
                 del made
                 with torch.cuda.stream(self.stream):  # warm-up on the capture stream, ordinary allocator
                     for _ in range(self.warmup):
@@ -515,10 +461,8 @@ class GraphRunner:
                         )
                     del warm
                 g = torch.cuda.CUDAGraph()
-                pool_arg = self.pool.id if self.pool is not None else None
                 statics = tuple(buf[:b] for buf in self.out_buffers)
-                with torch.cuda.graph(g, pool=pool_arg, stream=self.stream):
-                    # same shapes as the warm-up's (checked there); the results' blocks go back to the pool
+                with torch.cuda.graph(g, pool=self.pool.id if self.pool is not None else None, stream=self.stream):
                     _copy_rows(statics, _as_tuple(self.step_fn(*inputs)))
                 self.graphs[b] = _Graph(g, inputs, statics, self.pool if self.pool is not None else g.pool())
         cur.wait_stream(self.stream)
@@ -551,8 +495,6 @@ class GraphRunner:
 
     def _check_inputs(self, inputs: tuple, b: int | None = None) -> None:
         """Tensors batched along dim 0, all of batch b (default: the first one's)."""
-        if not inputs or not all(isinstance(t, torch.Tensor) for t in inputs):
-            raise ValueError("inputs must be one or more tensors")
         if any(t.dim() == 0 for t in inputs):
             raise ValueError(f"inputs of shapes {[tuple(t.shape) for t in inputs]}: each needs a batch dimension "
                              "(dim 0), a 0-d tensor has none")
@@ -572,11 +514,15 @@ class GraphRunner:
         snap = torch.cuda.memory_snapshot()
         return {pid: pool_bytes(pid, snap) for pid in dict.fromkeys(self.pool_ids().values())}
 
-    # replay
-    def check_replay_safe(self) -> None:
-        """Raise ScratchLiveError if eager scratch memory of the shared pool is live (also a tensor an
-        earlier eager forward left allocated in the pool: until every block it took there is free again).
-        A replay from another thread while a scope is open there never gets here: it waits for the pool lock."""
+    # ----- replay
+    def __call__(self, *inputs):
+        """Replay the bucket graph for a batch of n <= max bucket; returns fresh tensors of n rows."""
+        with self._lock.hold("a replay"):
+            return self._replay(inputs)
+
+    def _check_replay_safe(self) -> None:
+        """Raise ScratchLiveError while eager memory of the shared pool is live: a forward still running (another
+        thread's replay waits for the pool lock instead), or a tensor an eager forward left in the pool."""
         if self.pool is None:
             return
         self._raise_leak("replay refused: ")
@@ -592,15 +538,10 @@ class GraphRunner:
                 "referenced after their forward ended; a replay would overwrite them. Drop those tensors first"
             )
 
-    def __call__(self, *inputs):
-        """Replay the bucket graph for a batch of n <= max bucket; returns fresh tensors of n rows."""
-        with self._lock.hold("a replay"):
-            return self._replay(inputs)
-
     def _replay(self, inputs: tuple):
         if not self.graphs:
             raise RuntimeError("capture() first")
-        self.check_replay_safe()
+        self._check_replay_safe()
         if not inputs or not all(isinstance(t, torch.Tensor) and t.dim() >= 1 for t in inputs):
             raise ValueError("inputs must be tensors batched along dim 0 (at least one dimension)")
         n = inputs[0].shape[0]
@@ -624,28 +565,22 @@ class GraphRunner:
         self.stream.wait_stream(cur)
         with torch.cuda.stream(self.stream):
             g.graph.replay()
-            # copied out on the capture stream, like the static outputs and the eager results: all of the
-            # runner's own small allocations then share that stream's segments (one 2 MiB segment, not
-            # one per stream). Safe for the caller's stream: every runner call starts by waiting for it,
-            # so a block the caller frees is not reused before the caller's work on it is done.
+            # copied out on the capture stream, so the runner's small allocations share its segments; safe for
+            # the caller's stream, which every runner call first waits for
             outs = tuple(o[:n].clone() for o in g.outputs)
         cur.wait_stream(self.stream)
         return outs[0] if len(outs) == 1 else outs
 
-    # eager
+    # ----- eager
     def eager(self, *inputs, reuse: bool | None = None, stream=None):
-        """step_fn without a graph, on the capture stream; with reuse its scratch lives in the shared pool.
+        """step_fn without a graph, on the capture stream; with reuse, all its memory comes from the shared pool.
 
-        reuse: None (default) borrows the shared pool where there is one; True insists on it (an error for
-        a runner with private pools, or before capture); False uses the ordinary allocator.
-        stream: override the stream (another stream cannot reuse the pool's free blocks: the pool grows).
-
-        Outputs are copied out to the ordinary allocator before the scratch scope ends. An OOM in the
-        pool re-runs the forward on the ordinary allocator (warning + `eager_fallbacks`; side effects of the
-        failed attempt, such as a patched model's routing counts, stay applied). A tensor the
-        forward leaves allocated in the pool raises ScratchLiveError, and replays refuse until it is gone.
-        A forward that raises in the pool has its frames' locals cleared before the error goes on (they
-        hold pool memory a replay would overwrite); replays refuse while anything else it made there lives.
+        reuse: None (default) borrows the shared pool where there is one; True insists on it; False uses the
+        ordinary allocator. stream: another stream (it cannot reuse the pool's free blocks: the pool grows).
+        Outputs are copied out of the pool before the forward ends. An OOM in the pool re-runs the forward on
+        the ordinary allocator (logged, `eager_fallbacks`; side effects of the failed attempt stay applied). A
+        tensor the forward leaves in the pool raises ScratchLiveError, and replays refuse until it is gone; a
+        forward that raises has its frames' locals cleared (they hold pool memory a replay would overwrite).
         """
         if not (reuse is None or reuse is True or reuse is False):
             raise ValueError(f"reuse={reuse!r}: must be None, True or False")
@@ -657,7 +592,7 @@ class GraphRunner:
             return self._eager(inputs, reuse is not False, stream)
 
     def _eager(self, inputs: tuple, reuse: bool, stream):
-        if self.device.type != "cuda":  # a runner built for eager forwards only: no streams, no pool
+        if self.device.type != "cuda":  # a runner for eager forwards only: no streams, no pool
             with torch.no_grad():
                 outs = _as_tuple(self.step_fn(*inputs))
             return outs[0] if len(outs) == 1 else outs
@@ -665,7 +600,7 @@ class GraphRunner:
         stream = stream or self.stream or torch.cuda.current_stream(self.device)
         cur = torch.cuda.current_stream(self.device)
         stream.wait_stream(cur)
-        before = _pool_state(pool.id) if pool is not None else None  # the pool's own segments and blocks
+        before = _pool_state(pool.id) if pool is not None else None
         oom = None
         try:
             try:
@@ -673,9 +608,8 @@ class GraphRunner:
             except BaseException as e:
                 if pool is None:
                     raise
-                # the failed forward's frames hold tensors inside the pool, which a replay would overwrite:
-                # drop their locals (the traceback keeps its lines), and let replays check that nothing else
-                # it made there is still allocated (e.g. a patched model's records)
+                # the failed forward's frames hold tensors inside the pool: drop their locals (the traceback keeps
+                # its lines), and let replays check that nothing else it made there is still allocated
                 traceback.clear_frames(e.__traceback__)
                 if self._leak is None:
                     self._leak = (before["blocks"], "an eager forward that raised left tensors in the pool")
@@ -687,36 +621,26 @@ class GraphRunner:
                 log.warning("eager forward: graph pool %s out of memory (%s); re-running on the ordinary allocator "
                             "(fallback %d)", pool.id, oom, self.eager_fallbacks)
                 outs, _ = self._eager_in(None, stream, inputs, None)
-                after = pool_bytes(pool.id)  # what the failed attempt left the pool
+                after = pool_bytes(pool.id)
         finally:
             cur.wait_stream(stream)  # also after a failure: the caller's stream follows what was queued
-        if pool is not None:
-            self._note_growth(after["reserved"] - before["reserved"])
+        if pool is not None and (grown := after["reserved"] - before["reserved"]) > 0:
+            self.eager_growth_bytes += grown
+            if not self._growth_hinted:
+                self._growth_hinted = True
+                log.info("eager forward in graph pool %s added %.1f MiB of segments%s", pool.id, grown / 2**20,
+                         "" if self.eager_example is not None else
+                         ": pass eager_example= (the largest eager inputs) so capture() primes the pool with "
+                         "eager-sized segments and the graphs are captured into them")
         self._raise_leak()
         return outs[0] if len(outs) == 1 else outs
 
-    def _note_growth(self, grown: int) -> None:
-        """Count the segments an eager forward added to the graph pool; say once how to avoid it (priming)."""
-        if grown <= 0:
-            return
-        self.eager_growth_bytes += grown
-        if not self._growth_hinted:
-            self._growth_hinted = True
-            log.info(
-                "eager forward in graph pool %s added %.1f MiB of segments%s", self.pool.id, grown / 2**20,
-                "" if self.eager_example is not None else
-                ": pass eager_example= (the largest eager inputs) so capture() primes the pool with eager-sized "
-                "segments and the graphs are captured into them",
-            )
-
     def _eager_in(self, pool, stream, inputs, before: dict | None) -> tuple[tuple, dict | None]:
-        """One forward -> (outputs copied out, the pool's state after it: `_pool_state`). With a pool, every
-        allocation of the body lands in it, and the blocks held after it are compared with those of `before`: a
-        tensor made inside the pool that outlives the forward is recorded (`_leak`; `_raise_leak` and every
-        replay refuse until its block is free)."""
-        # blocks the pool held at the start could be freed by the forward and taken again by a tensor it keeps:
-        # then (address, size) alone would not tell the new tensor from the old, so trace the forward's allocations
-        # and count a held block as new wherever one was allocated at its address (cheap: usually none are held)
+        """One forward -> (outputs copied out, the pool's `_pool_state` after it). With a pool, a block held after
+        it that was not held before is recorded as a leak (`_leak`)."""
+        # a block held at the start could be freed by the forward and taken again by a tensor it keeps: then
+        # (address, size) alone would not tell the two apart, so trace the forward's allocations and count a
+        # held block as new wherever one was allocated at its address (usually no block is held)
         traced = pool is not None and bool(before["blocks"])
         try:
             with (trace_allocations() if traced else contextlib.nullcontext([])) as allocs, torch.no_grad(), \
@@ -738,10 +662,7 @@ class GraphRunner:
 
     def _raise_leak(self, prefix: str = "") -> None:
         """Raise while a block of the pool that a tensor holds was not held before the leaking forward; forget
-        the leak once every such block is free. Blocks are compared by (address, size), not bytes in all: a
-        forward that frees an older tensor and keeps a new one elsewhere is caught; so is one whose kept tensor
-        took the very block it freed (`_eager_in` traces the allocations of a forward that starts with blocks
-        held, and a block allocated again during it does not count as held before)."""
+        the leak once every such block is free."""
         if self._leak is None:
             return
         before, what = self._leak
@@ -754,30 +675,25 @@ class GraphRunner:
                                "replays would overwrite them. Drop those tensors first")
 
     def scratch_fraction_in_pool(self, *inputs, reuse: bool = True, stream=None) -> dict:
-        """Proof that reuse is on: share of one eager forward's allocated bytes inside the graph pool.
+        """Proof that reuse is on: where one eager forward's allocated bytes lay (the copied-out results excluded).
 
-        in_pool: inside any segment of the shared pool (after the forward);
-        in_captured_segments: inside the segments the pool had right after capture;
-        on_graph_blocks: on addresses the graphs' own allocations used during capture (the same bytes as the
-            graphs' activations: memory really shared; a primed pool's segments alone do not show that);
-        graph_blocks_reused: the other way round, the share of those graph addresses (graph_block_bytes in
-            all) that the eager forward's allocations covered: at most the graph pool is there to share.
+        fraction_in_pool: inside the shared pool's segments; fraction_in_captured_segments: inside those it had
+        right after capture; fraction_on_graph_blocks: on the addresses the graphs' own allocations used during
+        capture (memory really shared); graph_blocks_reused: the share of those addresses (graph_block_bytes)
+        that the eager forward's allocations covered.
         """
         if self.pool is None:
             raise ValueError("pool='private' has no shared pool to borrow from" if self.pool_mode == "private"
                              else "no shared pool yet: capture() first")
-        captured = self._captured_segments
         with trace_allocations() as allocs:
             outs = _as_tuple(self.eager(*inputs, reuse=reuse, stream=stream))
             result_ptrs = {t.untyped_storage().data_ptr() for t in outs}
-        # the copied-out results go to the ordinary allocator on purpose: they are not scratch
         scratch = [(a, n) for a, n in allocs if a not in result_ptrs]
-        segs_after = pool_segments(self.pool.id)
         return {
             "scratch_bytes": sum(n for _, n in scratch),
             "allocations": len(scratch),
-            "fraction_in_pool": fraction_in_segments(scratch, segs_after),
-            "fraction_in_captured_segments": fraction_in_segments(scratch, captured),
+            "fraction_in_pool": fraction_in_segments(scratch, pool_segments(self.pool.id)),
+            "fraction_in_captured_segments": fraction_in_segments(scratch, self._captured_segments),
             "fraction_on_graph_blocks": fraction_on_ranges(scratch, self._graph_ranges),
             "graph_block_bytes": sum(b - a for a, b in self._graph_ranges),
             "graph_blocks_reused": fraction_on_ranges([(a, b - a) for a, b in self._graph_ranges],

@@ -1,23 +1,20 @@
-"""Scratch buffers for the eager forward, borrowed from a CUDA-graph memory pool.
+"""Scratch memory for the eager forward, borrowed from a CUDA-graph memory pool.
 
 The captured decode graphs own a pool whose blocks sit free between replays; the eager forward can
 borrow them instead of growing a second pool. Three rules make that safe and real:
-- the pool is a `torch.cuda.MemPool` (a `graph_pool_handle()` tuple cannot route allocations: that is
-  the bug that silently disabled the published TensorRT-LLM version);
+- the pool is a `torch.cuda.MemPool` (a `graph_pool_handle()` tuple cannot route allocations);
 - allocations run on the stream the graphs were captured on: the caching allocator only hands a free
-  block to a request on the block's own stream, so any other stream grows the pool instead of reusing it;
-- a scratch buffer lives for one eager forward; a replay while one is live raises (the replay writes
-  into the blocks the graph freed during capture).
-Only `torch.cuda.OutOfMemoryError` from the pool is caught: it falls back to the ordinary allocator,
-logs a warning and counts the fallback.
+  block to a request on the block's own stream, so any other stream grows the pool instead;
+- scratch lives for one eager forward, and a replay while any of it is live raises `ScratchLiveError`
+  (the replay writes into the blocks the graph freed during capture). A scope on a pool holds the pool's
+  lock (`pool_lock`), which its runner's replays hold too, so another thread's replay waits for it.
+An out-of-memory error in the pool falls back to the ordinary allocator, logged and counted.
 """
 
 from __future__ import annotations
 
-import bisect
 import collections
 import contextlib
-import itertools
 import logging
 import math
 import numbers
@@ -27,47 +24,21 @@ import weakref
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-__all__ = [
-    "prefer_graph_pool",
-    "preferred_pool",
-    "pool_id",
-    "register_capture_stream",
-    "capture_stream",
-    "BestFitFreeList",
-    "ScratchBuffers",
-    "ScratchLiveError",
-    "live_scratch_bytes",
-    "active_scopes",
-    "pool_lock",
-    "share_pool_lock",
-    "PoolLock",
-    "PoolLockTimeout",
-    "LOCK_WAIT_S",
-    "registered_pools",
-    "round_block",
-    "check_device",
-]
-
 log = logging.getLogger(__name__)
 
-_tls = threading.local()
 # Registries keyed by pool id, guarded by _registry_lock. A pool's entries go once its pool object is garbage
 # (a MemPool's id is never given out again): its finalizer only queues the id (`_collected`, no lock: it may run
 # in any thread, during any allocation, also one made under _registry_lock), and the next registry call drops it.
 _capture_streams: dict[tuple[int, int], "torch.cuda.Stream"] = {}
-# pool id -> (storage weak reference, bytes) of scratch blocks; not expired = pool memory still in use
-_live_blocks: dict[tuple[int, int], list] = {}
-# pool id -> number of eager scopes currently open on it (any thread)
-_open_scopes: dict[tuple[int, int], int] = {}
-# pool id -> the lock its eager scopes hold for their whole forward (a GraphRunner shares its own: see pool_lock)
+_live_blocks: dict[tuple[int, int], list] = {}  # pool id -> [(storage weak ref, bytes)] of scratch tensors
+_open_scopes: dict[tuple[int, int], int] = {}  # pool id -> scratch scopes open on it (any thread)
 _pool_locks: dict[tuple[int, int], "PoolLock"] = {}
 _watched: set[tuple[int, int]] = set()  # ids whose pool object has a finalizer
-_collected: collections.deque = collections.deque()  # ids whose pool object is gone: dropped at the next call
+_collected: collections.deque = collections.deque()
 # re-entrant: a collection under it may finalize a forward() scope entered and never left, whose clean-up
 # (`_count_scope`) takes it again in the same thread
 _registry_lock = threading.RLock()
-LOCK_WAIT_S = 60.0  # seconds a thread waits for a pool's lock before PoolLockTimeout (None: forever): the wait of
-# the locks pool_lock makes, read when it makes one; PoolLock() and GraphRunner(lock_wait_s=...) default to 60 s
+LOCK_WAIT_S = 60.0  # the wait of the locks `pool_lock` makes for pools no runner registered
 
 
 class ScratchLiveError(RuntimeError):
@@ -90,22 +61,19 @@ def _check_wait(wait_s, name: str) -> float | None:
 
 
 class PoolLock:
-    """The re-entrant lock of one graph pool: every scratch scope on the pool holds it, and so do its runner's
-    replays, eager forwards and captures. A wait longer than `wait_s` raises PoolLockTimeout naming the holder
-    instead of hanging: a thread that holds a scope and waits for another thread's replay of the same pool
-    would otherwise wait forever. The wait cannot tell that from a holder that is only slow (a long capture or
-    prefill, or a lock handed to other waiters first: it is not fair), so keep wait_s well above the longest
-    hold; None waits forever."""
+    """The re-entrant lock of one graph pool, held by every scratch scope on it and by its runner's replays,
+    eager forwards and captures. A wait longer than `wait_s` raises PoolLockTimeout naming the holder instead
+    of hanging (a thread holding a scope that waits for another thread's replay would wait forever); a slow
+    holder looks the same, so keep wait_s well above the longest hold. None waits forever."""
 
     def __init__(self, wait_s: float | None = 60.0, *, arg: str = "wait_s"):
         self.wait_s = _check_wait(wait_s, arg)  # arg: the name a bad value is reported under
         self._lock = threading.RLock()
         self._holder: tuple[str, str] | None = None  # (thread name, what it does) of the outermost hold
-        self._owner: int | None = None  # thread ident of the holder
+        self._owner: int | None = None
         self._depth = 0
 
     def acquire(self, what: str = "a scratch scope") -> None:
-        """Take the lock for `what` (named to a waiter that times out); PoolLockTimeout after wait_s."""
         if not self._lock.acquire(timeout=-1 if self.wait_s is None else self.wait_s):
             name, doing = self._holder or ("?", "?")  # read without the lock: a hint for the message
             raise PoolLockTimeout(
@@ -129,7 +97,6 @@ class PoolLock:
 
     @contextlib.contextmanager
     def hold(self, what: str):
-        """`with lock.hold("a replay"):` the lock for the body."""
         self.acquire(what)
         try:
             yield self
@@ -139,6 +106,17 @@ class PoolLock:
     def holder(self) -> tuple[str, str] | None:
         """(thread name, what it does) of the current holder, None when free."""
         return self._holder
+
+
+def pool_id(pool) -> tuple[int, int]:
+    """The (int, int) id of a MemPool; ValueError for anything that cannot route allocations."""
+    pid = getattr(pool, "id", None)
+    if not (isinstance(pid, tuple) and len(pid) == 2 and all(isinstance(i, int) for i in pid)):
+        raise ValueError(
+            f"pool={pool!r}: must be a torch.cuda.MemPool (with an .id of two ints); a graph_pool_handle() "
+            "tuple cannot be passed to torch.cuda.use_mem_pool"
+        )
+    return pid
 
 
 def _registered(pool) -> tuple[int, int]:
@@ -151,13 +129,6 @@ def _registered(pool) -> tuple[int, int]:
     return pid
 
 
-def registered_pools() -> set[tuple[int, int]]:
-    """Ids of the pools that have entries (capture stream, lock, open scopes or tracked blocks)."""
-    with _registry_lock:
-        _drop_collected()
-        return set(_capture_streams) | set(_live_blocks) | set(_open_scopes) | set(_pool_locks)
-
-
 def _drop_collected() -> None:
     while _collected:
         gone = _collected.popleft()
@@ -166,46 +137,11 @@ def _drop_collected() -> None:
         _watched.discard(gone)
 
 
-def pool_id(pool) -> tuple[int, int]:
-    """The (int, int) id of a MemPool; ValueError for anything that cannot route allocations. The registries
-    keep a pool's entries while the first object registered with its id lives (weak-referenceable, one live
-    object per id: true of MemPool, whose ids are never reused)."""
-    pid = getattr(pool, "id", None)
-    if not (isinstance(pid, tuple) and len(pid) == 2 and all(isinstance(i, int) for i in pid)):
-        raise ValueError(
-            f"pool={pool!r}: must be a torch.cuda.MemPool (with an .id of two ints); a graph_pool_handle() "
-            "tuple cannot be passed to torch.cuda.use_mem_pool"
-        )
-    return pid
-
-
-def _stack() -> list:
-    if not hasattr(_tls, "pools"):
-        _tls.pools = []
-    return _tls.pools
-
-
-@contextlib.contextmanager
-def prefer_graph_pool(pool):
-    """Make `pool` (a MemPool, or None for 'no preference') the preferred pool of this thread.
-
-    Nests; the previous preference comes back on exit, also when the body raises.
-    """
-    if pool is not None:
-        pool_id(pool)
-    stack = _stack()
-    depth = len(stack)
-    stack.append(pool)
-    try:
-        yield pool
-    finally:
-        del stack[depth:]
-
-
-def preferred_pool():
-    """The pool preferred by the innermost `prefer_graph_pool` of this thread (None outside any)."""
-    stack = _stack()
-    return stack[-1] if stack else None
+def registered_pools() -> set[tuple[int, int]]:
+    """Ids of the pools that have entries (capture stream, lock, open scopes or tracked scratch)."""
+    with _registry_lock:
+        _drop_collected()
+        return set(_capture_streams) | set(_live_blocks) | set(_open_scopes) | set(_pool_locks)
 
 
 def register_capture_stream(pool, stream) -> None:
@@ -220,41 +156,25 @@ def capture_stream(pool):
 
 
 def pool_lock(pool) -> PoolLock:
-    """The lock that every scratch scope on `pool` holds for its whole forward. A GraphRunner registers its
-    own lock here (`share_pool_lock`), so a scope of another thread and a replay of its graphs, which would
-    overwrite that scope's blocks, never overlap: the replay waits for the scope to end. A pool no runner
-    registered gets a PoolLock waiting LOCK_WAIT_S."""
+    """The lock every scratch scope on `pool` holds for its whole forward: a GraphRunner's own (`share_pool_lock`),
+    so that a replay never overlaps another thread's scope; else a PoolLock waiting LOCK_WAIT_S."""
     with _registry_lock:
         pid = _registered(pool)
-        lock = _pool_locks.get(pid)
-        if lock is None:
-            lock = _pool_locks[pid] = PoolLock(LOCK_WAIT_S)
-        return lock
+        if pid not in _pool_locks:
+            _pool_locks[pid] = PoolLock(LOCK_WAIT_S)
+        return _pool_locks[pid]
 
 
 def share_pool_lock(pool, lock: PoolLock) -> None:
-    """Make `lock` (a PoolLock: re-entrant, so its holder may open scopes) the one scopes on `pool` hold."""
+    """Make `lock` (re-entrant, so its holder may open scopes) the one scopes on `pool` hold."""
     if not isinstance(lock, PoolLock):
         raise TypeError(f"lock={lock!r}: must be a moelab.scratch.PoolLock")
     with _registry_lock:
         _pool_locks[_registered(pool)] = lock
 
 
-def round_block(nbytes: int) -> int:
-    """Block size the CUDA caching allocator gives a request of nbytes (multiples of 512 bytes)."""
-    if nbytes < 0:
-        raise ValueError(f"nbytes={nbytes}: must be >= 0")
-    return max(512, 512 * math.ceil(nbytes / 512))
-
-
-def _track(pid, block) -> None:
-    # a storage weak reference outlives the Python tensor: views handed to the caller keep it unexpired
-    with _registry_lock:
-        _live_blocks.setdefault(pid, []).append((StorageWeakRef(block.untyped_storage()), block.numel()))
-
-
 def live_scratch_bytes(pool) -> int:
-    """Bytes of scratch blocks from `pool` that something still references after their forward ended."""
+    """Bytes of `pool`'s scratch tensors (`ScratchBuffers.empty`) that something still references."""
     pid = pool_id(pool)
     with _registry_lock:
         refs = [(r, n) for r, n in _live_blocks.get(pid, []) if not r.expired()]
@@ -277,46 +197,34 @@ def active_scopes(pool) -> int:
     return _open_scopes.get(pool_id(pool), 0)
 
 
-class BestFitFreeList:
-    """Free blocks ordered by size: `take(n)` returns the smallest block of at least n bytes.
+_tls = threading.local()  # .pools: the prefer_graph_pool stack; .pids: pools this thread is routed to
 
-    Ties go to the block that was freed first. Pure Python: the policy is testable without a GPU.
-    """
 
-    def __init__(self):
-        self._keys: list[tuple[int, int]] = []  # (nbytes, seq), sorted
-        self._blocks: dict[int, object] = {}
-        self._seq = itertools.count()
+def _stack(name: str) -> list:
+    if not hasattr(_tls, name):
+        setattr(_tls, name, [])
+    return getattr(_tls, name)
 
-    def put(self, nbytes: int, block) -> None:
-        if nbytes < 0:
-            raise ValueError(f"nbytes={nbytes}: must be >= 0")
-        seq = next(self._seq)
-        bisect.insort(self._keys, (nbytes, seq))
-        self._blocks[seq] = block
 
-    def take(self, nbytes: int):
-        """Remove and return the best-fitting block, or None if no free block is large enough."""
-        if nbytes < 0:
-            raise ValueError(f"nbytes={nbytes}: must be >= 0")
-        i = bisect.bisect_left(self._keys, (nbytes, -1))
-        if i == len(self._keys):
-            return None
-        _, seq = self._keys.pop(i)
-        return self._blocks.pop(seq)
+@contextlib.contextmanager
+def prefer_graph_pool(pool):
+    """Make `pool` (a MemPool, or None for 'no preference') this thread's preferred pool for scratch scopes.
+    Nests; the previous preference comes back on exit, also when the body raises."""
+    if pool is not None:
+        pool_id(pool)
+    stack = _stack("pools")
+    depth = len(stack)
+    stack.append(pool)
+    try:
+        yield pool
+    finally:
+        del stack[depth:]
 
-    def clear(self) -> None:
-        self._keys.clear()
-        self._blocks.clear()
 
-    def blocks(self) -> list:
-        return [self._blocks[seq] for _, seq in self._keys]
-
-    def sizes(self) -> list[int]:
-        return [n for n, _ in self._keys]
-
-    def __len__(self) -> int:
-        return len(self._keys)
+def preferred_pool():
+    """The pool of this thread's innermost `prefer_graph_pool` (None outside any)."""
+    stack = _stack("pools")
+    return stack[-1] if stack else None
 
 
 def check_device(device) -> torch.device:
@@ -334,31 +242,24 @@ def check_device(device) -> torch.device:
 
 
 class ScratchBuffers:
-    """Per-forward scratch tensors, best-fit reused, allocated from the preferred graph pool.
+    """Scopes of one eager forward whose scratch comes from a graph pool.
 
-    with scratch.forward():               # one eager forward; pool = preferred_pool()
+    with scratch.forward(pool):           # pool: a MemPool, None (ordinary allocator) or the preferred one
         buf = scratch.empty((T, F), torch.bfloat16)
-        ...
-        scratch.release(buf)              # its block can serve a later request of this forward
-    At the end of the scope every block goes back to the caching allocator (inside the pool).
-    route_all=True also routes every other allocation of the body into the pool (the whole eager forward).
-    One scope at a time, used by the thread that opened it: another thread gets an error, not a shared
-    free list (give each thread its own ScratchBuffers). A scope on a pool holds `pool_lock(pool)` throughout:
-    scopes of other threads on the same pool, and replays of a GraphRunner's graphs in it, wait for it.
+    route_all=True routes every allocation of the body into the pool (the whole eager forward), on the pool's
+    capture stream. The scope holds `pool_lock(pool)` throughout, and is used by the thread that opened it:
+    another thread gets an error (give each thread its own ScratchBuffers).
     """
 
     def __init__(self, device=None):
         self.device = check_device(device) if device is not None else None
+        self.pool_bytes = 0  # bytes `empty` took from the pool
         self.fallbacks = 0  # requests the pool could not serve (out of memory) and the ordinary allocator did
         self.fallback_bytes = 0
-        self.pool_bytes = 0  # bytes of new blocks taken from the pool
-        self.reused = 0  # requests served by a block freed earlier in the same forward
-        self.requests = 0
         self._scope = None
         self._owner = None  # the thread that opened the scope
         self._lock = threading.Lock()  # makes "is a scope open? then open one" one step
 
-    # ----- scope
     @contextlib.contextmanager
     def forward(self, pool="preferred", stream=None, route_all: bool = False):
         """One eager forward. pool: a MemPool, None (ordinary allocator) or 'preferred'."""
@@ -369,25 +270,24 @@ class ScratchBuffers:
         pid = pool_id(pool) if pool is not None else None
         if pid is not None and stream is None:
             stream = capture_stream(pool)
-        scope = _Scope(pool, pid, stream, route_all)
+        scope = _Scope(pool, pid)
         with self._lock:
             if self._scope is not None:
                 where = "" if self._owner == threading.get_ident() else f" (open in thread {self._owner})"
                 raise RuntimeError(f"ScratchBuffers.forward() scopes do not nest: one eager forward at a time{where}")
             self._scope, self._owner = scope, threading.get_ident()
-        lock = pool_lock(pool) if pid is not None else None
         try:
             with contextlib.ExitStack() as es:  # callbacks run last registered first: the lock goes last
-                if lock is not None:
+                if pid is not None:
+                    lock = pool_lock(pool)
                     lock.acquire("a scratch scope")  # waits for a replay of the pool's graphs (or another scope)
                     es.callback(lock.release)
                     _count_scope(pid, 1)
                     es.callback(_count_scope, pid, -1)
-                es.callback(self._end_scope, scope)  # blocks tracked before the lock lets a replay check them
                 if stream is not None:  # the body runs on `stream`, ordered after and before the caller's
                     cur = torch.cuda.current_stream(stream.device)
                     stream.wait_stream(cur)
-                    es.callback(cur.wait_stream, stream)  # runs after the stream context below is left
+                    es.callback(cur.wait_stream, stream)
                     es.enter_context(torch.cuda.stream(stream))
                 if pool is not None and route_all:
                     scope.begin_routing()
@@ -396,15 +296,6 @@ class ScratchBuffers:
         finally:
             with self._lock:
                 self._scope, self._owner = None, None
-
-    def _end_scope(self, scope) -> None:
-        """Every block of the scope goes back to the allocator; those of a pool are tracked (live_scratch_bytes)."""
-        blocks = scope.handed + scope.free.blocks()
-        scope.free.clear()
-        scope.handed.clear()
-        if scope.pid is not None:
-            for b in blocks:
-                _track(scope.pid, b)
 
     def _need_scope(self):
         scope, owner = self._scope, self._owner
@@ -415,58 +306,34 @@ class ScratchBuffers:
                                "thread that opened it (give each thread its own ScratchBuffers)")
         return scope
 
-    # ----- buffers
     def empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
-        """An uninitialised tensor of `shape` and `dtype` whose memory is a scratch block."""
+        """An uninitialised tensor from the scope's pool; tracked, so that no replay runs while it lives."""
         scope = self._need_scope()
-        if isinstance(shape, int):
-            shape = (shape,)
+        shape = (shape,) if isinstance(shape, int) else tuple(shape)
         if not all(isinstance(s, numbers.Integral) and not isinstance(s, bool) for s in shape):
-            raise ValueError(f"shape={tuple(shape)!r}: sizes must be ints")
+            raise ValueError(f"shape={shape!r}: sizes must be ints")
         shape = tuple(int(s) for s in shape)
         if any(s < 0 for s in shape):
             raise ValueError(f"shape={shape}: sizes must be >= 0")
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        nbytes = round_block(math.prod(shape) * itemsize)
-        self.requests += 1
-        block = scope.free.take(nbytes)
-        if block is not None:
-            self.reused += 1
-        else:
-            block = self._new_block(scope, nbytes)
-        scope.handed.append(block)
-        n = math.prod(shape) * itemsize
-        return block[:n].view(dtype).view(shape)
-
-    def release(self, t: torch.Tensor) -> None:
-        """Give a buffer's block back for best-fit reuse later in this forward (t must not be used after)."""
-        scope = self._need_scope()
-        ptr = t.untyped_storage().data_ptr()
-        for i, b in enumerate(scope.handed):
-            if b.data_ptr() == ptr:
-                scope.handed.pop(i)
-                scope.free.put(b.numel(), b)
-                return
-        raise ValueError(f"tensor at {ptr:#x} was not handed out by this scratch scope")
-
-    def _new_block(self, scope, nbytes: int) -> torch.Tensor:
-        device = self.device or (torch.device("cuda", torch.cuda.current_device()) if scope.pool is not None else "cpu")
         if scope.pool is None:
-            return torch.empty(nbytes, dtype=torch.uint8, device=device)
+            return torch.empty(shape, dtype=dtype, device=self.device or "cpu")
+        device = self.device or torch.device("cuda", torch.cuda.current_device())
         try:
             with scope.routed():
-                block = torch.empty(nbytes, dtype=torch.uint8, device=device)
-            self.pool_bytes += nbytes
-            return block
+                t = torch.empty(shape, dtype=dtype, device=device)
         except torch.cuda.OutOfMemoryError as e:
+            nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
             self.fallbacks += 1
             self.fallback_bytes += nbytes
-            log.warning(
-                "scratch: graph pool %s out of memory for %d bytes (%s); using the ordinary allocator "
-                "(fallback %d)", scope.pid, nbytes, str(e).splitlines()[0], self.fallbacks,
-            )
+            log.warning("scratch: graph pool %s out of memory for %d bytes (%s); using the ordinary allocator "
+                        "(fallback %d)", scope.pid, nbytes, str(e).splitlines()[0], self.fallbacks)
             with scope.unrouted():
-                return torch.empty(nbytes, dtype=torch.uint8, device=device)
+                return torch.empty(shape, dtype=dtype, device=device)
+        self.pool_bytes += t.untyped_storage().nbytes()
+        with _registry_lock:  # a storage weak reference outlives the tensor: views handed on keep it unexpired
+            _live_blocks.setdefault(scope.pid, []).append((StorageWeakRef(t.untyped_storage()),
+                                                           t.untyped_storage().nbytes()))
+        return t
 
     @contextlib.contextmanager
     def unrouted(self):
@@ -475,22 +342,11 @@ class ScratchBuffers:
             yield
 
 
-_routing = threading.local()  # .pids: pool ids this thread's allocations are being routed to (use_mem_pool)
-
-
-def _routing_now() -> list:
-    if not hasattr(_routing, "pids"):
-        _routing.pids = []
-    return _routing.pids
-
-
 class _Scope:
-    """State of one eager forward: free list, handed-out blocks, pool routing on/off."""
+    """Pool routing of one eager forward (torch.cuda.use_mem_pool), on and off."""
 
-    def __init__(self, pool, pid, stream, route_all):
-        self.pool, self.pid, self.stream, self.route_all = pool, pid, stream, route_all
-        self.free = BestFitFreeList()
-        self.handed: list[torch.Tensor] = []
+    def __init__(self, pool, pid):
+        self.pool, self.pid = pool, pid
         self._cm = None
         self._routing = False
 
@@ -498,7 +354,7 @@ class _Scope:
         # a scope inside another that already routes this thread to the pool (e.g. a step_fn's own
         # ScratchBuffers inside GraphRunner.eager) rides on it: use_mem_pool cannot be entered twice
         self._routing = True
-        pids = _routing_now()
+        pids = _stack("pids")
         if self.pid not in pids:
             self._cm = torch.cuda.use_mem_pool(self.pool)
             self._cm.__enter__()
@@ -507,7 +363,7 @@ class _Scope:
     def end_routing(self):
         if self._routing:
             self._routing = False
-            _routing_now().remove(self.pid)
+            _stack("pids").remove(self.pid)
             if self._cm is not None:
                 cm, self._cm = self._cm, None
                 cm.__exit__(None, None, None)
@@ -515,7 +371,7 @@ class _Scope:
     @contextlib.contextmanager
     def routed(self):
         """Allocations in the body go to the pool (already so when this thread is routed to it)."""
-        if self.pid in _routing_now():
+        if self.pid in _stack("pids"):
             yield
             return
         self.begin_routing()
@@ -526,9 +382,9 @@ class _Scope:
 
     @contextlib.contextmanager
     def unrouted(self):
-        """Allocations in the body go to the ordinary allocator; routing resumes after. (A scope riding on
-        an outer scope's routing cannot suspend it: its allocations stay in the pool, and an OOM there
-        reaches GraphRunner.eager, which re-runs the forward on the ordinary allocator.)"""
+        """Allocations in the body go to the ordinary allocator; routing resumes after. (A scope riding on an
+        outer scope's routing cannot suspend it: its allocations stay in the pool, and an OOM there reaches
+        GraphRunner.eager, which re-runs the forward on the ordinary allocator.)"""
         was = self._cm is not None
         if was:
             self.end_routing()
