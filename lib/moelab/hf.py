@@ -1,24 +1,16 @@
 """Patch the MoE blocks of a transformers 5 model so that they route and compute through moelab.
 
-`patched(model, policy)` replaces, per instance, the `forward` of every MoE block's router (`.gate`)
-and fused experts (`.experts`): the router's logits go through `moelab.routing.route` with the policy
-(the model's own renormalisation convention unless the policy sets one), and the experts run only the
-kept (token, expert) pairs through `moelab.experts.run_experts`. The block's own forward stays in
-charge of everything else (Qwen2-MoE's shared expert and its sigmoid gate), and no parameter,
-buffer or module is touched, so leaving the context restores the model exactly.
+`patched(model, policy)` replaces, per instance, the `forward` of every MoE block's router (`.gate`) and
+fused experts (`.experts`): the router's logits go through `moelab.routing.route` with the policy (the
+model's own renormalisation unless the policy sets one), and the experts run only the kept (token, expert)
+pairs through `moelab.experts.run_experts`. The block's own forward keeps everything else (Qwen2-MoE's
+shared expert and its gate); no parameter, buffer or module is touched, so leaving the context restores
+the model exactly. The patched forwards run inside accelerate's hooks, so a model loaded with
+`device_map="auto"` (layers spread over GPUs, or offloaded) patches unchanged.
 
-Supported blocks (gate = softmax top-k router over [E, D] logits; experts = concatenated gate/up,
-no bias, not transposed): Mixtral, MiniMax, Qwen2-MoE (Qwen1.5-MoE), Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE,
-Qwen3-VL-MoE's text model, OLMoE, FlexOlmo. Each is checked to reproduce its model with its own top-k
-(tests/test_hf.py, for the families the installed transformers has). Not covered by the same
-mechanism, and refused with a ValueError: DeepSeek-V3 and Ernie 4.5 (scores corrected by a bias before
-the choice; DeepSeek-V3 also sigmoid scores and group-limited choice: the softmax-entropy policies do
-not apply as such) and GPT-OSS (interleaved, transposed, biased experts with a clamped activation).
-
-Big models: load them with `device_map="auto"` (accelerate) so that layers spread over the GPUs;
-each block's plan is made on its router's device and consumed by its experts on the same device, so
-patching works unchanged (see `moelab.models.load`). The patched forwards run inside the modules' accelerate
-hooks, so layers offloaded to the CPU or disk still have their weights loaded for each forward.
+Supported blocks (softmax top-k router over [E, D] logits; experts with concatenated gate/up, no bias, not
+transposed): `SUPPORTED_BLOCKS`. Refused with the reason: `UNSUPPORTED_BLOCKS` (DeepSeek-V3 and Ernie 4.5
+choose on bias-corrected scores, GPT-OSS has transposed, biased experts).
 """
 
 from __future__ import annotations
@@ -35,13 +27,10 @@ from moelab.experts import run_experts
 from moelab.models import ALWAYS_RENORMALIZE, check_ids, input_device, model_context
 from moelab.routing import LOGIT_DTYPES, EntropyAdaptiveK, Policy, RatioSkip, TopK, TopP, route
 
-__all__ = ["MoELayer", "moe_layers", "patched", "record_router", "router_logits", "Patch", "RoutingRecord",
-           "native_policy"]
-
 log = logging.getLogger(__name__)
 
-# block class name -> family; all share one block structure (gate -> experts) and one router: softmax in fp32,
-# top-k, the kept weights renormalised always (models.ALWAYS_RENORMALIZE) or as config.norm_topk_prob says
+# block class name -> family: one structure (gate -> experts), one router (softmax top-k, renormalised always
+# for models.ALWAYS_RENORMALIZE, else as config.norm_topk_prob says)
 SUPPORTED_BLOCKS = {
     "MixtralSparseMoeBlock": "mixtral",
     "MiniMaxSparseMoeBlock": "minimax",
@@ -194,9 +183,8 @@ def _gate_forward(patch: Patch, layer: MoELayer, policy: Policy, check: bool):
     gate = layer.block.gate
 
     def forward(hidden_states):
-        # in a CUDA-graph capture, every replay of a captured count would add into this Patch's counter tensor,
-        # which is freed (reset_counts, the end of the context) while the graphs live on: a replay would then
-        # write into memory someone else holds. Count eager forwards of the same inputs instead.
+        # a count captured in a CUDA graph would add into this Patch's counter tensor in every replay, also after
+        # the tensor is freed: captured forwards are not counted
         capturing = hidden_states.is_cuda and torch.cuda.is_current_stream_capturing()
         if capturing and patch.record is not None:
             raise RuntimeError(f"{layer.name}: a patched(record={'logits' if patch.record.logits else True!r}) "
