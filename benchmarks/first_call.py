@@ -1,15 +1,12 @@
 """Why a policy's first patched forward is slow: Triton compiles the kernels of each new k_max (and kind).
 
-The routing kernel takes k_max and the policy kind as compile-time constants (the kind not in the fp32 row
-kernel, the embedded fp32 models' path on the H200 since ceda31b: one kernel for every policy of a k_max), so
-the first call of each new (k_max, dtype, tile[, kind]) compiles a kernel, and a new k_max also the layout and
-expert kernels; Triton keeps them in its disk cache (TRITON_CACHE_DIR).
-For each model and the policy kinds paper_tables evaluates, in its order (its own TopK through moelab,
-the published configurations that apply, EntropyAdaptiveK, TopP, RatioSkip, the lower fixed k), this
-times the first and the second patched forward of one batch of windows, in a fresh process with an
-empty Triton cache of the model's own ('cold'), then in a second fresh process that finds the kernels
-the first one compiled ('warm disk cache'), and counts the kernels each first forward compiled (new
-entries in the cache directory). Writes data/results/first-call-<yyyymmdd>.json.
+The routing kernel takes k_max (and, except in the fp32 row kernel, the policy kind) as compile-time
+constants, so the first call of each new (k_max, dtype, tile[, kind]) compiles a kernel, and a new k_max
+also the layout and expert kernels; Triton keeps them in its disk cache (TRITON_CACHE_DIR).
+For each model and the policy kinds paper_tables evaluates, in its order, this times the first and the
+second patched forward of one batch of windows in a fresh process with an empty Triton cache ('cold'),
+then in a second fresh process that finds the kernels the first compiled ('warm disk cache'), and counts
+the kernels each first forward compiled. Writes data/results/first-call.json.
 
 GPU:  PYTHONPATH=lib python benchmarks/first_call.py --models tiny-olmoe,tiny-qwen-moe
 CPU:  the torch routing path compiles nothing; the script runs (plumbing) but measures no compile.

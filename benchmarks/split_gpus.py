@@ -2,7 +2,7 @@
 
 For each embedded model: WikiText-2 test perplexity, unchanged and patched with an adaptive policy,
 loaded once on GPU 0 and once with its decoder layers spread over all visible GPUs. Writes
-data/results/split-gpus-<yyyymmdd>.json. Needs >= 2 GPUs:
+data/results/split-gpus.json. Needs >= 2 GPUs:
     PYTHONPATH=lib python benchmarks/split_gpus.py --max-tokens 65536
 """
 

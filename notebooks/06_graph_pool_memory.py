@@ -5,7 +5,7 @@
 #       extension: .py
 #       format_name: percent
 #       format_version: '1.3'
-#       jupytext_version: 1.19.6
+#       jupytext_version: 1.19.7
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -34,7 +34,7 @@
 # %% tags=["parameters"]
 model: str = "all"  # model rows to chart: all, tiny-mixtral, tiny-qwen-moe, tiny-olmoe or synthetic
 arms: list[str] = ["eager", "private", "shared", "shared+reuse", "shared+reuse-primed", "shared+reuse-unprimed"]  # in order
-results_dir: str = ""  # directory with graph-pool-*.json (default data/results, the committed results)
+results_dir: str = ""  # directory with the graph-pool results (default data/results, the committed results)
 live: bool = True  # also run a small GraphRunner on this machine's GPU when it has CUDA (skipped without)
 live_model: str = "tiny-mixtral"  # live run: an embedded name or MoE family, its config with fresh weights (synthetic: benchmarks/graph_pool.py)
 buckets: list[int] = [1, 2, 4, 8, 16, 32, 64]  # decode buckets of the live run (GPU-sized: up to 256)
@@ -47,7 +47,6 @@ from IPython.display import display
 
 from moelab import results
 from moelab.graphs import REUSE_PEAK_LIMIT, REUSE_SPEED_FLOOR, check_buckets
-from moelab.kernels.report import machine_line
 from moelab.models import FAMILIES, NAMES
 from moelab.params import check_bools
 from moelab.plots import figure, save_table, savefig
@@ -62,7 +61,8 @@ if live_model not in FAMILIES and live_model not in NAMES:  # checked here, also
                      f"{sorted(FAMILIES)}; the live run builds its config with fresh weights (no checkpoint path)")
 doc = results.load_results("graph-pool", results_dir or None)
 m = doc["machine"]
-src = machine_line(doc)  # device, versions, commit and date of the results: on every figure and table
+src = (f"{m['device']} · torch {m['torch']} · transformers {m['transformers']} · commit {str(doc['commit'])[:7]} · "
+       f"{doc['created'][:10]}")  # where the results come from: on every figure and table
 print(f"results: {doc['topic']} created {doc['created']} at commit {doc['commit']}")
 print(f"machine: {m['device']}, torch {m['torch']}, CUDA {m['cuda']}, transformers {m['transformers']}, "
       f"triton {m['triton']}, Python {m['python']}")
