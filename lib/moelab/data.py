@@ -19,31 +19,17 @@ from pathlib import Path
 import numpy as np
 
 EVAL_TEXT = "wikitext2_test.raw"
-TRAIN_TEXTS = (
-    "tinyshakespeare",
-    "olmoe_arxiv",
-    "olmoe_b3g",
-    "olmoe_c4",
-    "olmoe_github_oss_with_stack",
-    "olmoe_wikipedia",
-    "wikitext2_valid.tokens",
-)
-DOMAINS = {  # AllenAI's routing-count domain -> the text that was routed
-    "arxiv": "olmoe_arxiv",
-    "book": "olmoe_b3g",
-    "c4": "olmoe_c4",
-    "github": "olmoe_github_oss_with_stack",
-    "wikipedia": "olmoe_wikipedia",
-}
+TRAIN_TEXTS = ("tinyshakespeare", "olmoe_arxiv", "olmoe_b3g", "olmoe_c4", "olmoe_github_oss_with_stack",
+               "olmoe_wikipedia", "wikitext2_valid.tokens")
+DOMAINS = {"arxiv": "olmoe_arxiv", "book": "olmoe_b3g", "c4": "olmoe_c4",  # AllenAI's routing-count domain ->
+           "github": "olmoe_github_oss_with_stack", "wikipedia": "olmoe_wikipedia"}  # the text that was routed
 HELDOUT_FRACTION = 0.05
 
 
 def data_dir() -> Path:
     """The project's data/ folder (override with MOELAB_DATA)."""
     env = os.environ.get("MOELAB_DATA")
-    if env:
-        return Path(env)
-    return Path(__file__).resolve().parents[2] / "data"
+    return Path(env) if env else Path(__file__).resolve().parents[2] / "data"
 
 
 def _hashes() -> dict[str, str]:

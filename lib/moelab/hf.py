@@ -16,7 +16,6 @@ choose on bias-corrected scores, GPT-OSS has transposed, biased experts).
 from __future__ import annotations
 
 import contextlib
-import logging
 import numbers
 from dataclasses import dataclass, field
 
@@ -26,8 +25,6 @@ import torch.nn.functional as F
 from moelab.experts import run_experts
 from moelab.models import ALWAYS_RENORMALIZE, check_ids, input_device, model_context
 from moelab.routing import LOGIT_DTYPES, EntropyAdaptiveK, Policy, RatioSkip, TopK, TopP, route
-
-log = logging.getLogger(__name__)
 
 # block class name -> family: one structure (gate -> experts), one router (softmax top-k, renormalised always
 # for models.ALWAYS_RENORMALIZE, else as config.norm_topk_prob says)
@@ -81,12 +78,10 @@ def moe_layers(model) -> list[MoELayer]:
         gate, experts = mod.gate, mod.experts
         _check_experts(name, experts)
         family = SUPPORTED_BLOCKS[cls]
-        renorm = True if family in ALWAYS_RENORMALIZE else bool(gate.norm_topk_prob)
+        renorm = family in ALWAYS_RENORMALIZE or bool(gate.norm_topk_prob)
         out.append(MoELayer(len(out), name, mod, family, int(gate.num_experts), int(gate.top_k), renorm))
     if not out:
-        raise ValueError(
-            f"{type(model).__name__}: no supported MoE block found (supported: {sorted(SUPPORTED_BLOCKS)})"
-        )
+        raise ValueError(f"{type(model).__name__}: no supported MoE block (supported: {sorted(SUPPORTED_BLOCKS)})")
     return out
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from moelab.data import check_file, data_dir
+from moelab.data import check_file, data_dir, normalised_entropy
 from moelab.routing import quantile
 
 log = logging.getLogger(__name__)
@@ -194,23 +194,11 @@ def _check_overrides(cfg_cls, base: dict, overrides: dict) -> dict:
 
 
 def tiny_random(family: str, seed: int = 0, **overrides):
-    """A tiny random-initialised model of a family (`FAMILIES`), for tests.
-
-    Keeps the real model's expert count, k and renormalisation (qwen3_moe: 16 experts to stay small);
-    width 64, 2 layers (hybrid families: one linear-attention layer, one softmax), vocab 256. Any config
-    field can be overridden.
-    """
+    """A tiny random-initialised model of a family (`FAMILIES`), for tests: the real model's expert count, k
+    and renormalisation (qwen3_moe: 16 experts), width 64, 2 layers, vocab 256; any config field overridden."""
     if family not in FAMILIES:
         raise ValueError(f"family={family!r}: not a supported MoE family; choose one of {sorted(FAMILIES)}")
     return build(family, seed=seed, **overrides)
-
-
-def _num_experts(cfg) -> int | None:
-    for key in ("num_local_experts", "num_experts", "n_routed_experts"):
-        n = getattr(cfg, key, None)
-        if isinstance(n, int) and n > 0:
-            return n
-    return None
 
 
 def moe_info(model_or_config) -> dict:
@@ -221,17 +209,13 @@ def moe_info(model_or_config) -> dict:
     family = getattr(cfg, "model_type", None)
     if isinstance(family, str) and family.endswith("_text"):  # a multimodal model's text part: its family's
         family = family[: -len("_text")]
-    E = _num_experts(cfg)
+    E = next((n for key in ("num_local_experts", "num_experts", "n_routed_experts")
+              if isinstance(n := getattr(cfg, key, None), int) and n > 0), None)
     k = getattr(cfg, "num_experts_per_tok", None)
     if E is None or not isinstance(k, int):
-        raise ValueError(
-            f"model_type={family!r}: not an MoE model (no num_experts/num_local_experts and num_experts_per_tok "
-            f"in its config)"
-        )
-    if family in ALWAYS_RENORMALIZE:
-        renorm = True
-    else:
-        renorm = bool(getattr(cfg, "norm_topk_prob", False))
+        raise ValueError(f"model_type={family!r}: not an MoE model (no num_experts/num_local_experts and "
+                         "num_experts_per_tok in its config)")
+    renorm = family in ALWAYS_RENORMALIZE or bool(getattr(cfg, "norm_topk_prob", False))
     if not 1 <= k <= E:
         raise ValueError(f"num_experts_per_tok={k}: must be in [1, num_experts={E}]")
     info = {"num_experts": E, "native_k": k, "renormalize": renorm, "family": family}
@@ -522,16 +506,7 @@ def router_stats(model, ids, seq_len: int | None = None, max_tokens: int = 16384
             logp_TE = torch.log_softmax(logits_TE, dim=-1)
             ents[l].append((-(logp_TE.exp() * logp_TE).sum(-1) / np.log(E)).cpu())
     qs = (0.05, 0.25, 0.5, 0.75, 0.95)
-    load_entropy, token_q = [], []
-    for l in range(len(loads)):
-        p = loads[l] / loads[l].sum()
-        nz = p[p > 0]
-        load_entropy.append(float(-(nz * nz.log()).sum() / np.log(E)))
-        token_q.append([float(v) for v in quantile(torch.cat(ents[l]), torch.tensor(qs)).tolist()])
-    return {
-        "tokens": n * seq_len,
-        "load_entropy": load_entropy,
-        "token_entropy_quantiles": qs,
-        "token_entropy_q": token_q,
-        "load": [ld.tolist() for ld in loads],
-    }
+    return {"tokens": n * seq_len, "load_entropy": [normalised_entropy(ld.numpy()) for ld in loads],
+            "token_entropy_quantiles": qs,
+            "token_entropy_q": [quantile(torch.cat(e), torch.tensor(qs)).tolist() for e in ents],
+            "load": [ld.tolist() for ld in loads]}
