@@ -9,8 +9,8 @@ import torch
 
 from moelab import models
 from moelab.data import eval_text, heldout_texts, training_texts
+from moelab.evaluate import perplexity
 from moelab.hf import router_logits
-from moelab.perplexity import perplexity
 from moelab.tokenizer import encode, unigram_perplexity
 from moelab.train import _stream
 

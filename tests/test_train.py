@@ -142,7 +142,7 @@ def test_card_scores_the_unseen_heldout_slices_and_flags_seen_validation_text(tm
     import math
 
     from moelab.data import heldout_texts
-    from moelab.perplexity import perplexity
+    from moelab.evaluate import perplexity
     from moelab.train import _stream, evaluate, write_card
 
     out = tmp_path / "m"

@@ -402,7 +402,7 @@ def evaluate(name_or_path, eval_tokens: int | None = None, stats_tokens: int = 3
              stride: int = 512) -> dict:
     """WikiText-2 test perplexity vs a unigram model (same tokenizer), and router statistics on held-out text."""
     from moelab.data import eval_text, heldout_texts, training_texts
-    from moelab.perplexity import perplexity
+    from moelab.evaluate import perplexity
     from moelab.tokenizer import unigram_perplexity
 
     model, tok = models.load(name_or_path)
