@@ -1,6 +1,6 @@
 """The embedded MoE models: registry, loading, and what moelab needs to know about any MoE model.
 
-Three small models trained by `moelab.train` live in data/models/<name> and mirror the routing
+Three small models trained by `tools/train.py` live in data/models/<name> and mirror the routing
 geometry of Mixtral-8x7B (8 experts, top-2, renormalised), Qwen1.5-MoE-A2.7B (60 experts, top-4, not
 renormalised, shared expert with a gate) and OLMoE-1B-7B (64 experts, top-8, not renormalised).
 `load` takes those names or any local transformers MoE checkpoint directory (a family moelab has no
@@ -267,7 +267,7 @@ def resolve(name_or_path: str | Path) -> Path:
         if not (path / "config.json").exists():
             raise FileNotFoundError(
                 f"{path}: embedded model {s!r} has no checkpoint (no config.json); "
-                f"train it with `python -m moelab.train --model {s}` or restore data/models from git"
+                f"train it with `python tools/train.py --model {s}` or restore data/models from git"
             )
         return path
     path = Path(s).expanduser()
