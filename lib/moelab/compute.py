@@ -158,7 +158,6 @@ class ModelShapes:
     vocab: int
     dense_ffn: int = 0
     shared_ffn: int = 0  # shared expert intermediate size (Qwen2-MoE), 0 if none
-    glu: bool = True  # gate/up/down expert MLPs (3 matrices) vs up/down (2)
     linear_attention_layers: int = 0  # layers whose token mixer is not softmax attention (Qwen3-Next, MiniMax)
     linear_mixer: LinearMixer | None = None  # their mixer's FLOPs, where the kind is known
     query_gate: bool = False  # q_proj also yields an output gate (Qwen3-Next, Qwen3.5)
@@ -179,8 +178,7 @@ class ModelShapes:
         k = g("num_experts_per_tok", "moe_top_k")
         if E is None or k is None:
             raise ValueError(f"{type(cfg).__name__}: no expert count / top-k found; not an MoE config")
-        heads = cfg.num_attention_heads
-        L = cfg.num_hidden_layers
+        heads, L = cfg.num_attention_heads, cfg.num_hidden_layers
         moe_layers = L
         step = g("decoder_sparse_step", default=1)
         dense_ids = set(g("mlp_only_layers", default=[]) or [])
@@ -190,28 +188,19 @@ class ModelShapes:
         if step and step > 1 or dense_ids or first_dense:
             moe_layers = sum(1 for i in range(L)
                              if i not in dense_ids and i >= first_dense and (step <= 1 or (i + 1) % step == 0))
-        return cls(
-            hidden=cfg.hidden_size,
-            expert_ffn=g("moe_intermediate_size", "intermediate_size"),
-            num_experts=E,
-            native_k=k,
-            num_layers=L,
-            moe_layers=moe_layers,
-            num_heads=heads,
-            num_kv_heads=g("num_key_value_heads", default=heads),
-            head_dim=g("head_dim", default=cfg.hidden_size // heads),
-            vocab=cfg.vocab_size,
-            dense_ffn=g("intermediate_size", default=0),
-            shared_ffn=g("shared_expert_intermediate_size", default=0),
-            linear_attention_layers=linear,
-            linear_mixer=LinearMixer.from_config(cfg) if linear else None,
-            query_gate=getattr(cfg, "model_type", None) in GATED_QUERY_FAMILIES,
-        )
+        return cls(hidden=cfg.hidden_size, expert_ffn=g("moe_intermediate_size", "intermediate_size"), num_experts=E,
+                   native_k=k, num_layers=L, moe_layers=moe_layers, num_heads=heads,
+                   num_kv_heads=g("num_key_value_heads", default=heads),
+                   head_dim=g("head_dim", default=cfg.hidden_size // heads), vocab=cfg.vocab_size,
+                   dense_ffn=g("intermediate_size", default=0),
+                   shared_ffn=g("shared_expert_intermediate_size", default=0), linear_attention_layers=linear,
+                   linear_mixer=LinearMixer.from_config(cfg) if linear else None,
+                   query_gate=getattr(cfg, "model_type", None) in GATED_QUERY_FAMILIES)
 
     # FLOPs per token (multiply-add = 2 FLOPs), forward only.
     def expert_flops(self) -> float:
-        """One (token, expert) pair."""
-        return 2.0 * (3 if self.glu else 2) * self.hidden * self.expert_ffn
+        """One (token, expert) pair: gate, up and down projections."""
+        return 2.0 * 3 * self.hidden * self.expert_ffn
 
     def attention_flops(self, context: int) -> float:
         """One softmax-attention layer's token mixer, per token: projections (q twice as wide with a query gate)

@@ -303,8 +303,8 @@ def evaluate(model, policy, text_or_ids, tokenizer=None, context: int = 2048, st
 
 def reference_ppl(model, ids, progress: bool = False, **eval_kw) -> dict:
     """The perplexity a routing change is measured against: the unchanged model in fp32; in 16-bit the model's own
-    TopK through moelab, since there the patch alone moves perplexity by 1e-4 to 1e-3 (router ties, fp32 expert
-    sums; `benchmarks/patch_noise.py`). Returns evaluate's summary with reference: 'unchanged' or 'patched-native'."""
+    TopK through moelab, since there the patch alone moves perplexity (router ties, expert sums in fp32;
+    `benchmarks/patch_noise.py`). Returns evaluate's summary with reference: 'unchanged' or 'patched-native'."""
     sixteen = model_dtype(model) in SIXTEEN_BIT
     pol = [native_policy(layer) for layer in moe_layers(model)] if sixteen else None
     summary = evaluate(model, pol, ids, progress=progress, **eval_kw).summary

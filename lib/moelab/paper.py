@@ -236,20 +236,12 @@ def paper_table(rows) -> pd.DataFrame:
     unchanged model), vs patched % (against the patched native TopK: the one to read in 16-bit), claims."""
     f = pd.DataFrame(vs_patched(rows))
     f = f[f["section"].isin(["baseline", "patched-native", "published", "claimed-target", "calibrated"])]
-    out = pd.DataFrame({
-        "model": f["model"],
-        "config": f["config"],
-        "native k": f["native_k"],
-        "mean k": f.get("mean_k"),
-        "compute %": 100 * (1 - f.get("expert_reduction")),
-        "fwd compute %": 100 * (1 - f.get("forward_reduction")),
-        "ppl base": f.get("ppl_base"),
-        "ppl": f.get("ppl"),
-        "change %": 100 * f.get("ppl_change"),
-        "vs patched %": 100 * f["ppl_change_vs_patched"].astype(float),  # against the patched-native row
-        "claimed": f.get("claimed_model"),
-        "claimed compute %": 100 * f.get("paper_compute"),
+    return pd.DataFrame({
+        "model": f["model"], "config": f["config"], "native k": f["native_k"], "mean k": f.get("mean_k"),
+        "compute %": 100 * (1 - f.get("expert_reduction")), "fwd compute %": 100 * (1 - f.get("forward_reduction")),
+        "ppl base": f.get("ppl_base"), "ppl": f.get("ppl"), "change %": 100 * f.get("ppl_change"),
+        "vs patched %": 100 * f["ppl_change_vs_patched"].astype(float),
+        "claimed": f.get("claimed_model"), "claimed compute %": 100 * f.get("paper_compute"),
         "claimed mean k": f.get("paper_mean_k"),
         "claimed change %": 100 * (f.get("paper_ppl_adaptive") / f.get("paper_ppl_base") - 1),
-    })
-    return out.reset_index(drop=True)
+    }).reset_index(drop=True)
