@@ -3,7 +3,7 @@
 For each embedded model: the unchanged model's perplexity on the first --chars characters of the test file as
 shipped (every line ends in CRLF) and with LF line ends, the mean loss at the CRLF token itself, and the
 perplexity of the CRLF stream without those targets. Windows of 512 that do not overlap, fp32.
-Writes data/results/eval-text-lines-<yyyymmdd>.json.
+Writes the results topic eval-text-lines.
 
     PYTHONPATH=lib python benchmarks/eval_text_lines.py            # CPU, about a minute
 """

@@ -3,12 +3,9 @@
 For each model: the unchanged baseline, the model's own TopK through moelab (noise floor), the published
 configurations, thresholds calibrated (on held-out text) to the PR's claimed reduction, thresholds
 calibrated to a +0.5% perplexity budget (shared and per-layer), and EntropyAdaptiveK / TopP / RatioSkip /
-lower fixed k at matched compute. Writes data/results/paper-tables-<yyyymmdd>.json (moelab.results).
+lower fixed k at matched compute. Writes the results topic paper-tables (moelab.results).
 
-GPU (the full protocol; on one H200 50, 56 and 58 s for tiny-mixtral, tiny-qwen-moe and tiny-olmoe at edb55f0,
-164 s in all (logs/paper-tables-edb55f0.txt.xz); at 2be368d, before the routing kernel served every policy kind
-of a k_max without a compile (benchmarks/first_call.py), 1, 2.5 and 4 minutes; a run cut short is finished
-with --resume):
+GPU (the full protocol; a run cut short is finished with --resume):
     PYTHONPATH=lib PYTHONUNBUFFERED=1 python benchmarks/paper_tables.py
 CPU smoke run (end to end on slices; writes topic paper-tables-smoke):
     python benchmarks/paper_tables.py --max-tokens 512 --cal-tokens 512 --budget-steps 2 --targets 0.25

@@ -6,7 +6,7 @@ reference expert loop ('eager', the paper tables' baseline) in place of its defa
 --tokens tokens of WikiText-2 test (`data.eval_text()`, windows of the model's context that do not overlap), in
 --dtype (the library's default: fp32 on the CPU, bf16 on CUDA). Any gap is floating-point noise, not routing: it
 bounds what a routing change's perplexity can be told apart from in that dtype.
-Writes data/results/patch-noise-<yyyymmdd>.json.
+Writes the results topic patch-noise.
 
     PYTHONPATH=lib python benchmarks/patch_noise.py            # CPU, about a minute
     PYTHONPATH=lib python benchmarks/patch_noise.py --tokens 512,16384 --dtype float32,bfloat16   # CPU, about 3 min
@@ -24,9 +24,8 @@ from tqdm.auto import tqdm
 
 from moelab import models
 from moelab.data import eval_text
-from moelab.evaluate import evaluate
+from moelab.evaluate import evaluate, perplexity
 from moelab.hf import moe_layers, record_router
-from moelab.perplexity import perplexity
 from moelab.results import write_results
 from moelab.routing import TopK
 

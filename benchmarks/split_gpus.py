@@ -13,9 +13,9 @@ import argparse
 import torch
 
 from moelab.data import eval_text
+from moelab.evaluate import perplexity
 from moelab.hf import patched
 from moelab.models import NAMES, load
-from moelab.perplexity import perplexity
 from moelab.results import write_results
 from moelab.routing import EntropyAdaptiveK
 

@@ -148,8 +148,7 @@ if model:
     from moelab import hf, models
     from moelab.compute import ModelShapes, pool_layers
     from moelab.data import eval_text, heldout_texts
-    from moelab.evaluate import model_dtype
-    from moelab.perplexity import token_ids
+    from moelab.evaluate import model_dtype, token_ids
 
     lm, tokenizer = models.load(model, device=device, dtype=dtype)
     info = models.moe_info(lm)

@@ -54,12 +54,11 @@ from moelab.calibrate import (
     calibration_ids,
     compare_at_matched_compute,
     pareto_mask,
-    reference_ppl,
     thresholds_at,
     verdict,
 )
 from moelab.data import eval_text
-from moelab.evaluate import confirm_estimates, estimate, estimate_grid, evaluate, model_dtype, router_sample
+from moelab.evaluate import confirm_estimates, evaluate, model_dtype, reference_ppl, router_sample
 from moelab.models import load, moe_info
 from moelab.paper import calibration_k_values
 from moelab.params import check_bools, check_fractions, check_ints, check_real
@@ -96,13 +95,13 @@ print(f"{model} in {run_dtype}: {info}, k values {list(kv)};"
 # %%
 sample = router_sample(net, cal_ids, context=context, batch_size=batch_size, progress=interactive)
 grid_u = np.linspace(0.0, 1.0, grid_points)
-grid = estimate_grid(sample, [thresholds_at(sample, kv, float(u)) for u in grid_u]).assign(u=grid_u)
+grid = pd.DataFrame([sample.estimate(thresholds_at(sample, kv, float(u))) for u in grid_u]).assign(u=grid_u)
 grid["kind"] = "EntropyAdaptiveK"
 other = []
 for p in np.linspace(0.05, 1.0, grid_points):
-    other.append(estimate(sample, TopP(float(p), kv[-1], kv[0])) | {"kind": "TopP"})
+    other.append(sample.estimate(TopP(float(p), kv[-1], kv[0])) | {"kind": "TopP"})
 for b in np.linspace(0.0, 1.0, grid_points):
-    other.append(estimate(sample, RatioSkip(float(b), kv[-1], kv[0])) | {"kind": "RatioSkip"})  # noqa: E501
+    other.append(sample.estimate(RatioSkip(float(b), kv[-1], kv[0])) | {"kind": "RatioSkip"})  # noqa: E501
 est = pd.concat([grid, pd.DataFrame(other)], ignore_index=True)
 results.save("02_estimated_sweep", est.drop(columns=["mean_k_layers"]))
 print("estimated (no forward pass), EntropyAdaptiveK grid:")
@@ -138,7 +137,7 @@ cal_rows = []
 for t in targets:
     for per_layer in (False, True):
         pol = calibrate_thresholds(sample, kv, t, per_layer=per_layer)
-        e = estimate(sample, pol)
+        e = sample.estimate(pol)
         cal_rows.append({"target_reduction": t, "per_layer": per_layer, "est_expert_reduction": e["expert_reduction"],
                          "thresholds": str([[round(th, 4) for th in p.thresholds] for p in pol] if per_layer
                                            else [round(th, 4) for th in pol.thresholds])})
@@ -154,7 +153,7 @@ calibrated
 # %% [markdown]
 # ## 4 · Matched compute on the evaluation text: which signal wins?
 # Perplexity changes are against the unchanged model in fp32; in bf16 / fp16 against the model's own TopK
-# through moelab (`moelab.calibrate.reference_ppl`), since there the patch alone moves perplexity by 1e-4 to 1e-3.
+# through moelab (`moelab.evaluate.reference_ppl`), since there the patch alone moves perplexity by 1e-4 to 1e-3.
 
 # %%
 base = reference_ppl(net, eval_ids, progress=interactive, **kw)  # in 16-bit the patched native TopK (its docstring)
@@ -213,7 +212,7 @@ if interactive:
         ths = sorted(thr.values())
         ths = [t + 1e-6 * i for i, t in enumerate(ths)]
         pol = EntropyAdaptiveK(kv, tuple(ths))
-        e = estimate(sample, pol)
+        e = sample.estimate(pol)
         ks = torch.cat([sample.k(pol, i) for i in range(sample.num_layers)])
         fig, ax = figure()
         ax.bar(kv, [(ks == k).float().mean().item() for k in kv], color=POLICY_COLORS["EntropyAdaptiveK"])

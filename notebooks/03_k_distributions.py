@@ -47,7 +47,7 @@ from moelab import results
 from moelab.calibrate import calibrate_thresholds, calibration_ids
 from moelab.data import COUNT_LAYERS, DOMAINS, eval_text, heldout_texts, load_routing_counts
 from moelab.data import normalised_entropy as load_entropy
-from moelab.evaluate import entropy_quantiles, estimate, evaluate, model_dtype, router_sample
+from moelab.evaluate import entropy_quantiles, evaluate, model_dtype, router_sample
 from moelab.models import load, moe_info
 from moelab.paper import PUBLISHED, calibration_k_values, sdk_preset
 from moelab.plots import POLICY_COLORS, explorer, figure, save_table, savefig
@@ -149,7 +149,7 @@ wt = router_sample(net, eval_ids, context=context, batch_size=batch_size, k_cap=
                    progress=interactive)  # the estimate's router outputs: the tokens the measurement runs on
 hist_rows, summary = [], []
 for label, pol in policies.items():
-    est = estimate(wt, pol)
+    est = wt.estimate(pol)
     ev = evaluate(net, pol, eval_ids, context=context, stride=context, batch_size=batch_size, progress=interactive)
     for layer in range(wt.num_layers):
         k_est = wt.k(pol, layer)
@@ -241,7 +241,7 @@ if interactive:
         ths = sorted([t1, t2])[: len(ks) - 1]
         ths = [t + 1e-6 * i for i, t in enumerate(ths)]
         pol = EntropyAdaptiveK(tuple(ks), tuple(ths))
-        e = estimate(wt, pol)
+        e = wt.estimate(pol)
         fig, ax = figure("full", aspect=0.3)
         width = 0.8 / len(ks)
         for j, k in enumerate(ks):

@@ -5,7 +5,7 @@
 #       extension: .py
 #       format_name: percent
 #       format_version: '1.3'
-#       jupytext_version: 1.19.6
+#       jupytext_version: 1.19.7
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -42,7 +42,7 @@ budget: float = 0.005  # perplexity budget for calibration, relative (0.005 is +
 budget_steps: int = 5  # bisection steps of the budget search (5 in the committed GPU table); fewer may find no reduction
 per_layer: bool = False  # also calibrate per-layer thresholds (GPU-sized: True)
 targets: list[float] = []  # matched-compute reductions for the other policies (the committed GPU table: [0.1, 0.25, 0.4])
-show_gpu_results: bool = True  # also show the committed data/results/paper-tables-*.json (GPU run), if any
+show_gpu_results: bool = True  # also show the committed data/results/paper-tables.json (GPU run), if any
 interactive: bool = False  # show progress bars (never in headless runs; this notebook has no explorer)
 
 # %%
@@ -203,8 +203,7 @@ if gpu is not None:
     crlf = proto.get("line_ends") != "LF"  # a run from before eval_text(): the shipped copy's CRLF line ends
     if crlf:
         print("this run read WikiText-2 test as shipped, with CRLF line ends (before moelab.data.eval_text()): "
-              "its absolute perplexities are above LF text's (by how much: benchmarks/eval_text_lines.py, "
-              "README 'The embedded models')")
+              "its absolute perplexities are above LF text's (by how much: benchmarks/eval_text_lines.py)")
     test_name = "full WikiText-2 test" + (" (CRLF copy)" if crlf else "") + f", {proto.get('dtype', 'float32')}"
     gpu_table = paper_table(gpu["rows"])
     save_table(gpu_table, "05_paper_table_gpu", caption=f"Paper table, {test_name}, {m['device']}")

@@ -15,7 +15,7 @@ from moelab.calibrate import (
     thresholds_at,
     verdict,
 )
-from moelab.evaluate import estimate, evaluate, policy_label, router_sample
+from moelab.evaluate import evaluate, policy_label, reference_ppl, router_sample
 from moelab.hf import moe_layers
 from moelab.models import tiny_random
 from moelab.routing import RatioSkip, TopK, TopP
@@ -35,17 +35,17 @@ def sample(model):
 
 
 def test_threshold_family_ends(sample):
-    assert estimate(sample, thresholds_at(sample, (1, 2, 4), 0.0))["mean_k"] == 4.0
-    assert estimate(sample, thresholds_at(sample, (1, 2, 4), 1.0))["mean_k"] == 1.0
+    assert sample.estimate(thresholds_at(sample, (1, 2, 4), 0.0))["mean_k"] == 4.0
+    assert sample.estimate(thresholds_at(sample, (1, 2, 4), 1.0))["mean_k"] == 1.0
 
 
 @pytest.mark.parametrize("target", [0.0, 0.2, 0.35])
 def test_calibrated_thresholds_hit_target(sample, target):
     pol = calibrate_thresholds(sample, (1, 2, 4), target)
-    assert estimate(sample, pol)["expert_reduction"] == pytest.approx(target, abs=0.01)
+    assert sample.estimate(pol)["expert_reduction"] == pytest.approx(target, abs=0.01)
     per = calibrate_thresholds(sample, (1, 2, 4), target, per_layer=True)
     assert len(per) == 2
-    for mk in estimate(sample, per)["mean_k_layers"]:
+    for mk in sample.estimate(per)["mean_k_layers"]:
         assert 1 - mk / 2 == pytest.approx(target, abs=0.01)
 
 
@@ -53,12 +53,12 @@ def test_calibrated_thresholds_hit_target(sample, target):
 def test_matched_policies_hit_target(sample, kind):
     pol = match_policy(sample, kind, 0.25, k_min=1, k_max=4)
     assert type(pol).__name__ == kind
-    assert estimate(sample, pol)["expert_reduction"] == pytest.approx(0.25, abs=0.01)
+    assert sample.estimate(pol)["expert_reduction"] == pytest.approx(0.25, abs=0.01)
     if kind == "EntropyAdaptiveK":
         assert pol.k_values == (1, 2, 4)  # k_min, the native k, k_max
         default = match_policy(sample, kind, 0.25)  # k in [1, native k]: k values (1, 2)
         assert default.k_values == (1, 2)
-        assert estimate(sample, default)["expert_reduction"] == pytest.approx(0.25, abs=0.01)
+        assert sample.estimate(default)["expert_reduction"] == pytest.approx(0.25, abs=0.01)
 
 
 def test_unreachable_target_raises(sample):
@@ -83,7 +83,6 @@ def test_router_sample_rejects_bad_arguments(model, kw, match):
 def test_reference_ppl_is_the_unchanged_model_in_fp32_and_the_patched_native_in_bf16(model):
     import copy
 
-    from moelab.calibrate import reference_ppl
     from moelab.hf import native_policy
 
     ids = torch.randint(0, 256, (128,), generator=torch.Generator().manual_seed(5))
@@ -103,7 +102,7 @@ def test_budget_search_stays_within_budget():
     ids = calibration_ids(tok, 1536)
     smp = router_sample(net, ids[:1024], context=128, progress=False)  # thresholds from one part
     cal = ids[1024:]  # perplexity on another
-    budget, steps, kv = 0.02, 4, (1, 2)
+    budget, steps, kv = 0.02, 2, (1, 2)
     res = budget_search(net, smp, cal, kv, budget=budget, steps=steps, context=128, stride=128, progress=False)
     tr = res["trace"]
     lo, hi = max(0.0, 1 - kv[-1] / smp.native_k), 1 - kv[0] / smp.native_k
@@ -133,7 +132,7 @@ def test_budget_search_stays_within_budget():
 
 
 def test_compare_at_matched_compute_rows_are_their_policies(model, sample):
-    ev_ids = torch.randint(0, 256, (256,), generator=torch.Generator().manual_seed(2))
+    ev_ids = torch.randint(0, 256, (128,), generator=torch.Generator().manual_seed(2))
     kw = dict(context=CTX, stride=CTX, progress=False)
     base = evaluate(model, None, ev_ids, **kw).summary["ppl"]
     kv = (1, 2, 4)
@@ -238,12 +237,19 @@ def test_pareto_mask():
     assert pareto_mask([0.1, 0.3], [1.0, 2.0]).tolist() == [True, True]
 
 
-def test_calibration_ids_from_heldout_only():
+@pytest.fixture(scope="module")
+def tok():
+    from transformers import AutoTokenizer
+
+    from moelab.models import tokenizer_dir
+
+    return AutoTokenizer.from_pretrained(tokenizer_dir())
+
+
+def test_calibration_ids_from_heldout_only(tok):
     from moelab.data import heldout_texts, load_text
-    from moelab.tokenizer import train_tokenizer
 
     held = heldout_texts()
-    tok = train_tokenizer({"t": held["tinyshakespeare"][:5000]}, vocab_size=300)
     ids = calibration_ids(tok, 700)
     assert ids.numel() == 700
     share = 700 // len(held)
@@ -262,15 +268,9 @@ def test_calibration_ids_from_heldout_only():
     assert ids.dtype == torch.long and 0 <= int(ids.min()) and int(ids.max()) < len(tok)
 
 
-def test_the_papers_calibration_text_has_the_token_counts_the_readme_gives(caplog):
-    """paper_tables' 32,768 asked-for tokens, with the embedded models' tokenizer: WikiText-2 valid's held-out part
-    has 16,322, short of its share of 16,384 (logged), so the calibration text has 32,706 (README, "What we
-    measured")."""
-    from transformers import AutoTokenizer
-
-    from moelab.models import tokenizer_dir
-
-    tok = AutoTokenizer.from_pretrained(tokenizer_dir())
+def test_a_slice_short_of_its_share_is_logged(tok, caplog):
+    """paper_tables' 32,768 asked-for tokens: WikiText-2 valid's held-out part has 16,322, short of its share of
+    16,384 (logged), so the calibration text has 32,706."""
     with caplog.at_level("INFO", logger="moelab.calibrate"):
         ids = calibration_ids(tok, 32768)
     assert ids.numel() == 32706
@@ -306,7 +306,7 @@ def test_target_out_of_reach_through_ties_warns_with_the_closest(tied_sample, ki
     assert S.native_k == 8 and (S.entropy[0] == S.entropy[0][0]).all()
     with pytest.warns(UserWarning, match=rf"target_reduction=0.3: {kind} .*reaches {reachable:.3f} .*ties"):
         pol = match_policy(S, kind, 0.3, k_min=2, k_max=8, k_values=(2, 8))
-    assert estimate(S, pol)["expert_reduction"] == pytest.approx(reachable)
+    assert S.estimate(pol)["expert_reduction"] == pytest.approx(reachable)
     with pytest.warns(UserWarning, match=r"target_reduction=0.3: EntropyAdaptiveK k_values=\[2, 8\] reaches 0.000"):
         calibrate_thresholds(S, (2, 8), 0.3)
     # a reduction the tied signal does reach comes back without a warning, also at the range's ends
@@ -314,9 +314,9 @@ def test_target_out_of_reach_through_ties_warns_with_the_closest(tied_sample, ki
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert estimate(S, match_policy(S, "TopP", 0.25, k_min=2))["expert_reduction"] == pytest.approx(0.25)
+        assert S.estimate(match_policy(S, "TopP", 0.25, k_min=2))["expert_reduction"] == pytest.approx(0.25)
         for t in (0.0, 0.75):
-            assert estimate(S, calibrate_thresholds(S, (2, 8), t))["expert_reduction"] == pytest.approx(t)
+            assert S.estimate(calibrate_thresholds(S, (2, 8), t))["expert_reduction"] == pytest.approx(t)
 
 
 def test_match_policy_checks_its_k_range(sample):

@@ -1,14 +1,20 @@
-"""Evaluation: measured perplexity and compute with routing changed; estimates from recorded routers."""
+"""Evaluation: sliding-window perplexity, measured perplexity and compute with routing changed, and estimates
+from recorded routers."""
+
+import math
+import re
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
+from transformers import MixtralConfig, MixtralForCausalLM
 
 from moelab.compute import expert_reduction
-from moelab.evaluate import confirm_estimates, estimate, evaluate, policy_label, router_sample
+from moelab.evaluate import confirm_estimates, evaluate, perplexity, policy_label, router_sample, token_ids, windows
 from moelab.hf import moe_layers, patched, record_router
 from moelab.models import tiny_random
-from moelab.perplexity import perplexity
 from moelab.routing import EntropyAdaptiveK, RatioSkip, TopK, TopP, route_torch
 
 CTX = 64
@@ -24,7 +30,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def ids():
-    return torch.randint(0, 256, (640,), generator=torch.Generator().manual_seed(0))
+    return torch.randint(0, 256, (320,), generator=torch.Generator().manual_seed(0))
 
 
 @pytest.fixture(scope="module")
@@ -35,18 +41,19 @@ def base(model, ids):
 def test_baseline_is_plain_perplexity(model, ids, base):
     ref = perplexity(model, None, ids, context=CTX, stride=CTX // 2, progress=False)
     assert base.summary["ppl"] == pytest.approx(ref["ppl"], rel=1e-6)  # batch 8 vs 1: float noise
-    assert base.summary["scored_tokens"] == ref["scored_tokens"] == 639
+    assert base.summary["scored_tokens"] == ref["scored_tokens"] == 319
     assert base.summary["mean_k"] == 2 and base.summary["expert_reduction"] == 0
     assert base.summary["forward_reduction"] == pytest.approx(0.0)
     assert base.summary["routed_tokens"] == ref["forwarded_tokens"]
-    assert base.summary["compute_frac"] == 1.0  # all native work kept
     assert set(base.layers["layer"]) == {0, 1, 2}
     q = base.layers[["ent_q05", "ent_q50", "ent_q95"]].to_numpy()
     assert (q[:, 0] <= q[:, 1]).all() and (q[:, 1] <= q[:, 2]).all() and q.max() <= torch.log(torch.tensor(8.0))
 
 
 def test_native_topk_patched_equals_baseline(model, ids, base):
-    ev = evaluate(model, TopK(2), ids, context=CTX, stride=CTX // 2, baseline_ppl=base.summary["ppl"], progress=False)
+    """The model's own TopK through moelab gives the unchanged perplexity; a numpy baseline is a number."""
+    ev = evaluate(model, TopK(2), ids, context=CTX, stride=CTX // 2, baseline_ppl=np.float32(base.summary["ppl"]),
+                  progress=False)
     assert ev.summary["ppl_change"] == pytest.approx(0.0, abs=1e-5)
     assert ev.summary["mean_k"] == 2.0
 
@@ -78,7 +85,7 @@ def test_compute_is_counted_at_the_windows_that_ran(model, ids):
     assert asked["ppl"] == exact["ppl"] and asked["forward_reduction"] == exact["forward_reduction"]
     longer = evaluate(model, TopK(1), ids, context=CTX, stride=CTX, progress=False).summary
     assert asked["forward_reduction"] > longer["forward_reduction"]  # less attention per token: a larger share
-    est = estimate(router_sample(model, short, context=CTX, progress=False), TopK(1))
+    est = router_sample(model, short, context=CTX, progress=False).estimate(TopK(1))
     assert est["forward_reduction"] == pytest.approx(asked["forward_reduction"], rel=1e-12)
     res = perplexity(model, None, ids[:150], context=CTX, stride=CTX, progress=False)  # windows of 64, 64, 22
     assert (res["forwarded_tokens"], res["longest_window"]) == (150, 64)
@@ -86,16 +93,17 @@ def test_compute_is_counted_at_the_windows_that_ran(model, ids):
 
 
 def test_estimates(model, ids):
+    ids = ids[:256]
     sample = router_sample(model, ids, context=CTX, progress=False)
-    assert sample.num_tokens == 640 and sample.num_layers == 3 and sample.unused_tokens == 0
-    short = router_sample(model, ids[:600], context=CTX, progress=False)  # 9 whole chunks and 24 tokens
-    assert (short.num_tokens, short.unused_tokens) == (576, 24)
-    assert estimate(sample, TopK(1))["mean_k"] == 1.0
+    assert sample.num_tokens == 256 and sample.num_layers == 3 and sample.unused_tokens == 0
+    short = router_sample(model, ids[:220], context=CTX, progress=False)  # 3 whole chunks and 28 tokens
+    assert (short.num_tokens, short.unused_tokens) == (192, 28)
+    assert sample.estimate(TopK(1))["mean_k"] == 1.0
     load = sample.expert_load()
-    assert load.shape == (3, 8) and (load.sum(1) == 640 * 2).all()
+    assert load.shape == (3, 8) and (load.sum(1) == 256 * 2).all()
     med = float(sample.entropy[0].median())
     pol = EntropyAdaptiveK((1, 2, 4), (med - 0.1, med + 0.1))
-    est = estimate(sample, pol)
+    est = sample.estimate(pol)
     assert est["estimated"] is True and 1 < est["mean_k"] < 4
     pols = [pol, TopP(0.6, 4), RatioSkip(0.5, 4)]
     layers = moe_layers(model)
@@ -116,7 +124,7 @@ def test_estimates(model, ids):
     for p in pols:
         want = [route_torch(own[i], p, layer.renormalize).k for i, layer in enumerate(layers)]
         assert all(torch.equal(sample.k(p, i), want[i]) for i in range(len(layers)))
-        assert estimate(sample, p)["mean_k_layers"] == [float(k.float().mean()) for k in want]
+        assert sample.estimate(p)["mean_k_layers"] == [float(k.float().mean()) for k in want]
         load = sample.expert_load(p)
         for i, layer in enumerate(layers):
             kept = route_torch(own[i], p, layer.renormalize).expert_ids
@@ -133,7 +141,7 @@ def test_estimates(model, ids):
         measured = [float(route_torch(seen[i], p, lay.renormalize).k.float().mean()) for i, lay in enumerate(layers)]
         assert row["mean_k"] == float(np.mean(measured))  # evaluate counted the k those logits give
         # so the estimate's error is exactly what those changed inputs do to the policy's k: none in layer 0
-        estimated = estimate(sample, p)["mean_k_layers"]
+        estimated = sample.estimate(p)["mean_k_layers"]
         assert row["est_error_layers"][0] == 0.0
         assert row["est_error_layers"] == [expert_reduction(e, native_k) - expert_reduction(m, native_k)
                                            for e, m in zip(estimated, measured)]
@@ -152,7 +160,7 @@ def test_a_hybrid_model_with_512_experts_evaluates_with_its_routing_changed():
         pytest.skip("this transformers has no Qwen3-Next")
     for layer in moe_layers(m):
         torch.nn.init.normal_(layer.block.gate.weight, std=0.5)
-    ids = torch.randint(0, 256, (96,), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, 256, (64,), generator=torch.Generator().manual_seed(1))
     base = evaluate(m, None, ids, context=32, stride=32, progress=False)
     native = evaluate(m, TopK(10), ids, context=32, stride=32, progress=False)
     assert native.summary["ppl"] == pytest.approx(base.summary["ppl"], rel=1e-5)
@@ -173,18 +181,12 @@ def test_an_empty_policy_dict_is_refused_before_the_run(model, ids):
     assert forwards == []
 
 
-def test_numpy_baseline_ppl_is_accepted(model, ids, base):
-    ppl = base.summary["ppl"]
-    ev = evaluate(model, TopK(2), ids, context=CTX, stride=CTX // 2, baseline_ppl=np.float32(ppl), progress=False)
-    assert ev.summary["ppl_change"] == pytest.approx(0.0, abs=1e-5)
-
-
 @pytest.mark.parametrize("bad", [-1000, 0, 0.4, float("nan"), float("inf"), "64", True])
 def test_bad_attended_is_named(model, ids, bad):
     sample = router_sample(model, ids[:128], context=CTX, progress=False)
     with pytest.raises(ValueError, match=r"attended=.*: must be a finite number >= 1"):
-        estimate(sample, TopK(1), attended=bad)
-    assert estimate(sample, TopK(1), attended=np.float64(32.0)) == estimate(sample, TopK(1), attended=32)
+        sample.estimate(TopK(1), attended=bad)
+    assert sample.estimate(TopK(1), attended=np.float64(32.0)) == sample.estimate(TopK(1), attended=32)
 
 
 def test_router_sample_keeps_expert_ids_above_the_int16_range():
@@ -230,3 +232,174 @@ def test_the_summary_names_the_weights_dtype(model, ids, base):
     m16 = tiny_random("mixtral", num_hidden_layers=2).to(torch.bfloat16)
     ev = evaluate(m16, TopK(1), ids[:128], context=CTX, stride=CTX, progress=False)
     assert ev.summary["dtype"] == "bfloat16" and np.isfinite(ev.summary["ppl"]) and ev.summary["mean_k"] == 1
+
+
+# ---- sliding-window perplexity ----
+
+@pytest.fixture(scope="module")
+def lm():
+    torch.manual_seed(0)
+    cfg = MixtralConfig(
+        vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
+    )
+    return MixtralForCausalLM(cfg).eval()
+
+
+def reference_nll(lm, ids, context, stride):
+    """Token by token: log p(ids[j] | the window that scores j), from full-window logits."""
+    total, n = 0.0, 0
+    for begin, end, scored in windows(len(ids), context, stride):
+        with torch.no_grad():
+            logp = torch.log_softmax(lm(input_ids=ids[None, begin:end]).logits[0].float(), -1)
+        for j in range(end - scored, end):
+            total -= float(logp[j - begin - 1, ids[j]])
+            n += 1
+    return total / n, n
+
+
+def test_windows_cover_every_token_once():
+    for n, c, s in [(10, 4, 2), (10, 4, 4), (3, 4, 2), (100, 16, 5), (17, 17, 17)]:
+        scored = set()
+        for begin, end, k in windows(n, c, s):
+            assert end - begin <= c and k <= end - begin - 1
+            new = set(range(end - k, end))
+            assert not (new & scored)
+            scored |= new
+        # stride < context: every token but the first gets a prediction
+        if s < c:
+            assert scored == set(range(1, n))
+        else:  # no overlap: each window's first token has no prediction inside it
+            starts = set(range(0, n, s))
+            assert scored == set(range(n)) - starts
+
+
+def test_matches_token_by_token_reference(lm):
+    ids = torch.randint(0, 97, (80,), generator=torch.Generator().manual_seed(1))
+    out = perplexity(lm, None, ids, context=32, stride=8, progress=False)
+    ref, n = reference_nll(lm, ids, 32, 8)
+    assert out["scored_tokens"] == n == 79
+    assert out["nll"] == pytest.approx(ref, rel=1e-5)
+    assert out["ppl"] == pytest.approx(math.exp(ref), rel=1e-5)
+
+
+class Bigram(torch.nn.Module):
+    """A causal LM whose logits at a position depend on that position's token alone: each token's loss is the same
+    in any batch, so a reference can sum exactly the losses perplexity sums."""
+
+    def __init__(self, vocab: int):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, vocab)
+        torch.nn.init.normal_(self.emb.weight, std=3.0, generator=torch.Generator().manual_seed(0))
+
+    def get_input_embeddings(self):
+        return self.emb
+
+    def forward(self, input_ids, **kwargs):
+        return SimpleNamespace(logits=self.emb(input_ids))
+
+
+def test_losses_are_summed_in_float64():
+    """40k fp32 losses summed in fp32 round the mean by ~1e-8; the fp64 sum agrees with the exact one to ~1e-15."""
+    m = Bigram(500)
+    ids = torch.randint(0, 500, (40_001,), generator=torch.Generator().manual_seed(1))
+    out = perplexity(m, None, ids, context=2000, stride=2000, batch_size=20, progress=False)
+    with torch.no_grad():
+        loss_T = F.cross_entropy(m.emb.weight[ids[:-1]].float(), ids[1:], reduction="none").double()
+    scored_T = torch.arange(1, ids.numel()) % 2000 != 0  # no prediction for a window's first token
+    assert out["scored_tokens"] == int(scored_T.sum()) == 39_980
+    assert out["nll"] == pytest.approx(float(loss_T[scored_T].sum() / scored_T.sum()), rel=1e-13, abs=0)
+
+
+def test_batch_size_does_not_change_result(lm):
+    ids = torch.randint(0, 97, (100,), generator=torch.Generator().manual_seed(2))
+    a = perplexity(lm, None, ids, context=24, stride=6, batch_size=1, progress=False)
+    b = perplexity(lm, None, ids, context=24, stride=6, batch_size=5, progress=False)
+    assert a["scored_tokens"] == b["scored_tokens"]
+    assert a["nll"] == pytest.approx(b["nll"], rel=1e-5)
+
+
+def test_context_clipped_to_model_and_max_tokens(lm):
+    ids = torch.randint(0, 97, (300,), generator=torch.Generator().manual_seed(3))
+    out = perplexity(lm, None, ids, context=2048, stride=512, max_tokens=200, progress=False)
+    assert out["context"] == 64 and out["stride"] == 64
+    assert out["windows"] == 4 and out["scored_tokens"] == 200 - 4  # no overlap: each window's first unscored
+    # one window covering everything equals the model's own mean loss
+    one = perplexity(lm, None, ids[:50], context=64, stride=16, progress=False)
+    with torch.no_grad():
+        loss = lm(input_ids=ids[None, :50], labels=ids[None, :50]).loss
+    assert one["scored_tokens"] == 49 and one["nll"] == pytest.approx(float(loss), rel=1e-5)
+
+
+def test_bad_input_raises():
+    with pytest.raises(ValueError, match="tokenizer=None"):
+        token_ids(None, "some text")
+    with pytest.raises(ValueError, match="stride=0"):
+        windows(10, 4, 0)
+    with pytest.raises(ValueError, match=r"stride=1024: must be in \[1, context=512\]"):
+        perplexity(None, None, torch.arange(10), context=512, stride=1024)
+    with pytest.raises(ValueError, match="must be integers"):
+        token_ids(None, torch.zeros(5))
+    assert token_ids(None, []).dtype == torch.long  # empty: no dtype to judge; the callers name the count
+    with pytest.raises(ValueError, match="0 tokens: need at least 2"):
+        perplexity(None, None, [])
+
+
+def test_ids_outside_the_vocabulary_and_bad_context_are_named(lm):
+    """An id the embedding cannot look up is named with its position (not an IndexError or a device assert)."""
+    ids = torch.arange(20) % 97
+    ids[7] = 500
+    with pytest.raises(ValueError, match=r"token id 500 at position 7: must be in \[0, vocab_size=97\)"):
+        perplexity(lm, None, ids, context=16, stride=8, progress=False)
+    with pytest.raises(ValueError, match=r"token id -1 at position 0"):
+        perplexity(lm, None, torch.tensor([-1, 2, 3]), context=16, stride=8, progress=False)
+    with pytest.raises(ValueError, match=r"context=0: must be an int >= 2"):
+        perplexity(lm, None, torch.arange(10), context=0, stride=1, progress=False)
+    with pytest.raises(ValueError, match=r"context=16.0: must be an int"):
+        perplexity(lm, None, torch.arange(10), context=16.0, stride=8, progress=False)
+
+
+def test_ids_past_max_tokens_are_not_checked(lm):
+    """Only what the model reads must be in the vocabulary: max_tokens cuts the stream first."""
+    ids = torch.arange(40) % 97
+    ids[30] = 500
+    r = perplexity(lm, None, ids, context=16, stride=8, max_tokens=24, progress=False)
+    assert r == perplexity(lm, None, ids[:24], context=16, stride=8, progress=False)
+    assert r["scored_tokens"] == 23 and math.isfinite(r["ppl"])
+    for bad in (1, 0, True, 24.0):
+        with pytest.raises(ValueError, match=rf"max_tokens={bad!r}: must be an int >= 2 or None"):
+            perplexity(lm, None, ids, context=16, stride=8, max_tokens=bad, progress=False)
+    assert perplexity(lm, None, ids, context=16, stride=8, max_tokens=2, progress=False)["scored_tokens"] == 1
+
+
+def test_non_finite_logits_raise_at_the_first_bad_window():
+    """A NaN weight fails the window that reads it, as the patched path's router check does, and the later windows
+    are not run; the message names the logit and the window."""
+    net = tiny_random("mixtral", tie_word_embeddings=False)
+    with torch.no_grad():
+        net.model.embed_tokens.weight[5] = float("nan")
+    ids = torch.arange(10, 42)
+    ids[20] = 5
+    forwards = []
+    net.register_forward_hook(lambda *a: forwards.append(1))
+    with pytest.raises(ValueError, match=r"logits\[0, \d+, \d+\]=nan in the window ids\[16:24\]: logits must be fin"):
+        perplexity(net, None, ids, context=8, stride=8, progress=False)
+    assert len(forwards) == 3  # of 4 windows
+    forwards.clear()  # the 4 windows in one batch: the message names the bad row's window, not the batch's first
+    with pytest.raises(ValueError, match=r"logits\[2, \d+, \d+\]=nan in the window ids\[16:24\]: logits must be"):
+        perplexity(net, None, ids, context=8, stride=8, batch_size=4, progress=False)
+    assert len(forwards) == 1
+    assert math.isfinite(perplexity(net, None, ids[:16], context=8, stride=8, progress=False)["ppl"])
+
+
+def test_ids_of_a_wrong_type_and_numpy_ints(lm):
+    with pytest.raises(ValueError, match=r"token ids of dtype torch.complex64: must be integers"):
+        token_ids(None, torch.ones(4, dtype=torch.complex64))
+    for bad in (None, ["a", "b"]):
+        with pytest.raises(TypeError, match=rf"text_or_ids={re.escape(repr(bad))}: must be a str \(with a tokenizer\)"):
+            perplexity(lm, None, bad, progress=False)
+    ids = torch.arange(40) % 97
+    want = perplexity(lm, None, ids, context=16, stride=8, max_tokens=30, batch_size=2, progress=False)
+    got = perplexity(lm, None, ids, context=np.int64(16), stride=np.int32(8), max_tokens=np.int64(30),
+                     batch_size=np.int64(2), progress=False)
+    assert got == want and type(got["context"]) is int

@@ -1,6 +1,7 @@
 """The embedded models: they load and generate, beat a unigram model by far, and their routers are not collapsed."""
 
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -9,10 +10,12 @@ import torch
 
 from moelab import models
 from moelab.data import eval_text, heldout_texts, training_texts
+from moelab.evaluate import perplexity
 from moelab.hf import router_logits
-from moelab.perplexity import perplexity
-from moelab.tokenizer import encode, unigram_perplexity
-from moelab.train import _stream
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+from tokenizer import encode, unigram_perplexity  # noqa: E402  (tools/tokenizer.py)
+from train import _stream  # noqa: E402  (tools/train.py)
 
 EXPECTED = {  # name -> (family, experts, k, renormalise)
     "tiny-mixtral": ("mixtral", 8, 2, True),
@@ -20,7 +23,7 @@ EXPECTED = {  # name -> (family, experts, k, renormalise)
     "tiny-olmoe": ("olmoe", 64, 8, False),
 }
 TRAINED = [n for n in models.NAMES if (models.model_dir(n) / "model.safetensors").exists()]
-needs_ckpt = pytest.mark.skipif(len(TRAINED) < 3, reason="data/models checkpoints missing (python -m moelab.train)")
+needs_ckpt = pytest.mark.skipif(len(TRAINED) < 3, reason="data/models checkpoints missing (python tools/train.py)")
 
 
 @pytest.fixture(scope="module")
@@ -122,14 +125,14 @@ def test_model_card_reports_balanced_routers_on_unseen_text(name):
 @needs_ckpt
 @pytest.mark.parametrize("name", list(EXPECTED))
 def test_committed_model_card_is_what_its_eval_and_the_committed_results_give(name):
-    """README.md is the card `moelab.train --card` writes from the committed eval.json, train_log.json and
+    """README.md is the card `tools/train.py --card` writes from the committed eval.json, train_log.json and
     the newest committed paper-tables run: a rerun of either without the card rebuilt fails here."""
-    from moelab.train import _card
+    from train import _card
 
     folder = models.model_dir(name)
     ev, tlog = (json.loads((folder / f).read_text()) for f in ("eval.json", "train_log.json"))
     assert _card(name, folder, ev, tlog) == (folder / "README.md").read_text(), (
-        f"rebuild it: python -m moelab.train --model {name} --card --card-reuse")
+        f"rebuild it: python tools/train.py --model {name} --card --card-reuse")
 
 
 def test_load_errors(tmp_path):

@@ -34,7 +34,7 @@ def test_calibration_k_values_end_at_native():
 
 
 def test_paper_rows_sections(model):
-    ev = torch.randint(0, 256, (128,), generator=torch.Generator().manual_seed(3))
+    ev = torch.randint(0, 256, (64,), generator=torch.Generator().manual_seed(3))
     cal = torch.randint(0, 256, (128,), generator=torch.Generator().manual_seed(4))
     out = paper_rows(model, "rand-mixtral", ev, cal, context=CTX, stride=CTX, budget_steps=1, targets=(0.25,),
                      per_layer=True, fixed_ks=[1], progress=False)
@@ -157,19 +157,6 @@ def test_committed_paper_tables_verdicts_follow_from_their_rows():
     assert set(doc["verdicts"]) == set(rows["model"])
     for model, text in doc["verdicts"].items():
         assert verdict(rows[(rows["model"] == model) & (rows["section"] == "matched")]) == text, model
-
-
-def test_committed_paper_tables_repeat_on_another_device():
-    """The README's claim for the H100 run at 1e7420b: the same command gives every number of the committed H200 run
-    (c191ba9) again, bit for bit, but the per-model wall times; the verdicts are the same text."""
-    from moelab import results
-
-    h200 = results.load_results("paper-tables")
-    h100 = results.read_file(results.results_dir() / "archive" / "paper-tables-20261206-h100.json.xz")
-    assert "H200" in h200["machine"]["device"] and "H100" in h100["machine"]["device"]
-    assert h100["commit"].startswith("1e7420b") and h200["commit"].startswith("c191ba9")
-    assert h100["command"] == h200["command"] and h100["verdicts"] == h200["verdicts"]
-    assert {r["field"] for r in results.diff(h200, h100)} == {"model_wall_s"}
 
 
 def test_lower_fixed_ks_are_one_half_and_three_quarters_of_native():

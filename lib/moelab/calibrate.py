@@ -1,14 +1,13 @@
 """Thresholds for a compute target or a perplexity budget, and policies compared at matched compute.
 
-Calibration always uses held-out text the models never saw (`calibration_ids`: equal shares of the
-slices of moelab.data.heldout_texts(), which leaves out the five OLMoE domain files: their last 5%
-repeats their training part), never the evaluation set (WikiText-2 test).
+Calibration uses held-out text the models never saw (`calibration_ids`), never the evaluation set (WikiText-2
+test). It reads the models only through `moelab.evaluate`: a `RouterSample` for estimates, `evaluate` for
+measurements and `reference_ppl` for the perplexity they are measured against.
 
-Threshold family: for k_values of length m, one knob u in [0, 1] puts the m-1 thresholds at the
-entropy quantiles u^((m-1-j)/(m-1)), j = 0..m-2 (ascending). u = 0: every token keeps k_max;
-u = 1: every token keeps k_min; mean k falls monotonically in between, so bisection on u reaches a
-target compute reduction. Shared thresholds use the quantiles of all layers pooled; per-layer
-thresholds use each layer's own quantiles (every layer then keeps the same k fractions).
+Threshold family: for k_values of length m, one knob u in [0, 1] puts the m-1 thresholds at the entropy quantiles
+u^((m-1-j)/(m-1)), j = 0..m-2 (ascending). u = 0: every token keeps k_max; u = 1: every token keeps k_min; mean k
+falls monotonically in between, so bisection on u reaches a target reduction. Shared thresholds use the quantiles
+of all layers pooled; per-layer thresholds each layer's own (every layer then keeps the same k fractions).
 """
 
 from __future__ import annotations
@@ -23,31 +22,19 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from moelab.evaluate import SIXTEEN_BIT, RouterSample, estimate, evaluate, model_dtype, policy_label
-from moelab.params import is_int, is_real
+from moelab.evaluate import RouterSample, evaluate, reference_ppl
+from moelab.params import check_int, is_int, is_real
 from moelab.routing import EntropyAdaptiveK, Policy, RatioSkip, TopK, TopP, quantile
-
-__all__ = [
-    "calibration_ids",
-    "thresholds_at",
-    "calibrate_thresholds",
-    "match_policy",
-    "reference_ppl",
-    "budget_search",
-    "compare_at_matched_compute",
-    "pareto_mask",
-    "verdict",
-]
 
 log = logging.getLogger(__name__)
 
 
 def calibration_ids(tokenizer, max_tokens: int, names=None) -> torch.Tensor:
-    """Token ids of held-out text for calibration: an equal share of each held-out slice, concatenated."""
+    """Token ids of held-out text for calibration: an equal share of each held-out slice, concatenated (the five
+    OLMoE domain files are left out: their last 5% repeats their training part)."""
     from moelab.data import TRAIN_TEXTS, heldout_texts
 
-    if not is_int(max_tokens) or max_tokens < 2:
-        raise ValueError(f"max_tokens={max_tokens!r}: must be an int >= 2")
+    check_int("max_tokens", max_tokens, 2)
     texts = heldout_texts()
     names = [names] if isinstance(names, str) else list(names or texts)
     seen = [n for n in names if n in TRAIN_TEXTS and n not in texts]
@@ -68,10 +55,6 @@ def calibration_ids(tokenizer, max_tokens: int, names=None) -> torch.Tensor:
     return torch.cat(parts)[:max_tokens]
 
 
-def _levels(u: float, m: int) -> list[float]:
-    return [u ** ((m - 1 - j) / (m - 1)) for j in range(m - 1)]
-
-
 def _strict(ths: list[float]) -> tuple[float, ...]:
     """Make quantile thresholds strictly ascending (ties from repeated entropies) by the smallest nudge."""
     out = []
@@ -83,9 +66,13 @@ def _strict(ths: list[float]) -> tuple[float, ...]:
     return tuple(out)
 
 
-def _check_real(name: str, x) -> None:
-    if not is_real(x):
-        raise ValueError(f"{name}={x!r}: must be a number")
+def _check_target(target, k_min: int, k_max: int, native_k: int, what: str) -> None:
+    """A target reduction that k in [k_min, k_max] can reach on native k."""
+    if not is_real(target):
+        raise ValueError(f"target_reduction={target!r}: must be a number")
+    lo, hi = 1 - k_max / native_k, 1 - k_min / native_k
+    if not lo <= target <= hi:
+        raise ValueError(f"target_reduction={target}: {what} on native k={native_k} reach only [{lo:.3f}, {hi:.3f}]")
 
 
 def _tol(sample: RouterSample, k_min: int, k_max: int) -> float:
@@ -96,7 +83,7 @@ def _tol(sample: RouterSample, k_min: int, k_max: int) -> float:
 def _warn_missed(sample: RouterSample, pol, target: float, k_min: int, k_max: int, what: str):
     """pol, with a warning where its estimated reduction misses the target by more than the bisection's
     tolerance: many tokens change k at the same point, i.e. ties in the signal."""
-    got = estimate(sample, pol)["expert_reduction"]
+    got = sample.estimate(pol)["expert_reduction"]
     if abs(got - target) > _tol(sample, k_min, k_max):
         warnings.warn(f"target_reduction={target}: {what} reaches {got:.3f} at the closest, not the target "
                       f"(ties in the routing signal on the sample: many tokens change k at once)", stacklevel=3)
@@ -107,8 +94,7 @@ def check_budget(budget: float, steps: int) -> None:
     """A budget > 0 and bisection steps >= 0 (shared with `paper.paper_rows`, which checks before any forward)."""
     if not is_real(budget) or not budget > 0:
         raise ValueError(f"budget={budget}: must be > 0 (relative perplexity increase, e.g. 0.005)")
-    if not is_int(steps) or steps < 0:
-        raise ValueError(f"steps={steps!r}: the budget search's bisection steps must be an int >= 0")
+    check_int("steps", steps, 0, " (bisection steps of the budget search)")
 
 
 def check_fixed_ks(fixed_ks, k_cap: int, what: str = "the router sample's k_cap") -> list[int]:
@@ -141,7 +127,8 @@ def thresholds_at(sample: RouterSample, k_values, u: float, per_layer: bool = Fa
     if not is_real(u) or not 0.0 <= u <= 1.0:
         raise ValueError(f"u={u!r}: must be a number in [0, 1]")
     kv = check_k_values(k_values, sample.k_cap)
-    q = torch.tensor(_levels(u, len(kv)), dtype=torch.float64)
+    m = len(kv)
+    q = torch.tensor([u ** ((m - 1 - j) / (m - 1)) for j in range(m - 1)], dtype=torch.float64)
 
     def make(ent_T):
         ths = quantile(ent_T.double(), q).tolist()
@@ -171,15 +158,8 @@ def calibrate_thresholds(sample: RouterSample, k_values, target_reduction: float
     """Thresholds whose estimated routed-expert reduction on the sample reaches target_reduction (where tied
     entropies leave it out of reach, the closest, with a warning)."""
     kv = check_k_values(k_values, sample.k_cap)
-    native = sample.native_k
-    lo_r, hi_r = 1 - kv[-1] / native, 1 - kv[0] / native
-    _check_real("target_reduction", target_reduction)
-    if not lo_r <= target_reduction <= hi_r:
-        raise ValueError(
-            f"target_reduction={target_reduction}: k_values={list(kv)} on native k={native} reach only "
-            f"[{lo_r:.3f}, {hi_r:.3f}]"
-        )
-    red = lambda u: estimate(sample, thresholds_at(sample, kv, u, per_layer))["expert_reduction"]  # noqa: E731
+    _check_target(target_reduction, kv[0], kv[-1], sample.native_k, f"k_values={list(kv)}")
+    red = lambda u: sample.estimate(thresholds_at(sample, kv, u, per_layer))["expert_reduction"]  # noqa: E731
     u = _bisect(red, 0.0, 1.0, target_reduction, increasing=True, iters=30, tol=_tol(sample, kv[0], kv[-1]))
     return _warn_missed(sample, thresholds_at(sample, kv, u, per_layer), target_reduction, kv[0], kv[-1],
                         f"EntropyAdaptiveK k_values={list(kv)}")
@@ -189,10 +169,8 @@ def match_policy(sample: RouterSample, kind: str, target_reduction: float, k_min
                  k_values=None, per_layer: bool = False) -> Policy:
     """A policy of a kind ('EntropyAdaptiveK', 'TopP', 'RatioSkip') whose estimated reduction hits the target
     (k_max None: the native k). Where ties in the signal leave it out of reach, the closest, with a warning."""
-    k_max = sample.native_k if k_max is None else k_max
-    for name, k in (("k_min", k_min), ("k_max", k_max)):
-        if not is_int(k) or k < 1:
-            raise ValueError(f"{name}={k!r}: must be an int >= 1" + (" or None (native k)" if name == "k_max" else ""))
+    check_int("k_min", k_min)
+    k_max = sample.native_k if k_max is None else check_int("k_max", k_max, 1, " or None (native k)")
     if k_min > k_max:
         raise ValueError(f"k_min={k_min} > k_max={k_max}: must be k_min <= k_max")
     if kind == "EntropyAdaptiveK":
@@ -204,46 +182,21 @@ def match_policy(sample: RouterSample, kind: str, target_reduction: float, k_min
         return calibrate_thresholds(sample, k_values, target_reduction, per_layer)
     if kind not in ("TopP", "RatioSkip"):
         raise ValueError(f"kind={kind!r}: must be 'EntropyAdaptiveK', 'TopP' or 'RatioSkip'")
-    _check_real("target_reduction", target_reduction)
-    lo_r, hi_r = 1 - k_max / sample.native_k, 1 - k_min / sample.native_k
-    if not lo_r <= target_reduction <= hi_r:
-        raise ValueError(f"target_reduction={target_reduction}: k in [{k_min}, {k_max}] reaches only "
-                         f"[{lo_r:.3f}, {hi_r:.3f}] on native k={sample.native_k}")
+    _check_target(target_reduction, k_min, k_max, sample.native_k, f"k in [{k_min}, {k_max}]")
     if kind == "TopP":  # larger p keeps more experts: reduction falls
-        red = lambda p: estimate(sample, TopP(max(p, 1e-9), k_max, k_min))["expert_reduction"]  # noqa: E731
+        red = lambda p: sample.estimate(TopP(max(p, 1e-9), k_max, k_min))["expert_reduction"]  # noqa: E731
         p = _bisect(red, 0.0, 1.0, target_reduction, increasing=False, tol=_tol(sample, k_min, k_max))
         pol = TopP(float(min(max(p, 1e-9), 1.0)), k_max, k_min)
     else:  # RatioSkip: larger beta drops more experts: reduction rises
-        red = lambda b: estimate(sample, RatioSkip(b, k_max, k_min))["expert_reduction"]  # noqa: E731
+        red = lambda b: sample.estimate(RatioSkip(b, k_max, k_min))["expert_reduction"]  # noqa: E731
         b = _bisect(red, 0.0, 1.0, target_reduction, increasing=True, tol=_tol(sample, k_min, k_max))
         pol = RatioSkip(float(b), k_max, k_min)
     return _warn_missed(sample, pol, target_reduction, k_min, k_max, f"{kind} k in [{k_min}, {k_max}]")
 
 
-def reference_ppl(model, ids, progress: bool = False, **eval_kw) -> dict:
-    """The perplexity a routing change is measured against: the unchanged model in fp32; in 16-bit the model's own
-    TopK through moelab, since there the patch alone moves perplexity by 1e-4 to 1e-3 (router ties, fp32 expert
-    sums; `benchmarks/patch_noise.py`). Returns evaluate's summary with reference: 'unchanged' or 'patched-native'."""
-    from moelab.hf import moe_layers, native_policy
-
-    sixteen = model_dtype(model) in SIXTEEN_BIT
-    pol = [native_policy(layer) for layer in moe_layers(model)] if sixteen else None
-    summary = evaluate(model, pol, ids, progress=progress, **eval_kw).summary
-    return {**summary, "reference": "patched-native" if sixteen else "unchanged"}
-
-
-def budget_search(
-    model,
-    sample: RouterSample,
-    cal_ids: torch.Tensor,
-    k_values,
-    budget: float = 0.005,
-    per_layer: bool = False,
-    baseline_ppl: float | None = None,
-    steps: int = 6,
-    progress: bool = True,
-    **eval_kw,
-) -> dict:
+def budget_search(model, sample: RouterSample, cal_ids: torch.Tensor, k_values, budget: float = 0.005,
+                  per_layer: bool = False, baseline_ppl: float | None = None, steps: int = 6, progress: bool = True,
+                  **eval_kw) -> dict:
     """Largest routed-expert reduction whose measured perplexity on calibration text stays within budget.
 
     Bisection over the target reduction in [max(0, lowest reachable), highest reachable], each step a
@@ -261,7 +214,7 @@ def budget_search(
         pol = calibrate_thresholds(sample, kv, r, per_layer)
         s = evaluate(model, pol, cal_ids, baseline_ppl=baseline_ppl, progress=False, warn_unchanged=r > 0,
                      **eval_kw).summary  # reduction 0 keeps k_max everywhere on purpose
-        trace.append({"target_reduction": r, "label": policy_label(pol), "expert_reduction": s["expert_reduction"],
+        trace.append({"target_reduction": r, "label": s["label"], "expert_reduction": s["expert_reduction"],
                       "ppl": s["ppl"], "ppl_change": s["ppl_change"], "within": s["ppl_change"] <= budget})
         return pol, s
 
@@ -294,19 +247,9 @@ def budget_search(
             "trace": pd.DataFrame(trace)}
 
 
-def compare_at_matched_compute(
-    model,
-    sample: RouterSample,
-    eval_ids: torch.Tensor,
-    targets,
-    k_values,
-    baseline_ppl: float,
-    kinds=("EntropyAdaptiveK", "TopP", "RatioSkip"),
-    fixed_ks=None,
-    per_layer: bool = False,
-    progress: bool = True,
-    **eval_kw,
-) -> pd.DataFrame:
+def compare_at_matched_compute(model, sample: RouterSample, eval_ids: torch.Tensor, targets, k_values,
+                               baseline_ppl: float, kinds=("EntropyAdaptiveK", "TopP", "RatioSkip"), fixed_ks=None,
+                               per_layer: bool = False, progress: bool = True, **eval_kw) -> pd.DataFrame:
     """Measured perplexity vs compute for each policy kind matched (on the sample) to each target reduction.
 
     TopP and RatioSkip get the same k range as the entropy policy's k_values; lower fixed k (TopK with k
@@ -316,8 +259,9 @@ def compare_at_matched_compute(
     kv = check_k_values(k_values, sample.k_cap)  # checked before any measured evaluation runs
     kinds = (kinds,) if isinstance(kinds, str) else kinds
     k_min, k_max = kv[0], kv[-1]
-    fixed_ks = list(range(max(1, k_min), sample.native_k)) if fixed_ks is None else check_fixed_ks(fixed_ks,
-                                                                                                    sample.k_cap)
+    if fixed_ks is None:
+        fixed_ks = list(range(max(1, k_min), sample.native_k))
+    fixed_ks = check_fixed_ks(fixed_ks, sample.k_cap)
     jobs = []
     for t in targets:
         for kind in kinds:
@@ -327,7 +271,7 @@ def compare_at_matched_compute(
         jobs.append((1 - k / sample.native_k, "TopK", TopK(int(k))))
     rows = []
     for t, kind, pol in tqdm(jobs, desc="matched compute", disable=not progress):
-        est = estimate(sample, pol)
+        est = sample.estimate(pol)
         s = evaluate(model, pol, eval_ids, baseline_ppl=baseline_ppl, progress=False, **eval_kw).summary
         rows.append({**s, "kind": kind, "target_reduction": t, "est_expert_reduction": est["expert_reduction"]})
     return pd.DataFrame(rows)

@@ -1,25 +1,27 @@
-"""Compute accounting: how much expert work a routing plan really does.
+"""Compute accounting: how much expert work a routing plan really does, and FLOPs of a whole forward.
 
-Savings are always counted against the model's native k (Mixtral 2, Qwen1.5-MoE 4, OLMoE 8),
-never against a policy's k_max: a policy that keeps 1.5 experts on average on a top-2 model
-saves 25%, whatever its k_max.
+Savings are counted against the model's native k (Mixtral 2, Qwen1.5-MoE 4, OLMoE 8), never against a policy's
+k_max: a policy that keeps 1.5 experts on average on a top-2 model saves 25%, whatever its k_max.
 """
 
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
+import numpy as np
+import pandas as pd
 import torch
 
-from moelab.routing import RoutingPlan, _check_int, route
+from moelab.params import check_int, is_real
+from moelab.routing import RoutingPlan, route
 
 
 def plan_stats(plan: RoutingPlan, native_k: int) -> dict:
-    """Kept pairs, mean k, k histogram and routed-expert reduction of one plan (one host sync)."""
-    _check_int("native_k", native_k)
+    """Kept pairs, mean k, k histogram (k_hist[j]: tokens that kept j experts) and routed-expert reduction of one
+    plan (one host sync)."""
+    check_int("native_k", native_k)
     if not isinstance(plan, RoutingPlan):
         raise ValueError(f"plan={plan!r}: must be a RoutingPlan")
     if plan.k.shape != plan.expert_ids.shape[:1]:
@@ -28,24 +30,16 @@ def plan_stats(plan: RoutingPlan, native_k: int) -> dict:
     hist = torch.bincount(plan.k.long().cpu(), minlength=plan.k_max + 1).tolist() if T else [0] * (plan.k_max + 1)
     kept = int(sum(i * n for i, n in enumerate(hist)))
     mean_k = kept / T if T else float("nan")
-    return {
-        "tokens": T,
-        "kept_pairs": kept,
-        "native_pairs": T * native_k,
-        "mean_k": mean_k,
-        "k_hist": hist,  # k_hist[j] = tokens that kept j experts
-        "expert_reduction": expert_reduction(mean_k, native_k),
-    }
+    return {"tokens": T, "kept_pairs": kept, "native_pairs": T * native_k, "mean_k": mean_k, "k_hist": hist,
+            "expert_reduction": expert_reduction(mean_k, native_k)}
 
 
-def policy_stats(logits_TE: torch.Tensor, policies: dict, native_k: int, renormalize: bool):
-    """One DataFrame row per policy ({label: policy}) routing the same logits: kind, plan_stats' keys, and the
-    mean weight a token's kept experts get in all (1 with renormalize; else the probability mass kept)."""
-    import pandas as pd
-
+def policy_stats(logits_TE: torch.Tensor, policies: dict, native_k: int, renormalize: bool) -> pd.DataFrame:
+    """One row per policy ({label: policy}) routing the same logits: kind, plan_stats' keys, and the mean weight a
+    token's kept experts get in all (1 with renormalize; else the probability mass kept)."""
     if not isinstance(policies, Mapping):
         raise ValueError(f"policies={policies!r}: must be a dict {{label: policy}}")
-    _check_int("native_k", native_k)
+    check_int("native_k", native_k)
     rows = []
     for label, policy in policies.items():
         plan = route(logits_TE, policy, renormalize=renormalize)
@@ -54,15 +48,11 @@ def policy_stats(logits_TE: torch.Tensor, policies: dict, native_k: int, renorma
     return pd.DataFrame(rows)
 
 
-def pool_layers(per_layer, native_k: int, shapes: "ModelShapes | None" = None, context: int | None = None,
-                prefill: int = 0):
-    """plan_stats rows of several MoE layers (a DataFrame with columns layer, policy, kind and plan_stats'
-    keys) pooled per (policy, kind): pairs and tokens summed, k histograms added, the reduction of the sums;
-    with shapes, also the whole-forward reduction from each layer's mean k (attended context `context`; the
-    tokens of one prefill `prefill`, 0 for decode steps: `ModelShapes.fixed_flops`)."""
-    import numpy as np
-    import pandas as pd
-
+def pool_layers(per_layer: pd.DataFrame, native_k: int, shapes: ModelShapes | None = None, context: int | None = None,
+                prefill: int = 0) -> pd.DataFrame:
+    """plan_stats rows of several MoE layers (columns layer, policy, kind and plan_stats' keys) pooled per
+    (policy, kind): pairs and tokens summed, k histograms added, the reduction of the sums; with shapes, also the
+    whole-forward reduction from each layer's mean k (`ModelShapes.forward_reduction`)."""
     if shapes is not None and context is None:
         raise ValueError("context=None: the whole-forward reduction needs the attended context length")
     rows = []
@@ -82,14 +72,12 @@ def pool_layers(per_layer, native_k: int, shapes: "ModelShapes | None" = None, c
 
 def expert_reduction(mean_k: float, native_k: int) -> float:
     """Fraction of routed-expert FLOPs saved against the native top-k (negative if more is spent)."""
-    _check_int("native_k", native_k)
-    return 1.0 - mean_k / native_k
+    return 1.0 - mean_k / check_int("native_k", native_k)
 
 
 def check_context(context, name: str = "context") -> None:
-    """An attended context length (keys per token, an average may be fractional): a finite number >= 1, as every
-    token attends at least itself."""
-    if isinstance(context, bool) or not isinstance(context, numbers.Real) or not 1 <= context < math.inf:
+    """An attended context length (keys per token; an average may be fractional): a finite number >= 1."""
+    if not is_real(context) or not 1 <= context < math.inf:
         raise ValueError(f"{name}={context!r}: must be a finite number >= 1 (keys a token attends, itself included)")
 
 
@@ -170,7 +158,6 @@ class ModelShapes:
     vocab: int
     dense_ffn: int = 0
     shared_ffn: int = 0  # shared expert intermediate size (Qwen2-MoE), 0 if none
-    glu: bool = True  # gate/up/down expert MLPs (3 matrices) vs up/down (2)
     linear_attention_layers: int = 0  # layers whose token mixer is not softmax attention (Qwen3-Next, MiniMax)
     linear_mixer: LinearMixer | None = None  # their mixer's FLOPs, where the kind is known
     query_gate: bool = False  # q_proj also yields an output gate (Qwen3-Next, Qwen3.5)
@@ -184,15 +171,14 @@ class ModelShapes:
     @classmethod
     def from_config(cls, cfg) -> "ModelShapes":
         """Read the shapes from a transformers MoE config (Mixtral, Qwen2/3-MoE, OLMoE, ...)."""
-        g = lambda *names, default=None: next(  # noqa: E731
-            (getattr(cfg, n) for n in names if getattr(cfg, n, None) is not None), default
-        )
+        def g(*names, default=None):
+            return next((getattr(cfg, n) for n in names if getattr(cfg, n, None) is not None), default)
+
         E = g("num_local_experts", "num_experts", "n_routed_experts")
         k = g("num_experts_per_tok", "moe_top_k")
         if E is None or k is None:
             raise ValueError(f"{type(cfg).__name__}: no expert count / top-k found; not an MoE config")
-        heads = cfg.num_attention_heads
-        L = cfg.num_hidden_layers
+        heads, L = cfg.num_attention_heads, cfg.num_hidden_layers
         moe_layers = L
         step = g("decoder_sparse_step", default=1)
         dense_ids = set(g("mlp_only_layers", default=[]) or [])
@@ -200,36 +186,21 @@ class ModelShapes:
         layer_types = g("layer_types", default=None) or []
         linear = sum(1 for t in layer_types if t not in ("full_attention", "sliding_attention"))
         if step and step > 1 or dense_ids or first_dense:
-            moe_layers = sum(
-                1
-                for i in range(L)
-                if i not in dense_ids and i >= first_dense and (step <= 1 or (i + 1) % step == 0)
-            )
-        return cls(
-            hidden=cfg.hidden_size,
-            expert_ffn=g("moe_intermediate_size", "intermediate_size"),
-            num_experts=E,
-            native_k=k,
-            num_layers=L,
-            moe_layers=moe_layers,
-            num_heads=heads,
-            num_kv_heads=g("num_key_value_heads", default=heads),
-            head_dim=g("head_dim", default=cfg.hidden_size // heads),
-            vocab=cfg.vocab_size,
-            dense_ffn=g("intermediate_size", default=0),
-            shared_ffn=g("shared_expert_intermediate_size", default=0),
-            linear_attention_layers=linear,
-            linear_mixer=LinearMixer.from_config(cfg) if linear else None,
-            query_gate=getattr(cfg, "model_type", None) in GATED_QUERY_FAMILIES,
-        )
-
-    def to_dict(self) -> dict:
-        return asdict(self)
+            moe_layers = sum(1 for i in range(L)
+                             if i not in dense_ids and i >= first_dense and (step <= 1 or (i + 1) % step == 0))
+        return cls(hidden=cfg.hidden_size, expert_ffn=g("moe_intermediate_size", "intermediate_size"), num_experts=E,
+                   native_k=k, num_layers=L, moe_layers=moe_layers, num_heads=heads,
+                   num_kv_heads=g("num_key_value_heads", default=heads),
+                   head_dim=g("head_dim", default=cfg.hidden_size // heads), vocab=cfg.vocab_size,
+                   dense_ffn=g("intermediate_size", default=0),
+                   shared_ffn=g("shared_expert_intermediate_size", default=0), linear_attention_layers=linear,
+                   linear_mixer=LinearMixer.from_config(cfg) if linear else None,
+                   query_gate=getattr(cfg, "model_type", None) in GATED_QUERY_FAMILIES)
 
     # FLOPs per token (multiply-add = 2 FLOPs), forward only.
     def expert_flops(self) -> float:
-        """One (token, expert) pair."""
-        return 2.0 * (3 if self.glu else 2) * self.hidden * self.expert_ffn
+        """One (token, expert) pair: gate, up and down projections."""
+        return 2.0 * 3 * self.hidden * self.expert_ffn
 
     def attention_flops(self, context: int) -> float:
         """One softmax-attention layer's token mixer, per token: projections (q twice as wide with a query gate)
@@ -260,7 +231,7 @@ class ModelShapes:
     def forward_flops(self, mean_k_per_layer, context: int, prefill: int = 0) -> float:
         """Whole-forward FLOPs per token given each MoE layer's mean k (a float applies to all); `context` and
         `prefill` as in `fixed_flops`."""
-        if isinstance(mean_k_per_layer, numbers.Real) and not isinstance(mean_k_per_layer, bool):
+        if is_real(mean_k_per_layer):
             mean_k_per_layer = [float(mean_k_per_layer)] * self.moe_layers
         try:
             n = len(mean_k_per_layer)
@@ -268,9 +239,7 @@ class ModelShapes:
             raise ValueError(f"mean_k_per_layer={mean_k_per_layer!r}: must be a number or a list (one per MoE "
                              "layer)") from None
         if n != self.moe_layers:
-            raise ValueError(
-                f"mean_k_per_layer has {n} entries: need one per MoE layer ({self.moe_layers})"
-            )
+            raise ValueError(f"mean_k_per_layer has {n} entries: need one per MoE layer ({self.moe_layers})")
         return self.fixed_flops(context, prefill) + self.expert_flops() * float(sum(mean_k_per_layer))
 
     def forward_reduction(self, mean_k_per_layer, context: int, prefill: int = 0) -> float:

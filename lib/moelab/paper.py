@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 
 import pandas as pd
 import torch
@@ -21,25 +22,16 @@ from moelab.calibrate import (
     check_fixed_ks,
     check_k_values,
     compare_at_matched_compute,
-    reference_ppl,
     verdict,
 )
-from moelab.evaluate import SIXTEEN_BIT, evaluate, model_dtype, router_sample
+from moelab.evaluate import SIXTEEN_BIT, evaluate, model_dtype, reference_ppl, router_sample, token_ids
+from moelab.hf import moe_layers, native_policy
+from moelab.models import check_ids, moe_info
 from moelab.params import is_int, is_real
 from moelab.routing import EntropyAdaptiveK
 
-__all__ = [
-    "PUBLISHED",
-    "CLAIMS",
-    "PR_PPL_CLAIM",
-    "sdk_preset",
-    "published_configs",
-    "calibration_k_values",
-    "lower_fixed_ks",
-    "paper_rows",
-    "paper_table",
-    "vs_patched",
-]
+__all__ = ["PUBLISHED", "CLAIMS", "PR_PPL_CLAIM", "sdk_preset", "published_configs", "calibration_k_values",
+           "lower_fixed_ks", "paper_rows", "paper_table", "vs_patched"]
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +81,7 @@ def calibration_k_values(family: str, native_k: int) -> tuple[int, ...]:
     """
     if not is_int(native_k) or native_k < 1:
         raise ValueError(f"native_k={native_k!r}: must be an int >= 1 (the model's top-k)")
-    preset = {"mixtral": "sdk-mixtral", "qwen2_moe": "sdk-qwen-moe", "olmoe": "sdk-olmoe"}.get(family)
+    preset = _FAMILY_PRESETS.get(family, (None,))[0]
     if preset and PUBLISHED[preset][0][-1] == native_k:
         return PUBLISHED[preset][0]
     ladder = sorted({max(1, native_k // 4), max(1, native_k // 2), native_k})
@@ -105,9 +97,6 @@ def lower_fixed_ks(native_k: int) -> list[int]:
 
 def _stream(model, name: str, ids) -> torch.Tensor:
     """ids as one stream of >= 2 token ids inside the model's vocabulary; errors name the argument."""
-    from moelab.models import check_ids
-    from moelab.perplexity import token_ids
-
     try:
         ids = check_ids(model, token_ids(None, ids))
     except (TypeError, ValueError) as e:
@@ -117,22 +106,10 @@ def _stream(model, name: str, ids) -> torch.Tensor:
     return ids
 
 
-def paper_rows(
-    model,
-    name: str,
-    eval_ids: torch.Tensor,
-    cal_ids: torch.Tensor,
-    context: int = 2048,
-    stride: int = 512,
-    batch_size: int = 8,
-    budget: float = 0.005,
-    budget_steps: int = 6,
-    targets=(0.1, 0.2, 0.3, 0.4),
-    k_values=None,
-    per_layer: bool = True,
-    fixed_ks=None,
-    progress: bool = True,
-) -> dict:
+def paper_rows(model, name: str, eval_ids: torch.Tensor, cal_ids: torch.Tensor, context: int = 2048,
+               stride: int = 512, batch_size: int = 8, budget: float = 0.005, budget_steps: int = 6,
+               targets=(0.1, 0.2, 0.3, 0.4), k_values=None, per_layer: bool = True, fixed_ks=None,
+               progress: bool = True) -> dict:
     """Everything the paper table needs for one model, all measured with patched forwards.
 
     Sections (column `section`): baseline (unchanged model), patched-native (the model's own TopK through
@@ -147,11 +124,6 @@ def paper_rows(
     patched-native row: the one to read in 16-bit, where the patch alone moves perplexity; `vs_patched`).
     Returns dict(rows: list of dicts, traces: DataFrame, verdict: str, sample: RouterSample).
     """
-    import time
-
-    from moelab.hf import moe_layers, native_policy
-    from moelab.models import moe_info
-
     info = moe_info(model)
     family, native_k, E = info["family"], info["native_k"], info["num_experts"]
     # every argument checked before the first (long) evaluation
@@ -175,13 +147,15 @@ def paper_rows(
         rows.append({"model": name, "family": family, "section": section, **ev_summary, **extra,
                      "wall_s": time.perf_counter() - t0, **claims})
 
+    def measure(pol) -> dict:  # on the evaluation text, against the unchanged model
+        return evaluate(model, pol, eval_ids, baseline_ppl=base_ppl, progress=False, **kw).summary
+
     t0 = time.perf_counter()
     base = evaluate(model, None, eval_ids, progress=progress, **kw).summary
     base_ppl = base["ppl"]
     add("baseline", {**base, "ppl_base": base_ppl, "ppl_change": 0.0}, t0, config="native (unpatched)")
     t0 = time.perf_counter()
-    nat = [native_policy(layer) for layer in moe_layers(model)]
-    s = evaluate(model, nat, eval_ids, baseline_ppl=base_ppl, progress=False, **kw).summary
+    s = measure([native_policy(layer) for layer in moe_layers(model)])
     add("patched-native", s, t0, config=f"TopK k={native_k} via moelab")
     if s["dtype"] in SIXTEEN_BIT:
         log.warning("%s in %s: the patch alone moves perplexity by %+.2e (the model's own TopK through moelab "
@@ -189,8 +163,7 @@ def paper_rows(
                     "(or run in float32)", name, s["dtype"], s["ppl_change"])
     for cname, pol in published_configs(family, E).items():
         t0 = time.perf_counter()
-        s = evaluate(model, pol, eval_ids, baseline_ppl=base_ppl, progress=False, **kw).summary
-        add("published", s, t0, config=cname)
+        add("published", measure(pol), t0, config=cname)
 
     t0 = time.perf_counter()
     kv = tuple(k_values) if k_values else calibration_k_values(family, native_k)
@@ -203,8 +176,7 @@ def paper_rows(
         r = claims["pr_reduction"]
         if lo_r <= r <= hi_r:
             t0 = time.perf_counter()
-            pol = calibrate_thresholds(sample, kv, r)
-            s = evaluate(model, pol, eval_ids, baseline_ppl=base_ppl, progress=False, **kw).summary
+            s = measure(calibrate_thresholds(sample, kv, r))
             add("claimed-target", s, t0, config=f"calibrated to claimed {r:.1%}", target_reduction=r)
         else:
             rows.append({"model": name, "family": family, "section": "claimed-target", "native_k": native_k,
@@ -219,8 +191,8 @@ def paper_rows(
         res = budget_search(model, sample, cal_ids, kv, budget=budget, per_layer=pl, steps=budget_steps,
                             baseline_ppl=cal_base, progress=False, **kw)
         traces.append(res["trace"].assign(model=name, per_layer=pl))
-        s = evaluate(model, res["policy"], eval_ids, baseline_ppl=base_ppl, progress=False, **kw).summary
-        add("calibrated", s, t0, config=f"{'per-layer' if pl else 'shared'} thresholds, budget {budget:+.1%}",
+        add("calibrated", measure(res["policy"]), t0,
+            config=f"{'per-layer' if pl else 'shared'} thresholds, budget {budget:+.1%}",
             cal_ppl_change=res["ppl_change"], cal_within_budget=res["within_budget"], cal_reference=cal_ref,
             target_reduction=res["target_reduction"])
         cal_red.append(res["target_reduction"])
@@ -264,20 +236,12 @@ def paper_table(rows) -> pd.DataFrame:
     unchanged model), vs patched % (against the patched native TopK: the one to read in 16-bit), claims."""
     f = pd.DataFrame(vs_patched(rows))
     f = f[f["section"].isin(["baseline", "patched-native", "published", "claimed-target", "calibrated"])]
-    out = pd.DataFrame({
-        "model": f["model"],
-        "config": f["config"],
-        "native k": f["native_k"],
-        "mean k": f.get("mean_k"),
-        "compute %": 100 * (1 - f.get("expert_reduction")),
-        "fwd compute %": 100 * (1 - f.get("forward_reduction")),
-        "ppl base": f.get("ppl_base"),
-        "ppl": f.get("ppl"),
-        "change %": 100 * f.get("ppl_change"),
-        "vs patched %": 100 * f["ppl_change_vs_patched"].astype(float),  # against the patched-native row
-        "claimed": f.get("claimed_model"),
-        "claimed compute %": 100 * f.get("paper_compute"),
+    return pd.DataFrame({
+        "model": f["model"], "config": f["config"], "native k": f["native_k"], "mean k": f.get("mean_k"),
+        "compute %": 100 * (1 - f.get("expert_reduction")), "fwd compute %": 100 * (1 - f.get("forward_reduction")),
+        "ppl base": f.get("ppl_base"), "ppl": f.get("ppl"), "change %": 100 * f.get("ppl_change"),
+        "vs patched %": 100 * f["ppl_change_vs_patched"].astype(float),
+        "claimed": f.get("claimed_model"), "claimed compute %": 100 * f.get("paper_compute"),
         "claimed mean k": f.get("paper_mean_k"),
         "claimed change %": 100 * (f.get("paper_ppl_adaptive") / f.get("paper_ppl_base") - 1),
-    })
-    return out.reset_index(drop=True)
+    }).reset_index(drop=True)

@@ -1,5 +1,5 @@
-"""Checks for notebook parameters: a bad value fails in the notebook's first cell, naming the parameter and the
-rule, instead of deep inside a long run (papermill passes `-p x -5` or `-p flag no` through as given)."""
+"""Checks for parameters: a bad value fails early, naming the parameter and the rule (papermill passes `-p x -5`
+or `-p flag no` through as given). Numpy numbers count as numbers; bools never do."""
 
 from __future__ import annotations
 
@@ -8,20 +8,24 @@ import numbers
 
 
 def is_int(k) -> bool:
-    """An integral number (numpy's too), not a bool: what a k or a count may be."""
     return isinstance(k, numbers.Integral) and not isinstance(k, bool)
 
 
 def is_real(x) -> bool:
-    """A real number (numpy's too), not a bool: what a reduction, threshold or p may be."""
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
+def check_int(name: str, v, lo: int = 1, rule: str = "") -> int:
+    """v as a Python int, once it is an int >= lo; `rule` is appended to the message (e.g. ' or None')."""
+    if not is_int(v) or v < lo:
+        raise ValueError(f"{name}={v!r}: must be an int >= {lo}{rule}")
+    return int(v)
+
+
 def check_ints(lo: int, note: str = "", **values) -> None:
-    """Every value an int >= lo (numpy's too; bools refused); `note` says what the lowest value means."""
+    """Every value an int >= lo; `note` says what the lowest value means."""
     for name, v in values.items():
-        if not is_int(v) or v < lo:
-            raise ValueError(f"{name}={v!r}: must be an int >= {lo}" + (f" ({note})" if note else ""))
+        check_int(name, v, lo, f" ({note})" if note else "")
 
 
 def check_bools(**values) -> None:
@@ -34,9 +38,7 @@ def check_bools(**values) -> None:
 def check_fractions(allow_empty: bool = True, **values) -> None:
     """Every value a list of numbers in (0, 1), such as routed-expert reductions."""
     for name, v in values.items():
-        ok = isinstance(v, (list, tuple)) and (allow_empty or v) and all(
-            is_real(x) and 0 < x < 1 for x in v)
-        if not ok:
+        if not (isinstance(v, (list, tuple)) and (allow_empty or v) and all(is_real(x) and 0 < x < 1 for x in v)):
             raise ValueError(f"{name}={v!r}: must be a list of numbers in (0, 1), e.g. [0.1, 0.25]"
                              + ("" if allow_empty else ", not empty"))
 

@@ -1,18 +1,17 @@
-"""The embedded models' shared tokenizer: a byte-level BPE trained on `moelab.data.training_texts()`.
+"""The embedded models' shared tokenizer: a byte-level BPE trained on `moelab.data.training_texts()`, and the
+unigram baseline the models are compared against (same tokenizer, same text).
 
-Byte-level, so any text encodes without unknown tokens; saved as a transformers
-`PreTrainedTokenizerFast` so `AutoTokenizer.from_pretrained(dir)` loads it next to each model.
-Also the unigram baseline the models are compared against (same tokenizer, same text).
+Byte-level, so any text encodes without unknown tokens; saved as a transformers `PreTrainedTokenizerFast`, so
+`AutoTokenizer.from_pretrained(dir)` loads it next to each model.
+
+    python tools/tokenizer.py            # writes data/models/tokenizer
 """
 
 from __future__ import annotations
 
-import logging
 import math
 from collections import Counter
 from pathlib import Path
-
-log = logging.getLogger(__name__)
 
 EOS = "<|endoftext|>"
 PAD = "<|pad|>"
@@ -33,28 +32,20 @@ def train_tokenizer(texts: dict[str, str] | None = None, vocab_size: int = VOCAB
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=[EOS, PAD],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS, PAD], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(list(texts.values()), trainer=trainer)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token=EOS, bos_token=EOS, pad_token=PAD
-    )
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, bos_token=EOS, pad_token=PAD)
 
 
 def encode(tokenizer, text: str) -> list[int]:
-    """Token ids of a long text, no special tokens (the same call everywhere in moelab)."""
+    """Token ids of a long text, no special tokens."""
     return tokenizer(text, add_special_tokens=False, return_attention_mask=False)["input_ids"]
 
 
 def unigram_perplexity(tokenizer, train_text: str | list[int], eval_text: str | list[int]) -> dict:
-    """Perplexity of an add-one-smoothed unigram model fitted on train_text, scored on eval_text.
-
-    The floor a language model must beat by far: it knows token frequencies and nothing else.
-    """
+    """Perplexity of an add-one-smoothed unigram model fitted on train_text, scored on eval_text: the floor a
+    language model must beat by far (it knows token frequencies and nothing else)."""
     V = len(tokenizer)
 
     def ids(x, name: str) -> list[int]:  # a tensor or array as plain ints (0-d tensors hash by identity)
@@ -81,3 +72,9 @@ def save_tokenizer(tokenizer, directory: str | Path) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     tokenizer.save_pretrained(directory)
     return directory
+
+
+if __name__ == "__main__":
+    from moelab.models import tokenizer_dir
+
+    print(save_tokenizer(train_tokenizer(), tokenizer_dir()))

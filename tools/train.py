@@ -1,10 +1,13 @@
 """Train an embedded MoE model: a plain loop with a router load-balancing loss (the model's own, or per layer).
 
-`python -m moelab.train --model tiny-olmoe --out data/models/tiny-olmoe` trains on
-`moelab.data.training_texts()` (never WikiText-2 test), validates on `heldout_texts()` every
-`eval_every` steps, keeps the best-validation weights (bf16 safetensors) in `out`, keeps the latest
-state (fp32 weights, optimizer, data order, RNG) in `out/.resume` so a killed run resumes where it
-stopped, and writes `out/train_log.json`. `--card` evaluates a trained checkpoint and writes its README.md.
+    python tools/train.py --model tiny-olmoe [--seed S] [--out DIR]
+
+trains on `moelab.data.training_texts()` (never WikiText-2 test) with the shipped checkpoint's recipe (the defaults
+of `TrainConfig` with `RECIPES[model]` over them; every option can be given), validates on `heldout_texts()` every
+`eval_every` steps, keeps the best-validation weights (bf16 safetensors) and `train_log.json` in DIR (default
+data/models/<model>), and the latest state (fp32 weights, optimizer, RNG: tensors and plain values that load with
+`torch.load(weights_only=True)`) in DIR/.resume, so a killed run resumes where it stopped.
+`--card` evaluates a trained checkpoint and writes its README.md; `--tokenizer-only` rebuilds the shared tokenizer.
 """
 
 from __future__ import annotations
@@ -15,7 +18,6 @@ import dataclasses
 import json
 import logging
 import math
-import numbers
 import shlex
 import shutil
 import sys
@@ -26,16 +28,18 @@ import torch
 from tqdm.auto import tqdm
 
 from moelab import models
+from moelab.params import check_int, check_real, is_real
 from moelab.results import command_line, commit, machine, write_json
-from moelab.tokenizer import EOS, encode
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tokenizer import EOS, encode, unigram_perplexity  # noqa: E402
 
 log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
 class TrainConfig:
-    """Defaults = the runs that produced the committed checkpoints on the H200, but for tiny-mixtral's seed (1) and
-    balance ('per-layer') and tiny-olmoe's time budget (120 s, not reached); each model card names its exact command."""
+    """One training run. The defaults, with `RECIPES[model]` over them, are the shipped checkpoints' recipe."""
 
     model: str = "tiny-olmoe"  # registry name (its config) or a family for a micro model
     out: str = ""  # output dir (default data/models/<model>)
@@ -48,7 +52,7 @@ class TrainConfig:
     warmup_steps: int = 40
     weight_decay: float = 0.1
     grad_clip: float = 1.0
-    max_steps: int = 700  # ~3.9 epochs of the ~2.96M training tokens at 32 x 512
+    max_steps: int = 700
     time_budget_s: float = 0.0  # stop early after this much training wall time (0: no limit)
     stop_after: int = 0  # stop this invocation after this many steps, resumable (0: run to the end)
     eval_every: int = 35
@@ -61,8 +65,10 @@ class TrainConfig:
     log_every: int = 10
 
 
+# what a shipped checkpoint's run set beyond the defaults (its registry config carries its router loss coefficient)
+RECIPES = {"tiny-mixtral": {"seed": 1, "balance": "per-layer"}}
 # fields that may differ when a run is resumed (they do not change what is computed)
-_RESUMABLE_CHANGES = ("time_budget_s", "stop_after", "device", "log_every")
+_RESUMABLE_CHANGES = ("out", "time_budget_s", "stop_after", "device", "log_every")
 
 
 def _stream(tokenizer, texts: dict[str, str], per_text: int = 0) -> torch.Tensor:
@@ -220,11 +226,36 @@ def _first_step(model, x, amp_dtype, device, balance: str = "model"):
         return _forward_backward(model, x, amp_dtype, device, balance)
 
 
-def _need(cfg: TrainConfig, name: str, kind, ok, rule: str) -> None:
-    """Raise unless cfg.<name> is a `kind` (int: numbers.Integral, number: numbers.Real; not bool) with ok(v)."""
-    v = getattr(cfg, name)
-    if isinstance(v, bool) or not isinstance(v, kind) or not ok(v):
-        raise ValueError(f"{name}={v!r}: must be {'an int' if kind is numbers.Integral else 'a number'} {rule}")
+def recipe(model: str, **given) -> TrainConfig:
+    """The shipped recipe for `model`, with the options given over it."""
+    return TrainConfig(model=model, **{**RECIPES.get(model, {}), **given})
+
+
+def _check(cfg: TrainConfig) -> None:
+    """Every option, before the output folder, the data or the model is made."""
+    check_int("seq_len", cfg.seq_len, 8)
+    for name in ("batch_size", "max_steps", "eval_every", "log_every", "eval_tokens"):
+        check_int(name, getattr(cfg, name), 1)
+    check_int("warmup_steps", cfg.warmup_steps, 0)
+    check_int("train_tokens", cfg.train_tokens, 0, " (0: all)")
+    check_int("stop_after", cfg.stop_after, 0, " (0: run to the end)")
+    check_int("seed", cfg.seed, 0)
+    check_real("time_budget_s", cfg.time_budget_s, 0.0)
+    check_real("min_lr_frac", cfg.min_lr_frac, 0.0, 1.0)
+    if not (is_real(cfg.lr) and 0 < cfg.lr < math.inf):
+        raise ValueError(f"lr={cfg.lr!r}: must be a number > 0 and finite")
+    if not (is_real(cfg.grad_clip) and cfg.grad_clip > 0):
+        raise ValueError(f"grad_clip={cfg.grad_clip!r}: must be a number > 0 (inf: no clipping)")
+    if cfg.amp not in ("bf16", "none"):
+        raise ValueError(f"amp={cfg.amp!r}: must be 'bf16' or 'none'")
+    if cfg.balance not in ("model", "per-layer"):
+        raise ValueError(f"balance={cfg.balance!r}: must be 'model' or 'per-layer'")
+    if cfg.model not in models.TINY and cfg.model not in models.FAMILIES:
+        raise ValueError(f"model={cfg.model!r}: not an embedded model {list(models.NAMES)} "
+                         f"or a family {sorted(models.FAMILIES)}")
+    if not isinstance(cfg.overrides, dict):
+        raise ValueError(f"overrides={cfg.overrides!r}: must be a dict (a JSON object) of config fields")
+    models.build_config(cfg.model, **cfg.overrides)  # names and sizes
 
 
 def train(cfg: TrainConfig) -> dict:
@@ -233,28 +264,7 @@ def train(cfg: TrainConfig) -> dict:
 
     from moelab.data import heldout_texts, training_texts
 
-    if cfg.seq_len < 8 or cfg.batch_size < 1 or cfg.max_steps < 1:
-        raise ValueError(f"seq_len={cfg.seq_len}, batch_size={cfg.batch_size}, max_steps={cfg.max_steps}: "
-                         "need seq_len >= 8, batch_size >= 1, max_steps >= 1")
-    if cfg.amp not in ("bf16", "none"):
-        raise ValueError(f"amp={cfg.amp!r}: must be 'bf16' or 'none'")
-    if cfg.balance not in ("model", "per-layer"):
-        raise ValueError(f"balance={cfg.balance!r}: must be 'model' or 'per-layer'")
-    for name in ("eval_every", "log_every", "eval_tokens"):
-        _need(cfg, name, numbers.Integral, lambda v: v >= 1, ">= 1")
-    _need(cfg, "warmup_steps", numbers.Integral, lambda v: v >= 0, ">= 0")
-    _need(cfg, "train_tokens", numbers.Integral, lambda v: v >= 0, ">= 0 (0: all)")
-    _need(cfg, "stop_after", numbers.Integral, lambda v: v >= 0, ">= 0 (0: run to the end)")
-    _need(cfg, "time_budget_s", numbers.Real, lambda v: v >= 0, ">= 0 (0: no limit)")
-    _need(cfg, "lr", numbers.Real, lambda v: 0 < v < math.inf, "> 0 and finite")
-    _need(cfg, "min_lr_frac", numbers.Real, lambda v: 0 <= v <= 1, "in [0, 1]")
-    _need(cfg, "grad_clip", numbers.Real, lambda v: v > 0, "> 0 (inf: no clipping)")
-    if cfg.model not in models.TINY and cfg.model not in models.FAMILIES:
-        raise ValueError(f"model={cfg.model!r}: not an embedded model {list(models.NAMES)} "
-                         f"or a family {sorted(models.FAMILIES)}")
-    if not isinstance(cfg.overrides, dict):
-        raise ValueError(f"overrides={cfg.overrides!r}: must be a dict (a JSON object) of config fields")
-    models.build_config(cfg.model, **cfg.overrides)  # names and sizes, before the data is encoded
+    _check(cfg)
     device = models.pick_device(cfg.device or "auto")
     out = Path(cfg.out or models.models_dir() / cfg.model)
     out.mkdir(parents=True, exist_ok=True)
@@ -309,7 +319,11 @@ def train(cfg: TrainConfig) -> dict:
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95))
     if resume.exists():
-        extra = torch.load(out / ".resume" / "optim.pt", weights_only=False)
+        try:  # tensors and plain values only: a planted pickle is refused, not run
+            extra = torch.load(out / ".resume" / "optim.pt", weights_only=True)
+        except Exception as e:
+            raise ValueError(f"{out / '.resume' / 'optim.pt'}: not a resume state of tensors and plain values ({e}); "
+                             f"delete {out / '.resume'} to start over") from None
         opt.load_state_dict(extra["optimizer"])
         torch.set_rng_state(extra["torch_rng"])
         if extra["cuda_rng"] is not None and torch.cuda.is_available():
@@ -398,19 +412,18 @@ def train(cfg: TrainConfig) -> dict:
 
 # ---- model card ---------------------------------------------------------------------------------------
 
-def evaluate(name_or_path, eval_tokens: int | None = None, stats_tokens: int = 32768, context: int = 2048,
-             stride: int = 512) -> dict:
-    """WikiText-2 test perplexity vs a unigram model (same tokenizer), and router statistics on held-out text."""
+def evaluate_checkpoint(name_or_path, eval_tokens: int | None = None, stats_tokens: int = 32768,
+                        context: int = 2048, stride: int = 512) -> dict:
+    """WikiText-2 test perplexity vs a unigram model (same tokenizer, fitted on the tokens the run trained on),
+    and router statistics on held-out text."""
     from moelab.data import eval_text, heldout_texts, training_texts
-    from moelab.perplexity import perplexity
-    from moelab.tokenizer import unigram_perplexity
+    from moelab.evaluate import perplexity
 
     model, tok = models.load(name_or_path)
     held = heldout_texts()  # the held-out slices none of whose text was trained on
     L = min(512, model.config.max_position_embeddings)  # the training length of the embedded models
-    if isinstance(stats_tokens, bool) or not isinstance(stats_tokens, int) or stats_tokens < L * len(held):
-        raise ValueError(f"stats_tokens={stats_tokens!r}: must be an int >= {L * len(held)} (one window of {L} "
-                         f"tokens from each of the {len(held)} held-out slices)")
+    check_int("stats_tokens", stats_tokens, L * len(held),
+              f" (one window of {L} tokens from each of the {len(held)} held-out slices)")
     per_text = stats_tokens // len(held)
     slices = {name: _stream(tok, {name: text}, per_text) for name, text in held.items()}  # each ends with EOS
     short = {name: ids.numel() for name, ids in slices.items() if ids.numel() < L}
@@ -423,7 +436,9 @@ def evaluate(name_or_path, eval_tokens: int | None = None, stats_tokens: int = 3
         test_ids = test_ids[:eval_tokens]
     ppl = perplexity(model, tok, test_ids, context=context, stride=stride, batch_size=8)
     ppl.update(test_tokens=len(test_ids), test_tokens_total=test_total)
-    uni = unigram_perplexity(tok, _stream(tok, training_texts()).tolist(), test_ids)
+    tlog = models.resolve(name_or_path) / "train_log.json"
+    n_train = json.loads(tlog.read_text())["config"].get("train_tokens", 0) if tlog.exists() else 0
+    uni = unigram_perplexity(tok, _train_ids(tok, training_texts(), n_train).tolist(), test_ids)
     stats = models.router_stats(model, torch.cat(list(slices.values())), max_tokens=stats_tokens)
     # the same on the evaluation text (never trained on, never used to pick a checkpoint): does the balance hold?
     test_stats = models.router_stats(model, torch.as_tensor(test_router_ids), max_tokens=stats_tokens)
@@ -474,7 +489,7 @@ def _full_test_line(name: str, path: Path, test_total: int) -> str:
     return (f"\nOn the {which} ({r['scored_tokens']:,} scored tokens, context {r['context']}, "
             f"stride {r['stride']}{', ' + dtype if dtype else ''}) the unchanged model scores **{r['ppl']:.1f}** on "
             f"{m['device']} (torch {m['torch']}, transformers {m['transformers']}, commit {doc['commit'][:7]}): "
-            f"`data/results/{doc['topic']}-{doc['created'][:10].replace('-', '')}.json`, section `baseline`, "
+            f"`data/results/{doc['topic']}.json`, section `baseline`, "
             "from `benchmarks/paper_tables.py`.\n")
 
 
@@ -532,19 +547,19 @@ token is not scored):
     defaults = dataclasses.asdict(TrainConfig())
     changed = {k: v for k, v in tlog["config"].items()
                if k in defaults and k not in ("model", "out", "device") and v != defaults[k]}
-    train_cmd = f"python -m moelab.train --model {tlog['config']['model']}" + "".join(
+    train_cmd = f"python tools/train.py --model {tlog['config']['model']}" + "".join(
         f" --{k.replace('_', '-')} " + shlex.quote(json.dumps(v) if isinstance(v, dict) else str(v))
         for k, v in changed.items())
-    balance = ("taken per layer (`moelab.train.balance_loss`)" if tlog["config"].get("balance") == "per-layer"
+    balance = ("taken per layer (`balance_loss` in `tools/train.py`)" if tlog["config"].get("balance") == "per-layer"
                else "transformers' own (expert loads pooled over the layers)")
     cpu = ev["machine"].get("cpu_model") or ev["machine"].get("host_cpu")
-    cmd = f"python -m moelab.train --model {name} --card" + (
+    cmd = f"python tools/train.py --model {name} --card" + (
         f" --card-tokens {wt['test_tokens']}" if wt["test_tokens"] < wt["test_tokens_total"] else "")
     part = (f": its first {wt['test_tokens']:,} of {wt['test_tokens_total']:,} tokens"
             if wt["test_tokens"] < wt["test_tokens_total"] else "")
     return f"""# {name}
 
-A small {moe['family']} mixture-of-experts language model trained by `moelab.train`, so that moelab's
+A small {moe['family']} mixture-of-experts language model trained by `tools/train.py`, so that moelab's
 notebooks have a *trained* router to study on a machine without a model hub. Its routing geometry
 mirrors the real model: {moe['num_experts']} experts, top-{moe['native_k']}, top-k weights
 {renorm}{shared}.
@@ -560,7 +575,7 @@ real learned routers, real perplexity changes. **Not** a useful language model: 
 
 ## Data and training
 - Tokenizer: byte-level BPE, {mc.get('vocab_size')} tokens, trained with `tokenizers` on the training texts
-  (shared by the three embedded models; `moelab.tokenizer`).
+  (shared by the three embedded models; `tools/tokenizer.py`).
 - Training text: `moelab.data.training_texts()`: tinyshakespeare, the five OLMoE domain texts
   (arXiv, books, C4, GitHub, Wikipedia) and WikiText-2 valid, each minus its last 5% (held out):
   {tlog['train_tokens']:,} tokens. WikiText-2 test is never trained on.
@@ -593,53 +608,48 @@ per-token router entropy / log({moe['num_experts']}) at quantiles 5/25/50/75/95%
 {test_line}"""
 
 
-def write_card(name_or_path: str, eval_tokens: int | None = None, reuse: bool = False) -> Path:
+def write_card(name_or_path: str, eval_tokens: int | None = None, reuse: bool = False, **eval_kw) -> Path:
     """Evaluate a trained model (registry name or checkpoint dir with train_log.json); write README.md, eval.json.
 
-    reuse: rebuild README.md from the existing eval.json without evaluating again.
+    reuse: rebuild README.md from the existing eval.json without evaluating again. eval_kw: `evaluate_checkpoint`'s.
     """
     path = models.resolve(name_or_path)
     tlog = json.loads((path / "train_log.json").read_text())
     if reuse:
         ev = json.loads((path / "eval.json").read_text())
     else:
-        ev = evaluate(path, eval_tokens=eval_tokens)
+        ev = evaluate_checkpoint(path, eval_tokens=eval_tokens, **eval_kw)
         write_json(path / "eval.json", ev)
     name = name_or_path if str(name_or_path) in models.NAMES else path.name
     (path / "README.md").write_text(_card(name, path, ev, tlog))
     return path / "README.md"
 
 
-def train_tokenizer_cli() -> Path:
-    """Train the shared tokenizer into data/models/tokenizer."""
-    from moelab.tokenizer import save_tokenizer, train_tokenizer
-
-    return save_tokenizer(train_tokenizer(), models.tokenizer_dir())
-
-
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m moelab.train", description=__doc__.split("\n")[0])
-    for f in dataclasses.fields(TrainConfig):
-        if f.name == "overrides":
-            p.add_argument("--overrides", type=json.loads, default={},
-                           help="JSON dict of config fields over the registry config")
-            continue
-        p.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default)
+    p = argparse.ArgumentParser(prog="python tools/train.py", description=__doc__.split("\n")[0])
+    for f in dataclasses.fields(TrainConfig):  # unset options take the model's recipe
+        kind = json.loads if f.name == "overrides" else type(f.default)
+        p.add_argument(f"--{f.name.replace('_', '-')}", type=kind, default=argparse.SUPPRESS,
+                       help="JSON dict of config fields over the registry config" if f.name == "overrides"
+                       else f"default: {f.default!r}, or the model's recipe")
     p.add_argument("--card", action="store_true",
                    help="evaluate the trained model (--out dir, else --model's) and write its README.md")
     p.add_argument("--card-tokens", type=int, default=0, help="with --card: score only this many test tokens")
     p.add_argument("--card-reuse", action="store_true", help="with --card: rebuild README.md from eval.json")
     p.add_argument("--tokenizer-only", action="store_true", help="train the shared tokenizer and exit")
-    a = p.parse_args(argv)
+    a = vars(p.parse_args(argv))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
-    if a.tokenizer_only:
-        print(train_tokenizer_cli())
+    card, card_tokens, card_reuse = a.pop("card"), a.pop("card_tokens"), a.pop("card_reuse")
+    if a.pop("tokenizer_only"):
+        from tokenizer import save_tokenizer, train_tokenizer
+
+        print(save_tokenizer(train_tokenizer(), models.tokenizer_dir()))
         return 0
-    if a.card:
-        print(write_card(Path(a.out) if a.out else a.model, eval_tokens=a.card_tokens or None, reuse=a.card_reuse))
+    model = a.pop("model", TrainConfig.model)
+    if card:
+        print(write_card(Path(a["out"]) if a.get("out") else model, eval_tokens=card_tokens or None, reuse=card_reuse))
         return 0
-    cfg = TrainConfig(**{f.name: getattr(a, f.name) for f in dataclasses.fields(TrainConfig)})
-    tlog = train(cfg)
+    tlog = train(recipe(model, **a))
     print(json.dumps({k: tlog[k] for k in ("model", "steps", "tokens_seen", "epochs", "best_val_loss",
                                             "best_step", "wall_time_s", "params")}))
     return 0
@@ -647,6 +657,3 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-
-
-__all__ = ["TrainConfig", "train", "balance_loss", "validation_loss", "evaluate", "write_card", "main"]
