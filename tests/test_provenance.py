@@ -1,11 +1,15 @@
-"""Every committed results file is strict JSON and names its machine, versions, commit and command."""
+"""Every committed results file names where it came from, and the docs' tables and links follow from the files."""
 import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-RESULTS = Path(__file__).resolve().parents[1] / "data" / "results"
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "data" / "results"
 FILES = sorted(RESULTS.iterdir())
 
 
@@ -25,3 +29,41 @@ def test_results_file_names_machine_versions_commit_and_command(path):
     assert doc["machine"].get("device") and doc["machine"].get("torch"), f"{path}: no device or torch version"
     assert re.fullmatch(r"[0-9a-f]{7,40}(-dirty)?", str(doc["commit"])), f"{path}: commit {doc['commit']!r}"
     assert str(doc["command"]).strip() and doc["created"], path
+
+
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+
+
+@pytest.fixture(scope="module")
+def regenerated(tmp_path_factory):
+    """tools/report.py run into a fresh folder: the documents with their tables made again, and the figures."""
+    out = tmp_path_factory.mktemp("report")
+    subprocess.run([sys.executable, "tools/report.py", "--out", str(out)], cwd=REPO, check=True, timeout=600,
+                   env={**os.environ, "PYTHONPATH": str(REPO / "lib")})
+    return out
+
+
+def test_docs_tables_are_made_from_the_current_results(regenerated):
+    """Every table in README.md and docs/*.md is what tools/report.py makes from data/results, byte for byte (make
+    report writes them again), and it draws exactly the committed figures."""
+    for doc in DOCS:
+        rel = doc.relative_to(REPO)
+        assert (regenerated / rel).read_text() == doc.read_text(), f"{rel}: its tables differ; run make report"
+    drawn = sorted(p.name for p in (regenerated / "docs" / "figures").iterdir())
+    assert drawn == sorted(p.name for p in (REPO / "docs" / "figures").iterdir())
+
+
+def test_every_link_to_results_and_figures_exists():
+    for doc in DOCS:
+        for link in re.findall(r"\]\(([^)\s#]+)", doc.read_text()):
+            if "data/results/" in link or "figures/" in link or link.endswith(".md"):
+                assert (doc.parent / link).resolve().is_file(), f"{doc.name}: link {link} leads nowhere"
+
+
+def test_docs_name_no_commit_hashes_outside_results_links():
+    """Provenance lives in the results files: the README and the reports cite files, not commits."""
+    sha = re.compile(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}\b")
+    for doc in DOCS:
+        text = re.sub(r"\]\([^)]*data/results/[^)]*\)", "]()", doc.read_text())
+        assert not sha.findall(text), f"{doc.name}: {sha.findall(text)[:5]}"
+    assert len((REPO / "README.md").read_text().splitlines()) < 250
