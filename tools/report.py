@@ -22,7 +22,7 @@ import pandas as pd
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "lib"), str(REPO / "notebooks")]
 
-from moelab import results  # noqa: E402
+from moelab import plots, results  # noqa: E402
 
 try:  # the kernel targets' report sits beside notebook 04
     import kernel_report as kr  # noqa: E402
@@ -482,7 +482,8 @@ def f_matched(ax_row):
         g = m[m["model"] == model]
         for kind in KINDS:
             k = g[g["kind"] == kind].sort_values("expert_reduction")
-            ax.plot(100 * k["expert_reduction"], 100 * k["ppl_change"], ".-", label=kind)
+            ax.plot(100 * k["expert_reduction"], 100 * k["ppl_change"], ".-", label=kind,
+                    color=plots.POLICY_COLORS[kind])
         fixed = g[(g["kind"] == "TopK") & (g["k_max"] > 1)]
         ax.plot(100 * fixed["expert_reduction"], 100 * fixed["ppl_change"], "ko", label="lower fixed k")
         ax.set(title=model, xlabel="expert compute saved (%)")
@@ -547,14 +548,14 @@ def draw(out: Path) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    plt.rcParams.update({"font.size": 8, "svg.hashsalt": "moelab"})
+    plots.setup_style()
     out.mkdir(parents=True, exist_ok=True)
     paths = []
     for name, (draw_fn, ncols, height) in FIGURES.items():
         fig, axes = plt.subplots(1, ncols, figsize=(3.2 * ncols if ncols > 1 else 5.0, height), layout="constrained")
         draw_fn(axes if ncols > 1 else axes)
         path = out / f"{name}.png"
-        fig.savefig(path, dpi=100, metadata={"Software": None})
+        fig.savefig(path, dpi=100, metadata={"Software": None})  # no version stamp: the same bytes run after run
         plt.close(fig)
         paths.append(path)
     return paths
