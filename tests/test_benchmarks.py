@@ -270,12 +270,21 @@ def _run_script(script, args, results_dir):
 
 
 @pytest.mark.parametrize("script,args,message", BAD_ARGS, ids=[f"{s} {' '.join(a)}" for s, a, _ in BAD_ARGS])
-def test_benchmark_refuses_bad_arguments_before_any_work(tmp_path, script, args, message):
-    """A bad option value: argparse's exit 2 with one message naming the option and the value (no traceback,
-    none from a child process), and no results file (so no model ran first, e.g. tiny-olmoe before 'nosuch')."""
-    out = _run_script(script, args, tmp_path)
-    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
-    assert re.search(message, out.stderr) and out.stderr.count("error:") == 1, out.stderr
+def test_benchmark_refuses_bad_arguments_before_any_work(tmp_path, script, args, message, monkeypatch, capfd):
+    """A bad option value: argparse's exit 2 with one message naming the option and the value (no other exception,
+    none from a child process), and no results file (so no model ran first, e.g. tiny-olmoe before 'nosuch'). The
+    script runs as __main__ in this process (its imports are paid once for all cases)."""
+    import runpy
+
+    monkeypatch.setenv("MOELAB_RESULTS_DIR", str(tmp_path))
+    monkeypatch.setattr(sys, "argv", [f"benchmarks/{script}.py", *args])
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    monkeypatch.chdir(REPO)
+    with pytest.raises(SystemExit) as e:
+        runpy.run_path(str(REPO / "benchmarks" / f"{script}.py"), run_name="__main__")
+    err = capfd.readouterr().err
+    assert e.value.code == 2 and "Traceback" not in err, err
+    assert re.search(message, err) and err.count("error:") == 1, err
     assert not list(tmp_path.iterdir())
 
 
