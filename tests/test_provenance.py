@@ -1,88 +1,69 @@
-"""Every committed result names where it came from: machine, versions, commit (in this repository) and command."""
+"""Every committed results file names where it came from, and the docs' tables and links follow from the files."""
 import json
-import lzma
+import os
 import re
-import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "data" / "results"
-MODELS = REPO / "data" / "models"
-# Commits named by committed files but not kept in this repository (data/results/trials/README.md says so).
-LOST = {"321924d541cbda9ddc8b85067058966d4bbaaf8f": "the per-layer cards' branch perlayer-adopt"}
-COMMIT = re.compile(r"(?P<sha>[0-9a-f]{7,40})(-dirty)?")
+FILES = sorted(RESULTS.iterdir())
 
 
-def _results_files() -> list[Path]:
-    return sorted(p for p in RESULTS.rglob("*") if p.name.endswith((".json", ".json.xz")))
+def test_results_are_one_json_file_per_topic():
+    assert FILES and all(p.is_file() and p.suffix == ".json" for p in FILES), [p.name for p in FILES]
+    assert len(FILES) <= 40
 
 
-def _strict(path: Path):
+@pytest.mark.parametrize("path", FILES, ids=lambda p: p.name)
+def test_results_file_names_machine_versions_commit_and_command(path):
     def refuse(token):
         raise ValueError(f"{path}: {token} is not JSON")
-    raw = lzma.open(path).read() if path.name.endswith(".xz") else path.read_bytes()
-    return json.loads(raw, parse_constant=refuse)
+
+    doc = json.loads(path.read_bytes(), parse_constant=refuse)
+    assert doc["schema"] == 1 and isinstance(doc["rows"], list) and doc["rows"], path
+    assert path.stem.startswith(doc["topic"]), f"{path}: topic {doc['topic']!r} is not the file's"
+    assert doc["machine"].get("device") and doc["machine"].get("torch"), f"{path}: no device or torch version"
+    assert re.fullmatch(r"[0-9a-f]{7,40}(-dirty)?", str(doc["commit"])), f"{path}: commit {doc['commit']!r}"
+    assert str(doc["command"]).strip() and doc["created"], path
 
 
-def _machine(doc: dict) -> dict:
-    return doc.get("machine") or {k: doc.get(k) for k in ("device", "torch", "triton")}  # the one older trial layout
-
-
-def _git(*args) -> subprocess.CompletedProcess:
-    return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True)
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 
 
 @pytest.fixture(scope="module")
-def history():
-    """A function telling whether a commit is in this clone's history (skips where that cannot be known)."""
-    if shutil.which("git") is None or _git("rev-parse", "--git-dir").returncode != 0:
-        pytest.skip("not a git checkout")
-    if _git("rev-parse", "--is-shallow-repository").stdout.strip() == "true":
-        pytest.skip("shallow clone: older commits are not here")
-    return lambda sha: _git("cat-file", "-e", f"{sha}^{{commit}}").returncode == 0
+def regenerated(tmp_path_factory):
+    """tools/report.py run into a fresh folder: the documents with their tables made again, and the figures."""
+    out = tmp_path_factory.mktemp("report")
+    subprocess.run([sys.executable, "tools/report.py", "--out", str(out)], cwd=REPO, check=True, timeout=600,
+                   env={**os.environ, "PYTHONPATH": str(REPO / "lib")})
+    return out
 
 
-def test_there_are_committed_results():
-    files = _results_files()
-    assert len(files) > 100 and any(p.parent == RESULTS for p in files)
+def test_docs_tables_are_made_from_the_current_results(regenerated):
+    """Every table in README.md and docs/*.md is what tools/report.py makes from data/results, byte for byte (make
+    report writes them again), and it draws exactly the committed figures."""
+    for doc in DOCS:
+        rel = doc.relative_to(REPO)
+        assert (regenerated / rel).read_text() == doc.read_text(), f"{rel}: its tables differ; run make report"
+    drawn = sorted(p.name for p in (regenerated / "docs" / "figures").iterdir())
+    assert drawn == sorted(p.name for p in (REPO / "docs" / "figures").iterdir())
 
 
-@pytest.mark.parametrize("path", _results_files(), ids=lambda p: str(p.relative_to(RESULTS)))
-def test_results_file_names_machine_versions_commit_and_command(path, history):
-    doc = _strict(path)
-    assert isinstance(doc, dict), path
-    machine = _machine(doc)
-    assert machine.get("device") and machine.get("torch"), f"{path}: no device name or torch version"
-    m = COMMIT.fullmatch(str(doc.get("commit")))
-    assert m, f"{path}: commit {doc.get('commit')!r} is no commit id"
-    sha = m["sha"]
-    if sha not in LOST:
-        assert history(sha), f"{path}: commit {sha} is not in this repository"
-    if "schema" in doc:  # written by moelab.results.write_results
-        assert str(doc.get("command", "")).strip(), f"{path}: no command"
-        assert path.name.startswith(doc["topic"]), f"{path}: topic {doc['topic']!r} is not the file's"
-        assert doc["created"][:10].replace("-", "") in path.name, f"{path}: created {doc['created']} not in its name"
-    elif not path.name.startswith("card-eval-"):  # the cards' command is in the card (see the model READMEs)
-        assert str(doc.get("command", "")).strip(), f"{path}: no command"
+def test_every_link_to_results_and_figures_exists():
+    for doc in DOCS:
+        for link in re.findall(r"\]\(([^)\s#]+)", doc.read_text()):
+            if "data/results/" in link or "figures/" in link or link.endswith(".md"):
+                assert (doc.parent / link).resolve().is_file(), f"{doc.name}: link {link} leads nowhere"
 
 
-@pytest.mark.parametrize("name", sorted(p.name for p in MODELS.iterdir() if (p / "train_log.json").exists()))
-def test_embedded_models_name_their_training_and_card_commits(name, history):
-    folder = MODELS / name
-    tlog, ev = _strict(folder / "train_log.json"), _strict(folder / "eval.json")
-    assert tlog["command"].strip() and tlog["machine"]["torch"]
-    for doc in (tlog, ev):
-        sha = COMMIT.fullmatch(doc["commit"])["sha"]
-        assert history(sha), f"{name}: commit {sha} is not in this repository"
-    card = (folder / "README.md").read_text()
-    assert f"commit {ev['commit'][:12]}" in card and f"commit {tlog['commit'][:12]}" in card
-
-
-def test_lost_commits_are_said_to_be_lost(history):
-    notes = (RESULTS / "trials" / "README.md").read_text()
-    for sha in LOST:
-        assert not history(sha), f"{sha} is in the repository after all: take it out of LOST"
-        assert f"neither it nor {sha[:7]} is in this repository" in notes
+def test_docs_name_no_commit_hashes_outside_results_links():
+    """Provenance lives in the results files: the README and the reports cite files, not commits."""
+    sha = re.compile(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}\b")
+    for doc in DOCS:
+        text = re.sub(r"\]\([^)]*data/results/[^)]*\)", "]()", doc.read_text())
+        assert not sha.findall(text), f"{doc.name}: {sha.findall(text)[:5]}"
+    assert len((REPO / "README.md").read_text().splitlines()) < 250

@@ -1,9 +1,9 @@
 """moelab: a research workbench for MoE inference.
 
-Entropy-guided adaptive-k routing (routing, compute, experts, hf, evaluate, calibrate) and CUDA-graph
-memory pool reuse (graphs, scratch). The routing names below (`moelab.TopK`, `moelab.route`, ...) load
-`moelab.routing` on first use, so `import moelab.results` or `moelab.sweep` does not pull in torch;
-other submodules are imported by name (`import moelab.evaluate`).
+Entropy-guided adaptive-k routing (plan, routing, experts, hf, evaluate, calibrate, compute) and CUDA-graph
+memory-pool reuse (graphs, scratch); docs/ARCHITECTURE.md maps the modules. The routing names below
+(`moelab.TopK`, `moelab.route`, ...) load `moelab.routing` on first use, so `import moelab.results` does not pull
+in torch; other submodules are imported by name (`import moelab.evaluate`).
 """
 
 import importlib

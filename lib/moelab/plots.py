@@ -148,7 +148,7 @@ def explorer(render, **controls):
 
     The Output is filled kernel-side (append_display_data), never by capturing display() in it (`with out:`, what
     widgets.interactive does): a headless executor (papermill, nbconvert) mimics a capturing Output by sending the
-    kernel messages mid-cell, which can hang the run for good (nbclient issue 312; it hung one CI run)."""
+    kernel messages mid-cell, which can hang the run for good (nbclient issue 312)."""
     import ipywidgets as widgets
 
     out = widgets.Output()

@@ -1,18 +1,12 @@
-"""Results with provenance: a results file carries the machine, library versions, commit and command.
+"""Results files with provenance, and a notebook's named results.
 
-Two writers:
-- `write_results(topic, rows, ...)`: a benchmark or GPU run's file `data/results/<topic>-<yyyymmdd>.json`
-  (schema 1: topic, created, commit, command, machine, rows, notes); an earlier run's file of the same name
-  is moved to `archive/<topic>-<yyyymmdd>-<commit>.json` first, never overwritten. A committed current file may
-  be xz-compressed (`<topic>-<yyyymmdd>.json.xz`, the large ones: the tree travels to the GPU machine under a
-  size limit); the readers take either form;
-- `save(name, obj)`: a notebook's named result (JSON for scalars/dicts, parquet for frames) in the
-  current run directory (`MOELAB_RUN_DIR`, set by the sweep runner; `runs/interactive` otherwise), as it
-  is: its provenance is the run folder's params.json and executed notebook.
-Files are written atomically (temp file + rename): a killed process leaves the old file or the new one.
-`diff(old, new)` (or `python -m moelab.results diff OLD NEW`) says where a rerun's file differs from another's.
-`read_log(name)` (or `python -m moelab.results log NAME`) reads a GPU call's log by the name the docs give it
-(`logs/<step>-<sha>.txt.xz`), whether it lies in data/results/logs as a file or packed in a bundle there.
+- `write_results(topic, rows, ...)` writes `data/results/<topic>.json` (schema 1: topic, created, commit, command,
+  machine, rows, notes), replacing the topic's earlier file: git keeps the old one. `load_results(topic)` reads it.
+- `save(name, obj)` keeps a notebook's named result (JSON for scalars and dicts, parquet for frames) in the run
+  folder (`MOELAB_RUN_DIR`, set by the sweep runner; `runs/interactive` otherwise).
+- `diff(old, new)`, or `python -m moelab.results diff OLD NEW`, says where two results files differ.
+
+Every file is written atomically (temporary file + rename) as strict JSON, NaN and infinities as null.
 """
 
 from __future__ import annotations
@@ -20,17 +14,13 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
-import logging
-import lzma
 import math
 import numbers
 import os
 import platform
-import re
 import shlex
 import subprocess
 import sys
-import tarfile
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -38,7 +28,6 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 SCHEMA = 1
 FIELDS = ("schema", "topic", "created", "commit", "command", "machine", "rows", "notes")  # a document's own
-log = logging.getLogger("moelab.results")
 
 
 def _check_stem(what: str, name) -> None:
@@ -50,44 +39,40 @@ def _check_stem(what: str, name) -> None:
 
 
 def commit() -> str:
-    """The git commit of the code that ran (MOELAB_COMMIT wins: the GPU machine's copy has no .git)."""
+    """The git commit of the code that ran, '-dirty' when a tracked file differs from it (MOELAB_COMMIT wins: the
+    GPU machine's copy has no .git)."""
     env = os.environ.get("MOELAB_COMMIT")
     if env:
         return env
+    git = ["git", "-C", str(REPO)]
     try:
-        out = subprocess.run(
-            ["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, check=True
-        ).stdout.strip()
+        out = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
+                             check=True).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return "unknown"
-    try:  # the first status of a fresh checkout or worktree hashes every file: allow it time
-        dirty = subprocess.run(
-            ["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True, text=True, timeout=300, check=True,
-        ).stdout.strip()
+    try:  # the first status of a fresh checkout hashes every file: allow it time
+        dirty = subprocess.run([*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, timeout=300, check=True).stdout.strip()
     except (OSError, subprocess.SubprocessError):
-        return out + "-unverified"  # the commit, but whether the tree was clean could not be checked
+        return out + "-unverified"
     return out + ("-dirty" if dirty else "")
 
 
-def cpu_model() -> str:
-    """The host CPU's model name (Linux /proc/cpuinfo), else the architecture: eager timings depend on it."""
+def _read(path: str) -> str:
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+        return Path(path).read_text()
     except OSError:
-        pass
-    return platform.processor() or platform.machine()
+        return ""
 
 
 def machine() -> dict:
-    """Device name and library versions of this process."""
+    """Device, host CPU and library versions of this process."""
     import torch
 
+    cpu = [ln.split(":", 1)[1].strip() for ln in _read("/proc/cpuinfo").splitlines() if ln.startswith("model name")]
     info: dict[str, Any] = {
-        "host_cpu": platform.processor() or platform.machine(),  # the architecture (kept: older files have it)
-        "cpu_model": cpu_model(),
+        "host_cpu": platform.processor() or platform.machine(),
+        "cpu_model": cpu[0] if cpu else platform.processor() or platform.machine(),  # eager timings depend on it
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
@@ -111,18 +96,13 @@ def command_line() -> str:
     return " ".join(shlex.quote(a) for a in [Path(sys.executable).name, *argv])
 
 
-def _umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-_UMASK = _umask()  # read once: os.umask can only be read by setting it
+_UMASK = os.umask(0o022)  # os.umask can only be read by setting it: read once, and set back
+os.umask(_UMASK)
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write through a temporary file and a rename, so a reader never sees half a file. The file gets the mode
-    an ordinary open would give it (mkstemp's are owner-only: colleagues on a shared box could not read them)."""
+    """Write through a temporary file and a rename, so a reader never sees half a file. The file gets the mode an
+    ordinary open would give it (mkstemp's are owner-only)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -148,8 +128,8 @@ def _jsonable(x):
     if isinstance(x, np.generic):
         return _jsonable(x.item())
     if isinstance(x, np.ndarray) or (hasattr(x, "tolist") and hasattr(x, "dtype")):  # and torch tensors
-        return _jsonable(x.tolist())  # NaN inside becomes null too
-    if isinstance(x, float) and (x != x or x in (float("inf"), float("-inf"))):
+        return _jsonable(x.tolist())
+    if isinstance(x, float) and not math.isfinite(x):
         return None  # strict JSON has no NaN or Infinity
     if isinstance(x, Path):
         return str(x)
@@ -157,7 +137,7 @@ def _jsonable(x):
 
 
 def _json_bytes(obj) -> bytes:
-    """Strict JSON (NaN and +-inf as null): a value that cannot be written raises here, before any file moves."""
+    """Strict JSON (NaN and +-inf as null); a value that cannot be written raises before any file is touched."""
     return (json.dumps(_jsonable(obj), indent=1, allow_nan=False) + "\n").encode()
 
 
@@ -166,193 +146,68 @@ def write_json(path: Path, obj) -> Path:
     return Path(path)
 
 
+def read_json(path: Path):
+    """A JSON file's value; a damaged file raises ValueError naming it."""
+    path = Path(path)
+    try:
+        return json.loads(path.read_bytes())
+    except ValueError as e:
+        raise ValueError(f"{path}: not readable as JSON: {e}") from e
+
+
 def results_dir() -> Path:
+    """Where results files are written and read: MOELAB_RESULTS_DIR, else the committed data/results."""
     return Path(os.environ.get("MOELAB_RESULTS_DIR", REPO / "data" / "results"))
-
-
-LOG_BUNDLES = "packed-*.tar.xz"  # logs/packed-<yyyymmdd>.tar.xz: the logs packed that day (.ci/gpu pack-logs)
-
-
-def _log_member(name: str) -> str:
-    """'logs/<name>.txt.xz', '<name>.txt.xz', '<name>.txt' or '<name>' -> '<name>.txt', a bundle's member name
-    (.csv stays .csv)."""
-    member = Path(str(name)).name.removesuffix(".xz")
-    return member if member.endswith((".txt", ".csv")) else member + ".txt"
-
-
-def read_log(name: str, directory: Path | None = None) -> str:
-    """A GPU call's log as text, by the name the docs give it (`logs/<step>-<sha>.txt.xz`): the file in
-    data/results/logs, or the member of a bundle there (`packed-<date>.tar.xz`: one solid xz of many small logs
-    takes an eighth of the disk blocks they take as files, and the tree travels to the GPU machine under a limit)."""
-    d = Path(directory) if directory is not None else results_dir() / "logs"
-    member = _log_member(name)
-    loose = d / (member + ".xz")
-    if loose.is_file():
-        return lzma.decompress(loose.read_bytes()).decode()
-    bundles = sorted(d.glob(LOG_BUNDLES))
-    for bundle in bundles:
-        with tarfile.open(bundle, "r:xz") as tar:
-            try:
-                f = tar.extractfile(member)
-            except KeyError:
-                continue
-            if f is not None:
-                return f.read().decode()
-    raise FileNotFoundError(f"log {name!r}: no {loose.name} in {d}, and no member {member} in its {len(bundles)} "
-                            f"bundle(s) ({LOG_BUNDLES}); `python -m moelab.results log --list` lists them")
-
-
-def log_names(directory: Path | None = None) -> list[str]:
-    """Every log's member name (`<step>-<sha>.txt`), loose or bundled, sorted."""
-    d = Path(directory) if directory is not None else results_dir() / "logs"
-    names = {p.name.removesuffix(".xz") for p in d.glob("*.xz") if not p.name.endswith(".tar.xz")}
-    for bundle in d.glob(LOG_BUNDLES):
-        with tarfile.open(bundle, "r:xz") as tar:
-            names.update(m.name for m in tar.getmembers() if m.isfile())
-    return sorted(names)
 
 
 def write_results(topic: str, rows: list[dict], notes: str = "", command: str | None = None,
                   out_dir: Path | None = None, extra: dict | None = None) -> Path:
-    """Write `<out_dir>/<topic>-<yyyymmdd>.json` (schema 1) and return its path. `extra`: the topic's own
-    fields, none of them one of the document's (FIELDS)."""
+    """Write `<out_dir>/<topic>.json` (schema 1), replacing the topic's earlier file, and return its path.
+    `extra`: the topic's own fields, none of them one of the document's (FIELDS)."""
     _check_stem("topic", topic)
     taken = sorted(set(extra or ()) & set(FIELDS))
     if taken:
         raise ValueError(f"extra keys {taken}: taken by the document's own fields {FIELDS}")
-    now = _dt.datetime.now(_dt.timezone.utc)
     doc = {
         "schema": SCHEMA,
         "topic": topic,
-        "created": now.isoformat(timespec="seconds"),
+        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "commit": commit(),
         "command": command or command_line(),
         "machine": machine(),
         "rows": rows,
         "notes": notes,
+        **(extra or {}),
     }
-    if extra:
-        doc.update(extra)
-    path = Path(out_dir or results_dir()) / f"{topic}-{now:%Y%m%d}.json"
-    data = _json_bytes(doc)  # first: a row that cannot be written must not cost the day's earlier file
-    for old in (path, path.with_name(path.name + ".xz")):  # an earlier run's file of the same day: keep it
-        if old.exists() and old.resolve() not in _WRITTEN:
-            kept = _archive_name(old)
-            kept.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(old, kept)
-            print(f"{old.name}: the earlier run of this day moved to {kept}")
-    _WRITTEN.add(path.resolve())
-    atomic_write_bytes(path, data)
-    return path
-
-
-_WRITTEN: set[Path] = set()  # results files this process wrote: its own later writes (a run saving as it goes)
-# replace them; a file from another run is moved to archive/ first
-
-
-def _archive_name(path: Path) -> Path:
-    """archive/<topic>-<yyyymmdd>-<commit>.json (.json.xz for a compressed file) for an earlier results file (its
-    commit's first 7 characters; -2, -3, ... where that name is taken in either form)."""
-    try:
-        sha = str(read_file(path).get("commit", "unknown"))[:7]
-    except (OSError, ValueError):
-        sha = "unknown"
-    stem, xz = path.name.removesuffix(".xz").removesuffix(".json"), ".xz" if path.name.endswith(".xz") else ""
-    archive = path.parent / "archive"
-    name, n = f"{stem}-{sha}", 2
-    while (archive / f"{name}.json").exists() or (archive / f"{name}.json.xz").exists():
-        name, n = f"{stem}-{sha}-{n}", n + 1
-    return archive / f"{name}.json{xz}"
-
-
-def current_file(topic: str, directory: Path | None = None) -> Path | None:
-    """A topic's current file in `directory` (default: the committed data/results): the newest by the date in
-    its name of `<topic>-<yyyymmdd>.json` and its xz-compressed form `.json.xz`; None when there is none. Both
-    forms for that day raise ValueError: which one is the run is not for the reader to guess."""
-    d = Path(directory or REPO / "data" / "results")
-    # exactly <topic>-<yyyymmdd>.json(.xz): 'pair-layout' must not pick up 'pair-layout-sweep-...'
-    name = re.compile(rf"{re.escape(topic)}-(\d{{8}})\.json(\.xz)?")
-    days: dict[str, list[Path]] = {}
-    for f in d.glob(f"{topic}-*.json*"):
-        m = name.fullmatch(f.name)
-        if m:
-            days.setdefault(m[1], []).append(f)
-    if not days:
-        return None
-    newest = days[max(days)]
-    if len(newest) > 1:
-        raise ValueError(f"{sorted(f.name for f in newest)} in {d}: one day's results of topic {topic!r} both plain "
-                         "and xz-compressed; keep one")
-    return newest[0]
-
-
-def load_results(topic: str, directory: Path | None = None, fallback: bool = False) -> dict:
-    """The newest results file of a topic (by the date in its name) in `directory` (default: the committed
-    data/results). fallback: if `directory` has none, the committed one, and a line says so (a GPU run of
-    some benchmark parts still plots the others; every figure names the commit its numbers came from)."""
-    committed = REPO / "data" / "results"
-    d = Path(directory or committed)
-    found = current_file(topic, d)
-    if found is None and fallback and d != committed:
-        print(f"{topic}: no results in {d}, using the committed ones in {committed}")
-        return load_results(topic)
-    if found is None:
-        raise FileNotFoundError(f"no results for topic {topic!r} in {d}; run its benchmark on a GPU first")
-    return read_file(found)
-
-
-def load_runs(topic: str, directory: Path | None = None) -> list[dict]:
-    """Every committed run of a topic, oldest first (by `created`): the current `<topic>-<yyyymmdd>.json` (or
-    `.json.xz`) and the runs it replaced, `archive/<topic>-<yyyymmdd>-<commit>.json.xz` (xz-compressed, since
-    2026-12-01: the repository travels to the GPU machine whole, under a size limit; plain `.json` there is read
-    too): how far a number moves between runs. Side runs of another configuration, archived under a descriptive
-    suffix (`graph-pool-20261129-primed-default.json.xz`), are not replaced runs: `read_file` opens them. A file
-    that cannot be read (or has no `created`) is left out with a warning naming it, so one damaged archive does
-    not hide the history; ValueError when no file of the topic can be read."""
-    d = Path(directory or REPO / "data" / "results")
-    name = re.compile(rf"{re.escape(topic)}-\d{{8}}(-([0-9a-f]{{7,40}}|unknown)(-\d+)?)?\.json(\.xz)?")
-    candidates = (*d.glob(f"{topic}-*.json*"), *(d / "archive").glob(f"{topic}-*.json*"))
-    files = [f for f in candidates if name.fullmatch(f.name)]
-    if not files:
-        raise FileNotFoundError(f"no results for topic {topic!r} in {d} or {d / 'archive'}")
-    docs = []
-    for f in files:
-        try:
-            doc = read_file(f)
-            if not isinstance(doc.get("created"), str):
-                raise ValueError(f"{f}: no 'created' time in it")
-            docs.append(doc)
-        except ValueError as e:
-            log.warning("%s: left out of the runs of %r", e, topic)
-    if not docs:
-        raise ValueError(f"no readable results for topic {topic!r} in {d} or {d / 'archive'} (see the warnings)")
-    return sorted(docs, key=lambda doc: doc["created"])
-
-
-def read_json(path: Path):
-    """A JSON file's value (xz-compressed for `.xz`); a damaged file raises ValueError naming it."""
-    path = Path(path)
-    data = path.read_bytes()
-    try:
-        return json.loads(lzma.decompress(data) if path.suffix == ".xz" else data)
-    except (ValueError, lzma.LZMAError) as e:
-        raise ValueError(f"{path}: not readable as JSON{' (xz)' if path.suffix == '.xz' else ''}: {e}") from e
+    return write_json(Path(out_dir or results_dir()) / f"{topic}.json", doc)
 
 
 def read_file(path: Path) -> dict:
-    """One results file: JSON, or xz-compressed JSON (`.json.xz`, the archive's form). A damaged file, or one
-    that holds no JSON object, raises ValueError naming it."""
-    path = Path(path)
+    """One results file. A damaged file, or one that holds no JSON object, raises ValueError naming it."""
     doc = read_json(path)
     if not isinstance(doc, dict):
         raise ValueError(f"{path}: holds a JSON {type(doc).__name__}, not a results document (an object)")
     return doc
 
 
+def load_results(topic: str, directory: Path | None = None, fallback: bool = False) -> dict:
+    """`<directory>/<topic>.json` (default: the committed data/results). fallback: where `directory` has none, the
+    committed file, and a line says so (a GPU run of some benchmark parts still plots the others)."""
+    _check_stem("topic", topic)
+    committed = REPO / "data" / "results"
+    d = Path(directory or committed)
+    path = d / f"{topic}.json"
+    if not path.exists() and fallback and d != committed:
+        print(f"{topic}: no results in {d}, using the committed ones in {committed}")
+        path = committed / f"{topic}.json"
+    if not path.exists():
+        raise FileNotFoundError(f"no results for topic {topic!r} in {path.parent}; run its benchmark first")
+    return read_file(path)
+
+
 def load_optional(topic: str, directory: Path | None = None) -> dict | None:
-    """load_results(topic, directory, fallback=True), or None with the reason printed: for a notebook
-    section that plots a topic only where it has been measured. A file there that cannot be read is no
-    missing measurement: its ValueError (naming it) goes through."""
+    """load_results(topic, directory, fallback=True), or None with the reason printed: for a notebook section that
+    plots a topic only where it has been measured. A damaged file is no missing measurement: its error goes through."""
     try:
         return load_results(topic, directory, fallback=True)
     except FileNotFoundError as e:
@@ -402,8 +257,7 @@ def save(name: str, obj) -> Path:
 
 
 def load_saved(directory: Path) -> dict:
-    """All named results in a run directory: {name: dict or DataFrame}. A damaged file raises ValueError
-    naming it."""
+    """All named results in a run directory: {name: dict or DataFrame}. A damaged file raises ValueError naming it."""
     import pandas as pd
 
     out = {}
@@ -421,111 +275,71 @@ def load_saved(directory: Path) -> dict:
 DIFF_SKIP = frozenset({"created", "commit", "command", "machine", "wall_s"})  # what differs between any two runs
 
 
-def diff(old: dict, new: dict, rtol: float = 0.0, skip=()) -> list[dict]:
-    """Where two results documents differ, leaf by leaf: [{path, field, old, new, rel}], `rel` the relative
-    change |new - old| / max(|old|, |new|) of two numbers (None for anything else). Numbers whose rel is at
-    most rtol count as equal, NaN equals NaN; keys in DIFF_SKIP (the provenance that differs between any two
-    runs) or `skip`, at any depth, are not compared; a key or list item on one side only is a difference."""
-    if isinstance(rtol, bool) or not isinstance(rtol, numbers.Real) or not 0 <= rtol < math.inf:
-        raise ValueError(f"rtol={rtol!r}: must be a finite number >= 0")
-    if isinstance(skip, str):
-        skip = [skip]
-    skip = DIFF_SKIP | set(skip)
-    out: list[dict] = []
-    missing = "<missing>"
-
-    def add(path, field, a, b, rel=None):
-        out.append({"path": path, "field": field, "old": a, "new": b, "rel": rel})
-
-    def walk(a, b, path, field):
-        if isinstance(a, dict) and isinstance(b, dict):
-            for k in [*a, *(k for k in b if k not in a)]:
-                if k in skip:
-                    continue
-                sub = f"{path}.{k}" if path else str(k)
-                if k not in a or k not in b:
-                    add(sub, k, a.get(k, missing), b.get(k, missing))
-                else:
-                    walk(a[k], b[k], sub, k)
-        elif isinstance(a, list) and isinstance(b, list):
-            for i in range(max(len(a), len(b))):
-                if i >= len(a) or i >= len(b):
-                    add(f"{path}[{i}]", field, a[i] if i < len(a) else missing, b[i] if i < len(b) else missing)
-                else:
-                    walk(a[i], b[i], f"{path}[{i}]", field)
-        elif _is_num(a) and _is_num(b):
-            if a == b or (math.isnan(a) and math.isnan(b)):
-                return
-            big = max(abs(a), abs(b))
-            rel = abs(b - a) / big if math.isfinite(big) else math.inf
-            if not rel <= rtol:
-                add(path, field, a, b, rel)
-        elif a != b or type(a) is not type(b):
-            add(path, field, a, b)
-
-    walk(old, new, "", "")
-    return out
+_MISSING = "<missing>"  # a key or list item on one side only
 
 
 def _is_num(x) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
+def diff(old: dict, new: dict, rtol: float = 0.0, skip=()) -> list[dict]:
+    """Where two results documents differ, leaf by leaf: [{path, field, old, new, rel}], `rel` the relative change
+    |new - old| / max(|old|, |new|) of two numbers (None otherwise). Numbers within rtol count as equal, NaN equals
+    NaN; keys in DIFF_SKIP or `skip`, at any depth, are not compared; a key or item on one side only differs."""
+    if isinstance(rtol, bool) or not isinstance(rtol, numbers.Real) or not 0 <= rtol < math.inf:
+        raise ValueError(f"rtol={rtol!r}: must be a finite number >= 0")
+    skip = DIFF_SKIP | ({skip} if isinstance(skip, str) else set(skip))
+    out: list[dict] = []
+
+    def walk(a, b, path, field):
+        if isinstance(a, dict) and isinstance(b, dict):
+            keys = [k for k in [*a, *(k for k in b if k not in a)] if k not in skip]
+            subs = [(f"{path}.{k}" if path else str(k), k, a.get(k, _MISSING), b.get(k, _MISSING)) for k in keys]
+        elif isinstance(a, list) and isinstance(b, list):
+            subs = [(f"{path}[{i}]", field, a[i] if i < len(a) else _MISSING, b[i] if i < len(b) else _MISSING)
+                    for i in range(max(len(a), len(b)))]
+        else:
+            rel = None
+            if _is_num(a) and _is_num(b):
+                if a == b or (math.isnan(a) and math.isnan(b)):
+                    return
+                big = max(abs(a), abs(b))
+                rel = abs(b - a) / big if math.isfinite(big) else math.inf
+                if rel <= rtol:
+                    return
+            elif a == b and type(a) is type(b):
+                return
+            out.append({"path": path, "field": field, "old": a, "new": b, "rel": rel})
+            return
+        for sub in subs:
+            walk(sub[2], sub[3], sub[0], sub[1])
+
+    walk(old, new, "", "")
+    return out
+
+
 def _main(argv: list[str] | None = None) -> int:
-    """`python -m moelab.results diff OLD NEW [--rtol R] [--skip KEY ...]`: the differing fields, largest
-    change first; exit status 1 where the files differ, 0 where they agree. `python -m moelab.results log NAME`:
-    a GPU call's log (loose or bundled) on standard output; `log --list`: every log's name."""
+    """`python -m moelab.results diff OLD NEW [--rtol R] [--skip KEY ...]`: the differing leaves, largest change
+    first; exit status 1 where the files differ, 0 where they agree."""
     ap = argparse.ArgumentParser(prog="python -m moelab.results", description=_main.__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    d = sub.add_parser("diff", help="where two results files (.json or .json.xz) differ")
+    d = sub.add_parser("diff", help="where two results files differ")
     d.add_argument("old", type=Path)
     d.add_argument("new", type=Path)
     d.add_argument("--rtol", type=float, default=0.0, help="numbers this close (relative) count as equal")
-    d.add_argument("--skip", nargs="*", default=[],
-                   help="more keys not to compare, besides " + ", ".join(sorted(DIFF_SKIP)))
+    d.add_argument("--skip", nargs="*", default=[], help="more keys not to compare, besides " + ", ".join(DIFF_SKIP))
     d.add_argument("--most", type=int, default=20, help="how many differences to list (all are counted)")
-    lg = sub.add_parser("log", help="a GPU call's log by its name (logs/<step>-<sha>.txt.xz), loose or bundled")
-    lg.add_argument("name", nargs="?")
-    lg.add_argument("--list", action="store_true", help="every log's name instead")
     a = ap.parse_args(argv)
-    if a.cmd == "log":
-        if a.list == (a.name is not None):
-            ap.error("log: give a NAME or --list (one of them)")
-        try:
-            print("\n".join(log_names()) if a.list else read_log(a.name), end="\n" if a.list else "")
-        except (OSError, tarfile.TarError, lzma.LZMAError) as e:
-            ap.error(str(e))
-        return 0
     try:
         old, new = read_file(a.old), read_file(a.new)
         rows = diff(old, new, a.rtol, a.skip)
     except (OSError, ValueError) as e:
         ap.error(str(e))
-    n_old, n_new = (sum(1 for _ in _numbers(doc)) for doc in (old, new))
     print(f"{a.old.name} ({old.get('commit')}) -> {a.new.name} ({new.get('commit')}): {len(rows)} differences "
-          f"(rtol {a.rtol:g}) among {n_old} / {n_new} numbers")
-    by_field: dict[str, list] = {}
-    for r in rows:
-        by_field.setdefault(r["field"], []).append(r["rel"])
-    for field, rels in sorted(by_field.items(), key=lambda kv: -max((x or math.inf) for x in kv[1])):
-        nums = [x for x in rels if x is not None]
-        print(f"  {field}: {len(rels)} differ" + (f", largest relative change {max(nums):.3g}" if nums else ""))
+          f"(rtol {a.rtol:g})")
     for r in sorted(rows, key=lambda r: -(math.inf if r["rel"] is None else r["rel"]))[:max(a.most, 0)]:
-        rel = "" if r["rel"] is None else f"  (rel {r['rel']:.3g})"
-        print(f"    {r['path']}: {r['old']!r} -> {r['new']!r}{rel}")
+        print(f"  {r['path']}: {r['old']!r} -> {r['new']!r}" + ("" if r["rel"] is None else f"  (rel {r['rel']:.3g})"))
     return 1 if rows else 0
-
-
-def _numbers(x):
-    if isinstance(x, dict):
-        for k, v in x.items():
-            if k not in DIFF_SKIP:
-                yield from _numbers(v)
-    elif isinstance(x, list):
-        for v in x:
-            yield from _numbers(v)
-    elif _is_num(x):
-        yield x
 
 
 if __name__ == "__main__":

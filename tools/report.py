@@ -1,0 +1,599 @@
+"""The docs' tables and figures, made again from the current results files (data/results/<topic>.json).
+
+    python tools/report.py [--out DIR]
+
+In README.md and docs/*.md the text between `<!-- table:NAME -->` and `<!-- /table -->` is replaced by the table
+TABLES[NAME] makes; FIGURES[NAME] draws docs/figures/NAME.png. With --out the documents and figures are written
+under DIR instead of the repository (tests/test_provenance.py compares them with the committed ones).
+Nothing is measured here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from functools import cache
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO / "lib"), str(REPO / "notebooks")]
+
+from moelab import plots, results  # noqa: E402
+
+try:  # the kernel targets' report sits beside notebook 04
+    import kernel_report as kr  # noqa: E402
+except ImportError:
+    from moelab.kernels import report as kr  # noqa: E402
+
+ROOT = "@/"  # a link's repository root, made relative to each document
+SPEC_TBS = {"NVIDIA H200": 4.8, "NVIDIA H100 80GB HBM3": 3.35}  # HBM bandwidth on the vendors' data sheets
+MODELS = ("tiny-mixtral", "tiny-qwen-moe", "tiny-olmoe")
+KINDS = ("RatioSkip", "TopP", "EntropyAdaptiveK")
+SHAPES = {"mixtral": "Mixtral-like", "olmoe": "OLMoE-like", "qwen15": "Qwen-like", "e128": "E = 128"}
+
+
+@cache
+def load(topic: str) -> dict:
+    return results.load_results(topic)
+
+
+@cache
+def rows(topic: str) -> pd.DataFrame:
+    return results.rows_frame(load(topic))
+
+
+def src(topic: str) -> str:
+    return f"[{topic}]({ROOT}data/results/{topic}.json)"
+
+
+def fig(name: str) -> str:
+    return f"[figure]({ROOT}docs/figures/{name}.png)"
+
+
+def table(header: list[str], body: list[list]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in body]
+    return "\n".join(lines)
+
+
+def pct(x: float, nd: int = 0, sign: bool = False) -> str:
+    return f"{100 * x:{'+' if sign else ''}.{nd}f}%"
+
+
+def span(xs, nd: int = 1, scale: float = 1.0, unit: str = "") -> str:
+    lo, hi = scale * float(np.min(xs)), scale * float(np.max(xs))
+    a, b = f"{lo:.{nd}f}", f"{hi:.{nd}f}"
+    return (a if a == b else f"{a}-{b}") + unit
+
+
+def device(topic: str) -> str:
+    name = load(topic)["machine"]["device"]
+    return "CPU" if name == "cpu" else name.removeprefix("NVIDIA ").replace(" 80GB HBM3", "")
+
+
+# ---- adaptive k -------------------------------------------------------------------------------------------------
+
+def paper(section: str | tuple, topic: str = "paper-tables") -> pd.DataFrame:
+    df = rows(topic)
+    return df[df["section"].isin([section] if isinstance(section, str) else section)]
+
+
+def matched_levels(model: str, topic: str = "paper-tables") -> pd.DataFrame:
+    """Each policy's perplexity interpolated at the matched targets, moved into the range all curves cover (the
+    points `moelab.calibrate.verdict` compares at); one row per target with the lowest policy."""
+    m = paper("matched", topic)
+    m = m[(m["model"] == model) & m["kind"].isin(KINDS)]
+    curves = {k: g.sort_values("expert_reduction") for k, g in m.groupby("kind")}
+    lo = max(g["expert_reduction"].min() for g in curves.values())
+    hi = min(g["expert_reduction"].max() for g in curves.values())
+    out = []
+    for t in sorted({round(float(np.clip(t, lo, hi)), 4) for t in m["target_reduction"].unique()}):
+        ppl = {k: float(np.interp(t, g["expert_reduction"], g["ppl"])) for k, g in curves.items()}
+        out.append({"model": model, "reduction": t, **ppl, "lowest": min(ppl, key=ppl.get),
+                    "highest": max(ppl, key=ppl.get)})
+    return pd.DataFrame(out)
+
+
+def lower_k(model: str) -> pd.DataFrame:
+    """Lower fixed k (below native, above 1) against each policy interpolated at the same reduction."""
+    m = paper("matched")
+    m = m[m["model"] == model]
+    fixed = m[(m["kind"] == "TopK") & (m["k_max"] > 1)]
+    out = []
+    for r in fixed.itertuples():
+        ppl = {k: float(np.interp(r.expert_reduction, g.sort_values("expert_reduction")["expert_reduction"],
+                                  g.sort_values("expert_reduction")["ppl"]))
+               for k, g in m[m["kind"].isin(KINDS)].groupby("kind")}
+        out.append({"model": model, "k": int(r.k_max), "reduction": r.expert_reduction, "ppl": r.ppl, **ppl,
+                    "beats_all": r.ppl < min(ppl.values())})
+    return pd.DataFrame(out)
+
+
+def t_paper() -> str:
+    body = []
+    for model in MODELS:
+        f = paper(("baseline", "published", "claimed-target", "calibrated"))
+        f = f[f["model"] == model]
+        for i, r in enumerate(f.itertuples()):
+            name = f"{model} ({r.native_k})" if i == 0 else ""
+            if pd.isna(r.ppl):
+                body.append([name, r.config, "", "", "", "", ""])
+                continue
+            cfg = r.config if r.section != "published" else f"{r.config} {r.k_values} / {r.thresholds}"
+            body.append([name, cfg, f"{r.mean_k:.2f}", pct(r.compute_frac, 1), pct(1 - r.forward_reduction, 1),
+                         f"{r.ppl:.2f}", "" if r.section == "baseline" else pct(r.ppl_change, 2, True)])
+    return table(["model (native k)", "configuration", "mean k", "expert compute", "forward compute", "ppl",
+                  "change"], body) + f"\n\nSource: {src('paper-tables')}."
+
+
+def t_claims() -> str:
+    f = paper("baseline")
+    body = [[r.model, r.claimed_model, pct(r.pr_reduction, 1), pct(r.paper_compute, 1), f"{r.paper_mean_k:g}",
+             pct(r.paper_ppl_adaptive / r.paper_ppl_base - 1, 2, True)] for r in f.itertuples()]
+    return table(["model", "claimed for", "claimed saving (PR)", "claimed expert compute (paper)", "claimed mean k",
+                  "claimed ppl change"], body) + "\n\nCopied from the claims (`moelab.paper.CLAIMS`), not measured."
+
+
+def t_budget() -> str:
+    f = paper("calibrated")
+    body = [[r.model, "per layer" if "per-layer" in r.config else "shared", pct(r.target_reduction, 1),
+             pct(r.cal_ppl_change, 2, True), pct(r.ppl_change, 2, True), pct(r.expert_reduction, 1),
+             pct(r.forward_reduction, 2)] for r in f.itertuples()]
+    return table(["model", "thresholds", "reduction picked", "change on calibration text",
+                  "change on WikiText-2 test", "expert compute saved", "forward compute saved"], body) + \
+        f"\n\nSource: {src('paper-tables')}."
+
+
+def t_matched() -> str:
+    body = []
+    for model in MODELS:
+        for r in matched_levels(model).itertuples():
+            body.append([model, pct(r.reduction, 1), f"{r.RatioSkip:.2f}", f"{r.TopP:.2f}",
+                         f"{r.EntropyAdaptiveK:.2f}", r.lowest])
+    wins = pd.concat([matched_levels(m) for m in MODELS])
+    note = (f"Lowest perplexity: RatioSkip at {(wins['lowest'] == 'RatioSkip').sum()} of {len(wins)} levels; "
+            f"EntropyAdaptiveK highest at {(wins['highest'] == 'EntropyAdaptiveK').sum()} of {len(wins)}.")
+    return table(["model", "expert compute saved", "RatioSkip", "TopP", "EntropyAdaptiveK", "lowest"], body) + \
+        f"\n\n{note} Source: {src('paper-tables')}."
+
+
+def t_lower_k() -> str:
+    body = [[r.model, f"TopK {r.k}", pct(r.reduction), f"{r.ppl:.2f}", f"{r.RatioSkip:.2f}", f"{r.TopP:.2f}",
+             f"{r.EntropyAdaptiveK:.2f}", "yes" if r.beats_all else "no"]
+            for m in MODELS for r in lower_k(m).itertuples()]
+    return table(["model", "fixed k", "expert compute saved", "ppl", "RatioSkip", "TopP", "EntropyAdaptiveK",
+                  "lowest of all"], body) + f"\n\nSource: {src('paper-tables')}."
+
+
+def t_noise() -> str:
+    body = []
+    for topic in ("patch-noise", "patch-noise-cuda"):
+        df = rows(topic)
+        df = df[df["tokens"] == df["tokens"].max()]
+        for (model, dtype), g in df.groupby(["model", "dtype"], sort=False):
+            body.append([device(topic), model, dtype, int(g["tokens"].iloc[0]),
+                         f"{int(g['ties_at_k'].iloc[0])} of {int(g['routed_token_layers'].iloc[0])}",
+                         f"{g['ppl_change'].abs().max():.1e}"])
+    return table(["device", "model", "dtype", "tokens", "ties at the k-th place",
+                  "largest ppl change (absolute)"], body) + \
+        f"\n\nSources: {src('patch-noise')}, {src('patch-noise-cuda')} (batch sizes 1 and 8)."
+
+
+def numbers(x) -> int:
+    """How many numbers a results document holds, provenance (results.DIFF_SKIP) left out."""
+    if isinstance(x, dict):
+        return sum(numbers(v) for k, v in x.items() if k not in results.DIFF_SKIP)
+    if isinstance(x, list):
+        return sum(numbers(v) for v in x)
+    return int(isinstance(x, (int, float)) and not isinstance(x, bool))
+
+
+def t_repeat() -> str:
+    a, b = load("paper-tables"), load("paper-tables-h100")
+    d = results.diff(a, b)
+    fields = ", ".join(sorted({r["field"] for r in d})) or "none"
+    body = [[device("paper-tables"), device("paper-tables-h100"), numbers(a), len(d), fields]]
+    return table(["run", "again on", "numbers", "numbers that differ", "fields that differ"], body) + \
+        f"\n\nSources: {src('paper-tables')}, {src('paper-tables-h100')}."
+
+
+def t_split() -> str:
+    df = rows("split-gpus").pivot(index="model", columns="placement", values=["ppl_unchanged", "ppl_adaptive"])
+    body = [[m, f"{r[('ppl_unchanged', 'one-gpu')]:.4f}", f"{r[('ppl_unchanged', 'split')]:.4f}",
+             f"{r[('ppl_adaptive', 'one-gpu')]:.4f}", f"{r[('ppl_adaptive', 'split')]:.4f}",
+             f"{abs(r[('ppl_adaptive', 'split')] / r[('ppl_adaptive', 'one-gpu')] - 1):.1e}".replace("0.0e+00", "0")]
+            for m, r in df.iterrows()]
+    return table(["model", "unchanged, 1 GPU", "unchanged, 2 GPUs", "adaptive, 1 GPU", "adaptive, 2 GPUs",
+                  "largest relative difference"], body) + \
+        f"\n\nThe first 65,536 tokens of the CRLF copy of WikiText-2 test. Source: {src('split-gpus')}."
+
+
+def t_line_ends() -> str:
+    df = rows("eval-text-lines").pivot(index="model", columns="lines", values="ppl")
+    body = [[m, f"{r['crlf']:.1f}", f"{r['lf']:.1f}", pct(r["crlf"] / r["lf"] - 1, 1, True)] for m, r in df.iterrows()]
+    return table(["model", "ppl, CRLF copy", "ppl, LF", "CRLF costs"], body) + \
+        f"\n\nFirst 200,000 characters of WikiText-2 test. Source: {src('eval-text-lines')}."
+
+
+# ---- kernels ----------------------------------------------------------------------------------------------------
+
+def routing(topic: str) -> dict:
+    doc, df = load(topic), rows(topic)
+    t = kr.routing_targets(doc)
+    g = t[t["target"].str.startswith("graph")]
+    plain = g[~g["target"].str.contains("stats")]
+    h = t[t["target"].str.startswith("fraction")]
+    hp, hs = h[~h["target"].str.contains("stats")], h[h["target"].str.contains("stats")]
+    e = t[t["target"].str.startswith("eager")]
+    spec = doc["copy_bandwidth_gbs"] / 1000 / SPEC_TBS[doc["machine"]["device"]]
+    big = df[(df["T"] == 65536) & (df["E"] >= 64)]
+    return {"graph": span(plain["measured"]), "graph_stats": f"{g['measured'].max():.1f}",
+            "graph_met": f"{g['met'].sum()} of {len(g)}", "hbm": span(hp["measured"], 0, 100, "%"),
+            "hbm_stats": span(hs["measured"], 0, 100, "%"), "hbm_spec": span(hp["measured"], 0, 100 * spec, "%"),
+            "hbm_met": f"{h['met'].sum()} of {len(h)}", "floor": span(
+                big[big["method"] == "memory_floor"]["frac_of_hbm_bound"], 0, 100, "%"),
+            "eager": span(e["measured"], 1, 1, "x"), "eager_met": f"{e['met'].sum()} of {len(e)}",
+            "bw": f"{doc['copy_bandwidth_gbs'] / 1000:.2f} TB/s", "spec": f"{SPEC_TBS[doc['machine']['device']]} TB/s"}
+
+
+def t_routing_targets() -> str:
+    body = []
+    for topic in ("routing-kernel", "routing-kernel-h100"):
+        r = routing(topic)
+        body += [[device(topic), "in a CUDA graph, T <= 4096", "<= 5 us",
+                  f"{r['graph']} us ({r['graph_stats']} with statistics)", r["graph_met"], src(topic)],
+                 [device(topic), "T = 65536, E = 64 and 128: share of the HBM bound", ">= 50%",
+                  f"{r['hbm']} ({r['hbm_stats']} with statistics); {r['hbm_spec']} at the {r['spec']} spec",
+                  r["hbm_met"], src(topic)],
+                 [device(topic), "eager call against the torch TensorRT-LLM version", ">= 8x", r["eager"],
+                  r["eager_met"], src(topic)]]
+    return table(["device", "routing", "target", "measured", "met", "results"], body)
+
+
+def t_routing_large() -> str:
+    body = []
+    for topic in ("routing-kernel", "routing-kernel-h100"):
+        df = rows(topic)
+        df = df[df["T"] == 65536].set_index(["shape", "method"])
+        for shape in ("mixtral", "qwen15", "olmoe", "e128"):
+            g = df.loc[shape]
+            name = "128 experts, top-8" if shape == "e128" else f"{SHAPES[shape]} (E = {int(g['E'].iloc[0])})"
+            body.append([device(topic), name, f"{g.loc['triton_adaptive', 'graph_us']:.1f}",
+                         f"{g.loc['torch_softmax_topk', 'graph_us']:.0f}",
+                         f"{g.loc['trtllm_adaptive', 'graph_us']:.0f}",
+                         pct(g.loc["triton_adaptive", "frac_of_hbm_bound"]),
+                         pct(g.loc["memory_floor", "frac_of_hbm_bound"])])
+    return table(["device", "router", "ours (us)", "softmax + top-k (us)", "TensorRT-LLM in torch (us)",
+                  "ours, share of HBM bound", "memory-only kernel, share"], body) + \
+        f"\n\nT = 65536 tokens, in a CUDA graph. Sources: {src('routing-kernel')}, {src('routing-kernel-h100')}."
+
+
+def t_ablation() -> str:
+    names = {"memory_floor": "memory-only kernel", "full": "our kernel", "no_selection": "without the top-k selection",
+             "no_exp": "without the exponentials", "neither": "without either"}
+    df = rows("routing-ablation").pivot(index="variant", columns="E", values=["graph_us", "frac_of_hbm_bound"])
+    body = [[names[v], *(f"{df.loc[v, ('graph_us', e)]:.2f} us ({pct(df.loc[v, ('frac_of_hbm_bound', e)])})"
+                         for e in (64, 128))] for v in names]
+    return table(["kernel (T = 65536)", "E = 64", "E = 128"], body) + f"\n\nSource: {src('routing-ablation')}."
+
+
+KEPT = {0.59: "59%", 0.75: "75%", 0.88: "88%"}
+
+
+def layer_summary(topic: str) -> pd.DataFrame:
+    s = kr.batch_summary(load(topic))
+    s["kept"] = s["kept_median"].map(lambda k: min(KEPT, key=lambda q: abs(q - k)))
+    s["what"] = np.where(s["variant"].str.endswith("routed_only"), "routed experts only", "whole layer")
+    return s
+
+
+def t_layer_targets() -> str:
+    body = []
+    for topic in ("moe-layer", "moe-layer-h100"):
+        s = layer_summary(topic)
+        for (kept, shape, what), g in s.groupby(["kept", "shape", "what"]):
+            body.append([device(topic), KEPT[kept], SHAPES[shape], what, f"{span(g['limit_min'], 3)}",
+                         span(pd.concat([g["ratio_min"], g["ratio_max"]]), 3),
+                         f"{g['met'].sum()} of {g['batches'].sum()}"])
+    return table(["device", "pairs kept", "layer", "counted", "limit (1.1 x kept/native)",
+                  "adaptive / native time", "met"], body) + \
+        (f"\n\nT = 4096, five input batches, eager and in a CUDA graph; every adaptive policy of a kept level. "
+         f"Sources: {src('moe-layer')}, {src('moe-layer-h100')}.")
+
+
+def t_native_layer() -> str:
+    body = []
+    for topic in ("moe-layer", "moe-layer-h100"):
+        t = kr.layer_targets(load(topic))
+        t = t[t["target"].str.startswith("native")]
+        for shape, g in t.groupby("shape"):
+            body.append([device(topic), SHAPES[shape], span(g["measured"], 2, 1, "x"),
+                         f"{g.loc[g['T'] == 4096, 'measured'].iloc[0]:.2f}x", f"{g['met'].sum()} of {len(g)}"])
+    return table(["device", "layer", "time against transformers' grouped_mm block, T = 1-65536", "at T = 4096",
+                  "no slower"], body) + f"\n\nSources: {src('moe-layer')}, {src('moe-layer-h100')}."
+
+
+def t_stages() -> str:
+    st = kr.stage_table(load("layer-stages"))
+    cols = ["router", "routing", "layout", "gate_up", "down", "combine", "shared", "layer"]
+    body = []
+    for (shape, plan), r in st.iterrows():
+        if plan in ("native", "adaptive"):
+            body.append([SHAPES[shape], plan, *("" if pd.isna(r[c]) else f"{r[c]:.0f}" for c in cols)])
+    return table(["layer", "plan", *cols], body) + \
+        f"\n\nMicroseconds per step alone in a CUDA graph, T = 4096. Source: {src('layer-stages')}."
+
+
+def t_decode() -> str:
+    body = []
+    for topic in ("moe-layer", "moe-layer-h100"):
+        for r in kr.decode_table(load(topic)).itertuples():
+            body.append([device(topic), SHAPES[r.shape], r.T, f"{r.native_graph_us:.0f} -> {r.adaptive_graph_us:.0f}",
+                         f"{r.time_ratio_graph:.2f}", f"{r.kept_pairs_ratio:.2f}",
+                         f"{r.experts_native} -> {r.experts_adaptive}"])
+    return table(["device", "layer", "T", "native -> adaptive (us, graph)", "time ratio", "pairs kept",
+                  "experts used"], body) + f"\n\nSources: {src('moe-layer')}, {src('moe-layer-h100')}."
+
+
+def t_first_call() -> str:
+    df = rows("first-call")
+    body = []
+    for (model, phase), g in df.groupby(["model", "phase"], sort=False):
+        compiled = g[g["compiled_first"] > 0]
+        body.append([model, phase, f"{g['first_s'].sum():.1f}", int(g["compiled_first"].sum()),
+                     span(compiled["first_s"], 1, 1, " s") if len(compiled) else "",
+                     span(g.loc[g["compiled_first"] == 0, "first_s"], 2, 1, " s")])
+    return table(["model", "Triton cache", "first forwards, all policies (s)", "kernels compiled",
+                  "a policy that compiles", "a policy that does not"], body) + f"\n\nSource: {src('first-call')}."
+
+
+# ---- graph pool -------------------------------------------------------------------------------------------------
+
+def pool(topic: str = "graph-pool") -> tuple[pd.DataFrame, pd.DataFrame]:
+    df = rows(topic)
+    return df[df["arm"] == "summary"].set_index("model"), df[df["arm"] != "summary"]
+
+
+def t_pool_memory() -> str:
+    s, _ = pool()
+    body = [[m, f"{r.graph_pool_mib:.0f}", f"{r.eager_reserved_peak_mib:.0f}", f"{r.no_reuse_reserved_peak_mib:.0f}",
+             f"{r.reuse_reserved_peak_mib:.0f}", f"**{r.reuse_over_max:.3f}**",
+             f"{r.saved_mib:.0f} MiB ({r.saved_pct:.{0 if r.saved_pct >= 10 else 1}f}%)", r.reuse_layout,
+             f"{r.primed_over_max:.3f}", f"{r.unprimed_over_max:.3f}"] for m, r in s.iterrows()]
+    return table(["model", "graph pool (MiB)", "eager peak", "no reuse", "reuse", "reuse / max (<= 1.05)", "saved",
+                  "layout kept", "always primed", "never primed"], body) + f"\n\nSource: {src('graph-pool')}."
+
+
+def t_pool_proof() -> str:
+    s, arms = pool()
+    a = arms.set_index(["model", "arm"])
+    body = []
+    for m, r in s.iterrows():
+        reuse, plain = a.loc[(m, "shared+reuse")], a.loc[(m, "shared")]
+        body.append([m, pct(reuse.scratch_fraction_in_pool), pct(plain.scratch_fraction_in_pool),
+                     pct(reuse.graph_blocks_reused), f"{r.tokens_per_s_reuse_over_no_reuse:.3f}",
+                     f"{reuse.capture_reserved_peak_mib:.0f} / {plain.reserved_peak_mib:.0f}"])
+    return table(["model", "eager bytes in the pool, reuse", "without reuse", "graph addresses the prefill reused",
+                  "decode tokens/s, reuse / none", "capture peak / no-reuse serving peak (MiB)"], body) + \
+        f"\n\nSource: {src('graph-pool')}."
+
+
+def t_pool_adaptive() -> str:
+    _, arms = pool()
+    ad = arms[arms["arm"].str.startswith("adaptive")]
+    body = [[r.model, r.policy, f"{r.mean_k:.2f}", r.arm.split(":")[1], f"{r.decode_tokens_per_s / 1000:.1f}k"]
+            for r in ad.itertuples()]
+    return table(["model", "routing", "mean k", "decode", "tokens/s"], body) + f"\n\nSource: {src('graph-pool')}."
+
+
+def t_leak_check() -> str:
+    df = rows("leak-check")
+    body = [[r.model, f"{(r.eager_ms + r.eager_ms_again) / 2:.1f}", f"{r.eager_ms_block_held:.1f}",
+             f"{r.trace_overhead_ms:.1f}", r.traced_forwards] for r in df.itertuples()]
+    return table(["model", "prefill (ms), pool empty", "traced (a block held)", "trace cost (ms)",
+                  "forwards traced, pool empty"], body) + f"\n\nSource: {src('leak-check')}."
+
+
+def t_pool_devices() -> str:
+    a, _ = pool("graph-pool")
+    b, _ = pool("graph-pool-h100")
+    mib = [c for c in a.columns if c.endswith("_mib") and a[c].dtype.kind == "f"]
+    same = all(np.allclose(a[c], b.loc[a.index, c], equal_nan=True) for c in mib)
+    body = [[device("graph-pool-h100"), "every MiB figure the same" if same else "MiB figures differ",
+             span(b["tokens_per_s_reuse_over_no_reuse"], 3), src("graph-pool-h100")]]
+    return table(["device", "memory against the H200 run", "decode tokens/s, reuse / none", "results"], body)
+
+
+# ---- the README's findings --------------------------------------------------------------------------------------
+
+def t_findings() -> str:
+    cal, pub = paper("calibrated"), paper("published")
+    trt = pub[pub["config"] == "trtllm-default"].set_index("model")["compute_frac"]
+    wins = pd.concat([matched_levels(m) for m in MODELS])
+    lk = pd.concat([lower_k(m) for m in MODELS])
+    lk = lk[lk["beats_all"]]
+    rk, rh = routing("routing-kernel"), routing("routing-kernel-h100")
+    s = layer_summary("moe-layer")
+    met = lambda g: f"{g['met'].sum()} of {g['batches'].sum()}"  # noqa: E731
+    olmoe, qwen = s[(s["kept"] == 0.59) & (s["shape"] == "olmoe")], s[(s["kept"] == 0.59) & (s["shape"] == "qwen15")]
+    ps, arms = pool()
+    tiny = ps.drop(index="synthetic")
+    reuse = arms[arms["arm"] == "shared+reuse"]
+    pt, rt, ml, gp = src("paper-tables"), src("routing-kernel"), src("moe-layer"), src("graph-pool")
+    body = [
+        ["Expert compute saved within +0.5% perplexity (thresholds calibrated on held-out text)",
+         f"{span(cal['expert_reduction'], 0, 100, '%')} of routed-expert compute, "
+         f"{span(cal['forward_reduction'], 1, 100, '%')} of the forward", "claimed 25-52%", pt,
+         fig("adaptive-k-compute")],
+        ["The same thresholds on WikiText-2 test (never calibrated on)",
+         f"{pct(cal['ppl_change'].min(), 2, True)} to {pct(cal['ppl_change'].max(), 2, True)} perplexity", "+0.5%",
+         pt, fig("adaptive-k-compute")],
+        ["TensorRT-LLM's default configuration, expert compute against native k",
+         " / ".join(pct(trt[m]) for m in MODELS) + " (" + " / ".join(MODELS) + ")", "a saving", pt,
+         fig("adaptive-k-compute")],
+        ["Lowest perplexity at matched compute",
+         f"RatioSkip at {(wins['lowest'] == 'RatioSkip').sum()} of {len(wins)} levels; EntropyAdaptiveK highest at "
+         f"{(wins['highest'] == 'EntropyAdaptiveK').sum()} of {len(wins)}", "entropy the better signal", pt,
+         fig("adaptive-k-matched")],
+        ["A lower fixed k beats all three policies at its compute",
+         "; ".join(f"TopK {r.k} on {r.model} ({pct(r.reduction)} saved)" for r in lk.itertuples()), "", pt,
+         fig("adaptive-k-matched")],
+        ["Routing, one launch in a CUDA graph, T <= 4096", f"{rk['graph']} us ({rk['graph_stats']} with statistics)",
+         "<= 5 us", rt, fig("routing-time")],
+        ["Routing at T = 65536, share of the HBM bound",
+         f"{rk['hbm']} on the H200 ({rk['hbm_spec']} at its spec); {rh['hbm']} on the H100 ({rh['hbm_stats']} with "
+         "statistics)", ">= 50%", f"{rt}, {src('routing-kernel-h100')}", fig("routing-time")],
+        ["Adaptive MoE layer within 1.1 x kept/native of the native layer's time",
+         f"88% kept: {met(s[s['kept'] == 0.88])}; 75% kept: {met(s[s['kept'] == 0.75])}; 59% kept: OLMoE-like "
+         f"{met(olmoe)}, Qwen-like {met(qwen[qwen['what'] == 'whole layer'])} "
+         f"(its routed experts alone {met(qwen[qwen['what'] != 'whole layer'])})", "every check", ml,
+         fig("layer-ratio")],
+        ["Serving memory with the graph pool borrowed, over max(graph pool, eager peak)",
+         f"{span(ps['reuse_over_max'], 3, 1, 'x')}; saved {span(tiny['saved_pct'], 0, 1, '%')} on the tiny models, "
+         f"{ps.loc['synthetic', 'saved_mib']:.0f} MiB on the synthetic one", "<= 1.05x", gp, fig("graph-pool-memory")],
+        ["Eager bytes inside the pool; decode speed with reuse",
+         f"{span(reuse['scratch_fraction_in_pool'], 0, 100, '%')}; "
+         f"{span(ps['tokens_per_s_reuse_over_no_reuse'], 3, 1, 'x')} of without", "100%; within 2%", gp,
+         fig("graph-pool-memory")],
+    ]
+    return table(["finding", "measured", "claim or target", "results", "figure"], body)
+
+
+TABLES = {
+    "findings": t_findings, "paper-table": t_paper, "claims": t_claims, "budget": t_budget, "matched": t_matched,
+    "lower-k": t_lower_k, "noise-floor": t_noise, "repeat": t_repeat, "split-gpus": t_split, "line-ends": t_line_ends,
+    "routing-targets": t_routing_targets, "routing-large": t_routing_large, "routing-ablation": t_ablation,
+    "layer-targets": t_layer_targets, "native-layer": t_native_layer,
+    "layer-stages": t_stages, "decode": t_decode, "first-call": t_first_call, "pool-memory": t_pool_memory,
+    "pool-proof": t_pool_proof, "pool-adaptive": t_pool_adaptive, "leak-check": t_leak_check,
+    "pool-devices": t_pool_devices,
+}
+
+
+# ---- figures ----------------------------------------------------------------------------------------------------
+
+def f_matched(ax_row):
+    m = paper("matched")
+    for ax, model in zip(ax_row, MODELS):
+        g = m[m["model"] == model]
+        for kind in KINDS:
+            k = g[g["kind"] == kind].sort_values("expert_reduction")
+            ax.plot(100 * k["expert_reduction"], 100 * k["ppl_change"], ".-", label=kind,
+                    color=plots.POLICY_COLORS[kind])
+        fixed = g[(g["kind"] == "TopK") & (g["k_max"] > 1)]
+        ax.plot(100 * fixed["expert_reduction"], 100 * fixed["ppl_change"], "ko", label="lower fixed k")
+        ax.set(title=model, xlabel="expert compute saved (%)")
+    ax_row[0].set_ylabel("perplexity change (%)")
+    ax_row[0].legend(fontsize=7)
+
+
+def f_compute(ax):
+    f = pd.concat([paper("published"), paper("calibrated")])
+    f = f[f["config"].isin(["trtllm-default", "shared thresholds, budget +0.5%"]) | f["config"].str.startswith("sdk")]
+    labels = {"trtllm-default": "TensorRT-LLM default", "shared thresholds, budget +0.5%": "calibrated, +0.5%"}
+    f = f.assign(what=f["config"].map(lambda c: labels.get(c, "SDK preset")))
+    piv = f.pivot(index="model", columns="what", values="compute_frac").loc[list(MODELS)]
+    (100 * piv).plot.bar(ax=ax, rot=0)
+    ax.axhline(100, color="black", lw=0.8)
+    ax.set(ylabel="expert compute (% of native k)", xlabel="")
+    ax.legend(fontsize=7)
+
+
+def f_routing(ax_row):
+    methods = {"triton_adaptive": "ours", "torch_softmax_topk": "softmax + top-k", "trtllm_adaptive": "TensorRT-LLM"}
+    for ax, topic in zip(ax_row, ("routing-kernel", "routing-kernel-h100")):
+        df = rows(topic)
+        for i, (method, name) in enumerate(methods.items()):
+            for shape, style in (("olmoe", "-"), ("e128", "--")):
+                g = df[(df["method"] == method) & (df["shape"] == shape)].sort_values("T")
+                ax.loglog(g["T"], g["graph_us"], style, color=f"C{i}", label=f"{name}, E = {int(g['E'].iloc[0])}")
+        ax.axhline(5, color="grey", lw=0.6)
+        ax.set(title=device(topic), xlabel="tokens T", ylabel="time in a CUDA graph (us)")
+    ax_row[0].legend(fontsize=6)
+
+
+def f_layer(ax):
+    s = layer_summary("moe-layer")
+    for (shape, what), g in s.groupby(["shape", "what"]):
+        ax.errorbar(g["kept_median"], g["ratio_median"], yerr=[g["ratio_median"] - g["ratio_min"],
+                    g["ratio_max"] - g["ratio_median"]], fmt="o", ms=3, label=f"{SHAPES[shape]}, {what}")
+    x = np.linspace(0.55, 0.92, 2)
+    ax.plot(x, 1.1 * x, color="black", lw=0.8, label="1.1 x kept/native")
+    ax.set(xlabel="pairs kept / native", ylabel="adaptive / native layer time",
+           title=f"{device('moe-layer')}, T = 4096, five input batches")
+    ax.legend(fontsize=6)
+
+
+def f_pool(ax):
+    s, _ = pool()
+    mx = s[["graph_pool_mib", "eager_reserved_peak_mib"]].max(axis=1)
+    (s[["no_reuse_reserved_peak_mib", "reuse_reserved_peak_mib"]].div(mx, axis=0)
+     .rename(columns={"no_reuse_reserved_peak_mib": "no reuse", "reuse_reserved_peak_mib": "reuse"})
+     .plot.bar(ax=ax, rot=0))
+    ax.axhline(1.05, color="black", lw=0.8)
+    ax.set(ylabel="serving peak / max(graph pool, eager peak)", xlabel="")
+
+
+FIGURES = {"adaptive-k-matched": (f_matched, 3, 2.6), "adaptive-k-compute": (f_compute, 1, 3.0),
+           "routing-time": (f_routing, 2, 3.0), "layer-ratio": (f_layer, 1, 3.2), "graph-pool-memory": (f_pool, 1, 3.0)}
+
+
+def draw(out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plots.setup_style()
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name, (draw_fn, ncols, height) in FIGURES.items():
+        fig, axes = plt.subplots(1, ncols, figsize=(3.2 * ncols if ncols > 1 else 5.0, height), layout="constrained")
+        draw_fn(axes if ncols > 1 else axes)
+        path = out / f"{name}.png"
+        fig.savefig(path, dpi=100, metadata={"Software": None})  # no version stamp: the same bytes run after run
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+# ---- documents --------------------------------------------------------------------------------------------------
+
+BLOCK = re.compile(r"(<!-- table:([\w-]+) -->\n).*?(<!-- /table -->)", re.S)
+
+
+def fill(text: str, root: str) -> str:
+    """Every table block of a document made again; an unknown table name is an error naming it."""
+    def one(m):
+        if m[2] not in TABLES:
+            raise KeyError(f"table {m[2]!r}: no such table (have {sorted(TABLES)})")
+        return m[1] + TABLES[m[2]]().replace(ROOT, root) + "\n" + m[3]
+    return BLOCK.sub(one, text)
+
+
+def documents() -> list[Path]:
+    return [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, default=REPO, help="write the documents and figures under this folder")
+    a = ap.parse_args(argv)
+    for doc in documents():
+        rel = doc.relative_to(REPO)
+        root = "../" * (len(rel.parts) - 1)
+        dest = a.out / rel
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        text = fill(doc.read_text(), root)
+        if not dest.exists() or dest.read_text() != text:
+            results.atomic_write_bytes(dest, text.encode())
+    draw(a.out / "docs" / "figures")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
