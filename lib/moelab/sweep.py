@@ -210,11 +210,12 @@ def _claim(path: Path, stale_s: float) -> str | None:
         if _create(path, mine):
             return mine
         try:
-            seen, age = path.read_text(), time.time() - path.stat().st_mtime
-            holder = json.loads(seen)
+            seen, age = path.read_text(), time.time() - _mtime(path)
         except FileNotFoundError:  # released meanwhile
             continue
-        except ValueError:
+        try:
+            holder = dict(json.loads(seen))
+        except (ValueError, TypeError):
             holder = {}
         pid, here = holder.get("pid"), holder.get("host") == socket.gethostname()
         if not (here and isinstance(pid, int) and not _alive(pid)) and age <= stale_s:
@@ -224,9 +225,16 @@ def _claim(path: Path, stale_s: float) -> str | None:
             log.info("%s: releasing a stale claim %s", path, seen)
             _release(path, seen)
             brk.unlink()
-        elif time.time() - brk.stat().st_mtime > 60:  # its breaker died
+        elif time.time() - _mtime(brk) > 60:  # its breaker died
             brk.unlink(missing_ok=True)
     return None
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except FileNotFoundError:
+        return time.time()
 
 
 def _release(path: Path, text: str) -> None:
@@ -271,8 +279,9 @@ def run_point(notebook: Path, params: dict, run_dir: Path, *, digest: str | None
     try:
         for left in sweep_dir.glob(f".tmp-{h}-*"):  # a dead claimant's attempt
             shutil.rmtree(left, ignore_errors=True)
-        if old.exists():  # a dead claimant's replacement, stopped between its two renames
-            shutil.rmtree(old) if run_dir.exists() else os.rename(old, run_dir)
+        if old.exists() and not run_dir.exists():  # a dead claimant's replacement, stopped between its renames
+            os.rename(old, run_dir)
+        shutil.rmtree(old, ignore_errors=True)
         if run_state(run_dir, digest) == "done" and not rerun:
             return Point(h, params, "done")
         tmp.mkdir()
