@@ -41,6 +41,11 @@ Job arrays split a grid with `--shard I/N` (points whose index modulo N is I) ov
 `--list` prints each point (hash, run_dir, notebook, notebook_digest, parameters) as a JSON line for an
 engine that starts papermill itself: the line as <run_dir>/params.json, MOELAB_RUN_DIR=<run_dir>, `done`
 on success, then `--collect`.
+
+A notebook has one cell tagged `parameters`, a line per parameter `name: type = value  # help` (no second
+`=`: papermill's parser drops such a line), defaults CPU-small. `interactive: bool` guards widgets so that a
+headless run never waits on one; explorers use `moelab.plots.explorer`, which fills its Output kernel-side
+(an Output capturing display() can hang a headless executor, nbclient issue 312).
 """
 
 from __future__ import annotations
