@@ -120,6 +120,15 @@ def test_load_grid_finds_the_notebook_and_names_the_file_it_cannot_read(toy, tmp
         sweep.load_grid("missing.yaml")
 
 
+def test_a_damaged_notebook_is_named(tmp_path):
+    nb = tmp_path / "broken.ipynb"
+    nb.write_text('{"cells": [')
+    with pytest.raises(ValueError, match=re.escape(f"{nb}: papermill cannot read it")):
+        sweep.Grid(nb, "g", {"x": [1]}).check_parameters()
+    with pytest.raises(ValueError, match=re.escape(f"{nb}: cannot be read as JSON")):
+        sweep.notebook_digest(nb)
+
+
 def test_repo_grids_are_valid():
     for path in sorted((REPO / "notebooks" / "grids").glob("*.yaml")):
         if path.name == "ci.yaml":

@@ -184,8 +184,11 @@ def notebook_parameters(notebook: Path) -> dict[str, dict]:
     """The parameters cell: {name: {type, default, help}} (papermill's own parser)."""
     import papermill
 
-    return {k: {"type": v["inferred_type_name"], "default": v["default"], "help": v["help"]}
-            for k, v in papermill.inspect_notebook(str(notebook)).items()}
+    try:
+        found = papermill.inspect_notebook(str(notebook))
+    except Exception as e:  # noqa: BLE001  nbformat's and papermill's own errors do not name the file
+        raise ValueError(f"{notebook}: papermill cannot read it ({type(e).__name__}: {e})") from None
+    return {k: {"type": v["inferred_type_name"], "default": v["default"], "help": v["help"]} for k, v in found.items()}
 
 
 def param_hash(notebook: Path | str, params: dict) -> str:
