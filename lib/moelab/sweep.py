@@ -585,7 +585,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--list", action="store_true", help="print each point as a JSON line; run nothing")
     ap.add_argument("--root", type=Path, help="runs folder (default runs/, or MOELAB_RUNS)")
     a = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.basicConfig(level=logging.WARNING if a.main else logging.INFO, format="%(message)s")  # a line a point
     logging.getLogger("papermill").setLevel(logging.WARNING)
     extra = [f"--{k}" for k in ("list", "collect", "rerun", "gpus", "shard") if getattr(a, k)]
     if a.main and (a.grid or extra):
