@@ -10,11 +10,12 @@ PARAMETERS = """\
 x: int = 0  # the swept value
 fail_at: int = -1  # raise in the work cell when x equals this
 sleep_s: float = 0.0  # seconds of work per run
-log_path: str = ""  # append 'start <x>' and 'end <x>' lines here (counts executions)
+log_path: str = ""  # append 'start <x> <CUDA_VISIBLE_DEVICES>' and 'end <x> ...' lines here (counts executions)
 table: str = ""  # if set, save a table of the metrics under this name through moelab.plots.save_table
 """
 
 WORK = """\
+import os
 import time
 import pandas as pd
 from moelab import results
@@ -22,7 +23,7 @@ from moelab import results
 def mark(what):
     if log_path:
         with open(log_path, "a") as f:
-            f.write(f"{what} {x}\\n")
+            f.write(f"{what} {x} {os.environ.get('CUDA_VISIBLE_DEVICES', '-')}\\n")
 
 mark("start")
 time.sleep(sleep_s)

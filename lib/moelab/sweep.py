@@ -1,1003 +1,623 @@
 """Parameter sweeps over notebooks with papermill: a grid -> one executed notebook per point, resumable.
 
-    python -m moelab.sweep notebooks/grids/quickstart.yaml     # a grid
-    python -m moelab.sweep --main                              # every notebook with its defaults
+    python -m moelab.sweep notebooks/grids/quickstart_logit_scale.yaml     # a grid -> runs/<name>/
+    python -m moelab.sweep --main     # every notebooks/NN_*.ipynb with its defaults, figures to figures/
 
-A grid file (YAML)::
+A grid (YAML)::
 
     notebook: notebooks/01_routing_quickstart.ipynb   # repo-relative, or relative to the grid file
-    name: quickstart-native-k                         # runs go to runs/<name>/
-    parameters:                                       # lists: the cartesian product is swept
-      native_k: [2, 4, 8]
-      seed: [0, 1]
-    fixed:                                            # the same in every run
-      tokens: 2048
-    # optional: timeout_s (per run), workers (CPU only), figures: run | repo
+    name: my-sweep                # runs go to runs/<name>/
+    parameters: {seed: [0, 1, 2], logit_scale: [1.0, 2.0]}   # lists: their cartesian product is swept
+    fixed: {tokens: 4096}         # the same in every run
+    timeout_s: 900                # optional: a run past it is killed and fails with Timeout
 
-Each run lives in runs/<name>/<hash>/ where <hash> identifies (notebook name, parameters). A run
-executes in a temporary sibling folder and is renamed into place when it ends, holding params.json,
-source.ipynb (the notebook as the run started, the copy it ran: an edit during a sweep reaches only later
-runs, and params.json holds the copy's digest), notebook.ipynb (executed), results/ (what
-`moelab.results.save` wrote; MOELAB_RUN_DIR points there), figures/ (for grids; `--main` writes the
-repo's figures/) and either `done` or `error.json` (cell index, execution count, source excerpt,
-exception). A rerun skips every run with a
-`done` marker whose notebook is unchanged, so a sweep killed at any moment loses no finished run;
-failed runs are retried. Runs are spread over the visible GPUs, one worker process per GPU with
-CUDA_VISIBLE_DEVICES set to it, or run one after another on a CPU. At the end the runs combine into
-runs/<name>/summary.{parquet,csv} (one row per run: parameters as columns, status, scalar results)
-and runs/<name>/<result>.{parquet,csv} for each saved frame (its rows, with the parameters as
-columns).
+Names and types are checked against the notebook's parameters cell first. Each point runs papermill in a
+temporary sibling folder renamed to runs/<name>/<hash>/ when it ends, holding params.json (parameters, the
+notebook's digest), notebook.ipynb, results/ (`moelab.results.save`, through MOELAB_RUN_DIR), figures/,
+papermill.log, and `done` or error.json (the failing cell's index, line and source, the exception).
+The same command again skips points done with the same notebook source and retries failed ones; Ctrl-C
+stops with one line saying what finished. A point is claimed by an exclusive create of
+runs/<name>/<hash>.claim (host, pid, start), so sweeps sharing a folder run each point once; the claim of
+a process gone (same host), or older than timeout_s + 60 s (24 h without one), is released.
+runs/<name>/grid.json records the notebook, swept names and fixed values: a grid differing in these under
+the same name is refused (adding values to a swept list extends the sweep). runs/<name>/summary.{csv,parquet}
+has a row per run (parameters, status ok / failed / stale, elapsed_s or error, scalar results as <result>
+or <result>.<key>) and <result>.{csv,parquet} each saved frame's rows with the run's parameters.
 
-Scaling out without writing a scheduler: every run is an independent `papermill` process, so an
-existing engine can run the same grid. `--shard I/N` runs only the points whose index modulo N is
-I (a disjoint split), on a shared file system all shards write into the same runs/<name>/, and a
-final `--collect` (no runs) builds the tables. With Slurm, for example::
+GPUs and clusters go through a `concurrent.futures.Executor`: points run one after another by default;
+`--gpus 0,1,2,3` runs one per GPU, in threads that start papermill with CUDA_VISIBLE_DEVICES set to a free
+GPU. Any executor with `submit` works, e.g. Dask's (its dashboard runs inside JupyterLab)::
 
-    #SBATCH --array=0-31 --gpus=1
+    from dask_cuda import LocalCUDACluster        # one host; dask_jobqueue.SLURMCluster for a cluster
+    client = distributed.Client(LocalCUDACluster())
+    sweep.run_sweep("grid.yaml", executor=client.get_executor(pure=False))  # pure=False: a retry reruns
+
+Job arrays split a grid with `--shard I/N` (points whose index modulo N is I) over a shared runs/::
+
+    #SBATCH --array=0-31 --gpus-per-task=1
     python -m moelab.sweep grid.yaml --shard $SLURM_ARRAY_TASK_ID/32
-    # afterwards, once:  python -m moelab.sweep grid.yaml --collect
+    python -m moelab.sweep grid.yaml --collect        # once, after: runs nothing, builds the tables
 
-The same works with any job array (Kubernetes indexed Jobs, SGE, ...); `--list` prints every point
-(hash, run folder, notebook, its digest, parameters: one JSON line each) for engines that prefer to
-start `papermill` themselves (set MOELAB_RUN_DIR to the run folder, write the line as its params.json and
-keep the layout above, and `--collect` still combines them). See docs/sweeps.md.
+`--list` prints each point (hash, run_dir, notebook, notebook_digest, parameters) as a JSON line for an
+engine that starts papermill itself: the line as <run_dir>/params.json, MOELAB_RUN_DIR=<run_dir>, `done`
+on success, then `--collect`.
+
+A notebook has one cell tagged `parameters`, a line per parameter `name: type = value  # help` (no second
+`=`: papermill's parser drops such a line), defaults CPU-small. `interactive: bool` guards widgets so that a
+headless run never waits on one; explorers use `moelab.plots.explorer`, which fills its Output kernel-side
+(an Output capturing display() can hang a headless executor, nbclient issue 312).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import concurrent.futures as cf
 import dataclasses
 import hashlib
 import itertools
 import json
 import logging
-import math
 import os
 import queue
+import re
 import secrets
+import shlex
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
-from moelab.results import REPO, atomic_write_bytes, write_json
+from moelab.results import REPO
 
 log = logging.getLogger("moelab.sweep")
-
-DONE = "done"
-ERROR = "error.json"
-PARAMS = "params.json"
-NOTEBOOK_OUT = "notebook.ipynb"
-SOURCE = "source.ipynb"  # the notebook as it was when the run started (its digest is in params.json)
-WORKER_LOG = "worker.log"
-TABLES = "tables.json"  # in a sweep's folder: the table files its last collect wrote
-HEARTBEAT = "heartbeat"  # an attempt's runner touches it every HEARTBEAT_S while its worker runs
-HEARTBEAT_S = 30.0
-HEARTBEAT_STALE_S = 600.0  # another host's attempt whose heartbeat is older than this is over (clock skew allowed)
-FIGURES_MODES = ("run", "repo")
-MAIN_TIME_BUDGET_S = 15 * 60
+PARAMS, OUT, DONE, ERROR, GRID = "params.json", "notebook.ipynb", "done", "error.json", "grid.json"
+CLAIM_STALE_S = 24 * 3600
+TYPES = {"int": lambda v: isinstance(v, int) and not isinstance(v, bool), "str": lambda v: isinstance(v, str),
+         "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+         "bool": lambda v: isinstance(v, bool), "list": lambda v: isinstance(v, list)}
+_LIVE: dict[int, subprocess.Popen] = {}  # this process's papermill runs, killed on Ctrl-C
+_STOP = threading.Event()
 
 
 def runs_root() -> Path:
-    """Where sweeps keep their runs: runs/ of the repository (MOELAB_RUNS overrides)."""
     return Path(os.environ.get("MOELAB_RUNS", REPO / "runs"))
 
 
-def notebooks_dir() -> Path:
-    return REPO / "notebooks"
+def _read_json(path: Path):
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: cannot be read as JSON ({type(e).__name__}: {e})") from None
 
 
-# ----------------------------------------------------------------------------------------------- grid
+def _create(path: Path, text: str) -> bool:
+    """Create `path` holding `text` unless it exists: a hard link of a complete file (atomic, NFS too)."""
+    tmp = path.with_name(f".{path.name}.{socket.gethostname()}.{os.getpid()}.{threading.get_ident()}")
+    tmp.write_text(text)
+    try:
+        os.link(tmp, path)
+        return True
+    except FileExistsError:
+        return False
+    finally:
+        tmp.unlink()
 
 
 @dataclasses.dataclass
 class Grid:
-    """A notebook, a sweep name, swept parameters (lists) and fixed ones."""
-
     notebook: Path
     name: str
-    parameters: dict[str, list] = dataclasses.field(default_factory=dict)
-    fixed: dict[str, Any] = dataclasses.field(default_factory=dict)
+    parameters: dict = dataclasses.field(default_factory=dict)
+    fixed: dict = dataclasses.field(default_factory=dict)
     timeout_s: float | None = None
-    workers: int | None = None
-    figures: str = "run"
 
     def __post_init__(self):
-        self.notebook = Path(self.notebook)
-        if self.notebook.suffix == ".py" and self.notebook.with_suffix(".ipynb").exists():
-            self.notebook = self.notebook.with_suffix(".ipynb")
-        if self.notebook.suffix != ".ipynb":
-            raise ValueError(f"notebook={str(self.notebook)!r}: must be an .ipynb file (papermill executes those)")
-        if not self.notebook.exists():
-            raise ValueError(f"notebook={str(self.notebook)!r}: no such file")
+        self.notebook = Path(self.notebook).with_suffix(".ipynb")
+        if not self.notebook.is_file():
+            raise ValueError(f"notebook={str(self.notebook)!r}: no such .ipynb file")
         if not self.name or "/" in self.name or self.name.startswith("."):
             raise ValueError(f"name={self.name!r}: must be a plain folder name (no '/', not hidden)")
-        if not isinstance(self.parameters, dict) or not isinstance(self.fixed, dict):
-            raise ValueError(f"parameters={self.parameters!r}, fixed={self.fixed!r}: must be mappings")
-        for k, v in self.parameters.items():
-            if not isinstance(v, list) or not v:
-                raise ValueError(
-                    f"parameters.{k}={v!r}: swept values must be a non-empty list; put single values under fixed"
-                )
-        both = sorted(set(self.parameters) & set(self.fixed))
-        if both:
-            raise ValueError(f"parameters {both}: given both as swept and as fixed; keep one")
-        if self.figures not in FIGURES_MODES:
-            raise ValueError(f"figures={self.figures!r}: must be one of {FIGURES_MODES}")
         t = self.timeout_s
         if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0):
-            raise ValueError(f"timeout_s={self.timeout_s!r}: must be a number of seconds > 0")
-        for k, v in [*self.fixed.items(), *((k, x) for k, vs in self.parameters.items() for x in vs)]:
-            try:  # a run's parameters are stored as JSON (params.json) and injected by papermill
-                json.dumps(v, allow_nan=False)
-            except (TypeError, ValueError):
-                raise ValueError(f"parameter {k}={v!r} ({type(v).__name__}): must be a JSON value (number, string, "
-                                 f"bool, null, list or mapping of those); quote dates and other YAML types") from None
-        for k, vs in self.parameters.items():
-            seen: set[str] = set()
+            raise ValueError(f"timeout_s={t!r}: must be a number of seconds > 0")
+        if not isinstance(self.parameters, dict) or not isinstance(self.fixed, dict):
+            raise ValueError(f"parameters={self.parameters!r}, fixed={self.fixed!r}: must be mappings")
+        for k, vs in [*self.parameters.items(), *((k, [v]) for k, v in self.fixed.items())]:
+            if not isinstance(vs, list) or not vs:
+                raise ValueError(f"parameters.{k}={vs!r}: swept values must be a non-empty list (one value: fixed)")
+            seen = set()
             for v in vs:
-                key = json.dumps(v, sort_keys=True)
-                if key in seen:
-                    raise ValueError(f"parameters.{k}: the value {v!r} is listed twice; each point must be distinct")
-                seen.add(key)
-        if self.workers is not None and (isinstance(self.workers, bool) or not isinstance(self.workers, int)
-                                         or self.workers < 1):
-            raise ValueError(f"workers={self.workers!r}: must be an int >= 1")
+                try:  # stored in params.json, injected by papermill
+                    seen.add(json.dumps(v, allow_nan=False, sort_keys=True))
+                except (TypeError, ValueError):
+                    raise ValueError(f"parameter {k}={v!r} ({type(v).__name__}): must be a JSON value (number, "
+                                     "string, bool, null, list or mapping of those); quote dates") from None
+            if len(seen) < len(vs):
+                raise ValueError(f"parameters.{k}={vs!r}: a value is listed twice; each point must be distinct")
+        if set(self.parameters) & set(self.fixed):
+            raise ValueError(f"parameters {sorted(set(self.parameters) & set(self.fixed))}: both swept and fixed")
 
     def points(self) -> list[dict]:
-        """Every run's full parameters: the cartesian product of the swept lists, plus the fixed ones."""
-        keys = list(self.parameters)
-        out = []
-        for values in itertools.product(*(self.parameters[k] for k in keys)):
-            out.append({**self.fixed, **dict(zip(keys, values))})
-        return out
+        """The cartesian product of the swept lists, each with the fixed values."""
+        return [{**self.fixed, **dict(zip(self.parameters, vs))} for vs in itertools.product(*self.parameters.values())]
 
     def check_parameters(self) -> None:
-        """Every parameter must exist in the notebook's parameters cell (typos fail before hours of runs)."""
+        """Every name must be in the notebook's parameters cell, every value of the type it declares."""
         known = notebook_parameters(self.notebook)
         unknown = sorted((set(self.parameters) | set(self.fixed)) - set(known))
         if unknown:
-            raise ValueError(
-                f"parameters {unknown}: not in the parameters cell of {self.notebook.name}; it has {sorted(known)}"
-            )
-        values = [(k, v) for k, vs in self.parameters.items() for v in vs] + list(self.fixed.items())
-        for k, v in values:  # a value of another type than the cell declares fails every run it is in
-            want = _DECLARED.get(known[k]["type"])
-            if want is not None and not want(v):
+            raise ValueError(f"parameters {unknown}: not in the parameters cell of {self.notebook.name}; it has "
+                             f"{sorted(known)}")
+        for k, v in [(k, v) for k, vs in self.parameters.items() for v in vs] + list(self.fixed.items()):
+            if not TYPES.get(known[k]["type"], lambda v: True)(v):
                 raise ValueError(f"parameter {k}={v!r}: {self.notebook.name} declares it {known[k]['type']}")
 
 
-# a parameters cell's declared type -> which grid values it takes (other declarations are not checked)
-_DECLARED = {
-    "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
-    "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
-    "str": lambda v: isinstance(v, str),
-    "bool": lambda v: isinstance(v, bool),
-    "list": lambda v: isinstance(v, list),
-}
-
-
-def _resolve_notebook(value: str, base: Path) -> Path:
-    p = Path(value)
-    if p.is_absolute():
-        return p
-    for root in (base, REPO, Path.cwd()):
-        if (root / p).exists():
-            return (root / p).resolve()
-    return (REPO / p).resolve()
-
-
 def load_grid(path: str | Path) -> Grid:
-    """Read a grid YAML file (see the module docstring for its keys)."""
+    """A grid YAML file (notebook, name, parameters, fixed, timeout_s); errors name the file."""
     import yaml
 
     path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"grid {str(path)!r}: no such file (a grid YAML file; notebooks/grids/ has examples)")
     try:
         doc = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        raise ValueError(f"{path}: not valid YAML: {e}") from None
-    if not isinstance(doc, dict):
-        raise ValueError(f"{path}: a grid file must be a YAML mapping with notebook, name, parameters, fixed")
-    allowed = {"notebook", "name", "parameters", "fixed", "timeout_s", "workers", "figures"}
-    extra = sorted(set(doc) - allowed)
-    if extra:
-        raise ValueError(f"{path}: unknown keys {extra}; allowed are {sorted(allowed)}")
-    if "notebook" not in doc:
-        raise ValueError(f"{path}: missing 'notebook'")
-    return Grid(
-        notebook=_resolve_notebook(str(doc["notebook"]), path.parent),
-        name=str(doc.get("name") or path.stem),
-        parameters=doc.get("parameters") or {},
-        fixed=doc.get("fixed") or {},
-        timeout_s=doc.get("timeout_s"),
-        workers=doc.get("workers"),
-        figures=doc.get("figures", "run"),
-    )
+    except (OSError, ValueError, yaml.YAMLError) as e:
+        raise ValueError(f"grid {str(path)!r}: cannot be read as YAML ({type(e).__name__}: {e})") from None
+    keys = {"notebook", "name", "parameters", "fixed", "timeout_s"}
+    if not isinstance(doc, dict) or "notebook" not in doc or set(doc) - keys:
+        raise ValueError(f"grid {str(path)!r}: must be a mapping with a notebook and only the keys {sorted(keys)}; "
+                         f"it has {sorted(doc) if isinstance(doc, dict) else type(doc).__name__}")
+    nb = Path(str(doc["notebook"]))
+    nb = next((r / nb for r in (path.parent, REPO, Path.cwd()) if (r / nb).exists()), REPO / nb).resolve()
+    try:
+        return Grid(nb, str(doc.get("name") or path.stem), doc.get("parameters") or {}, doc.get("fixed") or {},
+                    doc.get("timeout_s"))
+    except ValueError as e:
+        raise ValueError(f"grid {str(path)!r}: {e}") from None
 
 
 def notebook_parameters(notebook: Path) -> dict[str, dict]:
-    """The parameters cell's parameters: {name: {type, default, help}} (papermill's own parser)."""
+    """The parameters cell: {name: {type, default, help}} (papermill's own parser)."""
     import papermill
 
-    return {
-        k: {"type": v["inferred_type_name"], "default": v["default"], "help": v["help"]}
-        for k, v in papermill.inspect_notebook(str(notebook)).items()
-    }
+    try:
+        found = papermill.inspect_notebook(str(notebook))
+    except Exception as e:  # noqa: BLE001  nbformat's and papermill's own errors do not name the file
+        raise ValueError(f"{notebook}: papermill cannot read it ({type(e).__name__}: {e})") from None
+    return {k: {"type": v["inferred_type_name"], "default": v["default"], "help": v["help"]} for k, v in found.items()}
 
 
 def param_hash(notebook: Path | str, params: dict) -> str:
-    """12 hex digits identifying a run: the notebook's name and its parameters (order-free)."""
+    """12 hex digits naming a run: the notebook's file name and its parameters (order-free)."""
     key = json.dumps({"notebook": Path(notebook).name, "parameters": params}, sort_keys=True, default=str)
     return hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
 def notebook_digest(notebook: Path) -> str:
-    """sha256 of the notebook's cell types and sources (outputs and metadata ignored)."""
-    nb = json.loads(Path(notebook).read_text())
-    body = [(c["cell_type"], "".join(c["source"]) if isinstance(c["source"], list) else c["source"])
-            for c in nb["cells"]]
+    """sha256 of the notebook's cell types and sources (not outputs or metadata)."""
+    body = [(c["cell_type"], "".join(c["source"])) for c in _read_json(notebook)["cells"]]
     return hashlib.sha256(json.dumps(body).encode()).hexdigest()
 
 
-# ------------------------------------------------------------------------------------------- one run
+def run_state(run_dir: Path, digest: str | None = None) -> str:
+    """'done' (with this notebook digest, when given), 'stale' (done with another), 'failed' or 'pending'."""
+    if (run_dir / DONE).exists():
+        return "done" if digest in (None, _read_json(run_dir / PARAMS).get("notebook_digest")) else "stale"
+    return "failed" if (run_dir / ERROR).exists() else "pending"
 
 
-class NotebookRunError(RuntimeError):
-    """A notebook failed: names the cell (index, execution count, first source lines) and the exception."""
-
-    def __init__(self, notebook: str, error: dict):
-        self.notebook = notebook
-        self.error = error
-        super().__init__(describe_error(notebook, error))
-
-
-def describe_error(notebook: str, error: dict) -> str:
-    if error.get("cell_index") is None:
-        return f"{notebook}: {error.get('ename', 'error')}: {error.get('evalue', '')}"
-    return (
-        f"{notebook}: cell {error['cell_index']} (In [{error.get('exec_count')}]) failed: "
-        f"{error['ename']}: {error['evalue']}\n    cell source: "
-        + str(error.get("source_excerpt", "")).replace("\n", "\n                 ")
-    )
-
-
-def _excerpt(source: str, lines: int = 3, width: int = 200) -> str:
-    text = "\n".join(source.strip().splitlines()[:lines])
-    return text if len(text) <= width else text[: width - 3] + "..."
-
-
-def execute(notebook: Path, output: Path, parameters: dict, cwd: Path | None = None,
-            kernel: str = "python3", name: str | None = None, cell_timeout_s: float | None = None) -> None:
-    """Run one notebook with papermill; a failing cell raises NotebookRunError naming the cell (and the
-    notebook as `name`, default its file name). cell_timeout_s bounds each cell (None: no bound; a sweep bounds
-    whole runs with its grid's timeout_s instead): a cell past it fails as CellTimeoutError."""
-    number = isinstance(cell_timeout_s, (int, float)) and not isinstance(cell_timeout_s, bool)
-    if cell_timeout_s is not None and not (number and cell_timeout_s > 0):
-        raise ValueError(f"cell_timeout_s={cell_timeout_s!r}: must be a number of seconds > 0, or None")
-    import papermill
-    from nbclient.exceptions import CellTimeoutError, DeadKernelError
-    from papermill.exceptions import PapermillExecutionError
-
-    try:
-        papermill.execute_notebook(
-            str(notebook), str(output), parameters=parameters, kernel_name=kernel,
-            cwd=str(cwd or Path(notebook).parent), progress_bar=False, log_output=False,
-            execution_timeout=cell_timeout_s,
-        )
-    except PapermillExecutionError as e:
-        line = _failing_line(e.traceback, e.exec_count)
-        lines = e.source.splitlines()
-        raise NotebookRunError(name or Path(notebook).name, {
-            "cell_index": _source_index(Path(output), e.cell_index),
-            "exec_count": e.exec_count,
-            "line": line,
-            "source_excerpt": (f"line {line}: {lines[line - 1].strip()}" if line and line <= len(lines)
-                               else _excerpt(e.source)),
-            "ename": e.ename,
-            "evalue": e.evalue,
-        }) from e
-    except (CellTimeoutError, DeadKernelError) as e:  # no cell index from nbclient: the message names it
-        raise NotebookRunError(name or Path(notebook).name, {"cell_index": None, "ename": type(e).__name__,
-                                                     "evalue": str(e)[:2000]}) from e
-
-
-def _die_with_parent() -> None:
-    """Linux: let the kernel SIGKILL this worker when the sweep process dies (its kernel then exits too,
-    ipykernel polls its parent), so a killed sweep leaves no orphan runs behind."""
-    parent = os.environ.get("MOELAB_SWEEP_PARENT")
-    if not parent or not sys.platform.startswith("linux"):
-        return
-    import ctypes
-    import signal
-
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError) as e:
-        log.warning("prctl(PR_SET_PDEATHSIG) unavailable (%s): a killed sweep may leave this run going", e)
-        return
-    if os.getppid() != int(parent):  # the sweep died before prctl took effect
-        os._exit(1)
-
-
-def _failing_line(traceback: list[str], exec_count) -> int | None:
-    """The line of the failing cell in IPython's traceback ('Cell In[3], line 14'), if it names one."""
-    import re
-
-    text = re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(traceback or []))
-    hits = re.findall(rf"Cell In\[{exec_count}\], line (\d+)", text)
-    return int(hits[-1]) if hits else None
-
-
-def _source_index(executed: Path, index: int) -> int:
-    """The failing cell's index in the source notebook (papermill adds injected-parameters and error cells)."""
-    import nbformat
-
-    try:
-        cells = nbformat.read(str(executed), as_version=4).cells
-    except (OSError, ValueError):
-        return index
-    added = ("injected-parameters", "papermill-error-cell-tag")
-    source = [c for c in cells if not set(c.get("metadata", {}).get("tags", [])) & set(added)]
-    for i, c in enumerate(source):
-        if c.get("metadata", {}).get("papermill", {}).get("status") == "failed":
-            return i
-    return index
-
-
-def _worker(tmp: Path) -> int:
-    """Child process: execute the run described by tmp/params.json, then finish it (atomic rename)."""
-    _die_with_parent()
-    spec = json.loads((tmp / PARAMS).read_text())
-    os.environ["MOELAB_RUN_DIR"] = str(tmp)
-    if spec["figures"] == "run":
-        os.environ["MOELAB_FIGURES"] = str(tmp / "figures")
-    t0 = time.time()
-    status = {"host": socket.gethostname(), "gpu": os.environ.get("CUDA_VISIBLE_DEVICES")}
-    source = tmp / SOURCE if (tmp / SOURCE).exists() else Path(spec["notebook"])  # the copy the digest names
-    try:
-        execute(source, tmp / NOTEBOOK_OUT, spec["parameters"], cwd=Path(spec["notebook"]).parent,
-                name=Path(spec["notebook"]).name)
-        status.update(status="ok", elapsed_s=round(time.time() - t0, 2))
-        write_json(tmp / DONE, status)
-        rc = 0
-    except NotebookRunError as e:
-        write_json(tmp / ERROR, {**e.error, **status, "elapsed_s": round(time.time() - t0, 2)})
-        rc = 1
-    except Exception as e:  # noqa: BLE001  papermill itself failed (no kernel, unreadable notebook, ...): a failed run
-        import traceback
-
-        traceback.print_exc()  # into worker.log, which travels with the run folder
-        write_json(tmp / ERROR, {"cell_index": None, "ename": type(e).__name__, "evalue": str(e)[:2000], **status,
-                                 "elapsed_s": round(time.time() - t0, 2)})
-        rc = 1
-    _finish(tmp, Path(spec["final"]))
-    return rc
-
-
-def _finish(tmp: Path, final: Path) -> None:
-    """Move a finished (or failed) run into place, replacing what was there: an earlier attempt, failed, stale
-    or rerun. Only a concurrent attempt (another shard or host) that finished this version of the notebook
-    while this one ran is kept over this one's failure."""
-    if final.exists():
-        if (final / DONE).exists() and not (tmp / DONE).exists() and _finished_during(final, tmp):
-            shutil.rmtree(tmp)  # someone else finished it meanwhile; keep theirs
-            return
-        # set the old run aside, move the new one in, then delete the old: a sweep killed between the two
-        # renames leaves both, named after this attempt, and `run_state` finishes the move once this attempt's
-        # process is gone (a kill during a delete in place could leave a folder with `done` but part of its results)
-        old = final.parent / (".old-" + tmp.name[len(".tmp-"):])
-        os.rename(final, old)
+def _claim(path: Path, stale_s: float) -> str | None:
+    """Claim a point for this thread: the claim's text, or None while a live claimant holds it."""
+    mine = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "thread": threading.get_ident(),
+                       "started": time.time()})
+    for _ in range(3):
+        if _create(path, mine):
+            return mine
         try:
-            os.rename(tmp, final)
-        except BaseException:
-            if old.exists() and not final.exists():
-                os.rename(old, final)
-            raise
-        shutil.rmtree(old, ignore_errors=True)
-        return
-    os.rename(tmp, final)
-
-
-def _restore_set_aside(final: Path) -> None:
-    """Finish the move of a `_finish` that was killed between its two renames (its attempt's process gone):
-    the attempt's own folder moves in if it finished (done or error), else the run set aside moves back.
-    A set-aside folder beside a run folder that exists is deleted; a live attempt's is left alone."""
-    for old in sorted(final.parent.glob(f".old-{final.name}-*")):
-        if not _dead_attempt(old, None):
+            seen, age = path.read_text(), time.time() - _mtime(path)
+        except FileNotFoundError:  # released meanwhile
             continue
-        if final.exists():
-            shutil.rmtree(old, ignore_errors=True)
-            continue
-        attempt = final.parent / (".tmp-" + old.name[len(".old-"):])
         try:
-            if (attempt / DONE).exists() or (attempt / ERROR).exists():
-                os.rename(attempt, final)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.rename(old, final)
-        except OSError:  # another sweep finished the move first
-            pass
+            holder = dict(json.loads(seen))
+        except (ValueError, TypeError):
+            holder = {}
+        pid, here = holder.get("pid"), holder.get("host") == socket.gethostname()
+        if not (here and isinstance(pid, int) and not _alive(pid)) and age <= stale_s:
+            return None
+        brk = path.with_name(path.name + ".break")  # one breaker at a time, removing only the claim it judged
+        if _create(brk, ""):
+            log.info("%s: releasing a stale claim %s", path, seen)
+            _release(path, seen)
+            brk.unlink()
+        elif time.time() - _mtime(brk) > 60:  # its breaker died
+            brk.unlink(missing_ok=True)
+    return None
 
 
-def _finished_during(final: Path, tmp: Path) -> bool:
-    """Whether final's run finished after tmp's attempt started, with the same notebook version."""
+def _mtime(path: Path) -> float:
     try:
-        ours, theirs = json.loads((tmp / PARAMS).read_text()), json.loads((final / PARAMS).read_text())
-        return (theirs.get("notebook_digest") == ours.get("notebook_digest")
-                and (final / DONE).stat().st_mtime >= ours.get("started_epoch", float("inf")))
-    except (OSError, json.JSONDecodeError):
+        return path.stat().st_mtime
+    except FileNotFoundError:
+        return time.time()
+
+
+def _release(path: Path, text: str) -> None:
+    try:
+        if path.read_text() == text:
+            path.unlink()
+    except FileNotFoundError:
+        pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
         return False
+    except PermissionError:  # another user's
+        pass
+    return True
 
 
 @dataclasses.dataclass
-class RunState:
+class Point:
     hash: str
     params: dict
-    status: str  # "done" (finished earlier), "ok", "failed", "pending"; with --collect also "stale"
+    status: str  # ok, failed, done (earlier), busy (another sweep's), pending, stale, interrupted
     error: dict | None = None
     elapsed_s: float | None = None
 
 
-def run_state(run_dir: Path, digest: str | None = None) -> str:
-    """'done' if the run finished (with this notebook version when digest is given; 'stale' if with another),
-    'failed', or 'pending'."""
-    _restore_set_aside(run_dir)
-    if (run_dir / DONE).exists():
-        if digest is not None:
-            try:
-                seen = json.loads((run_dir / PARAMS).read_text()).get("notebook_digest")
-            except (OSError, json.JSONDecodeError):
-                seen = None
-            if seen != digest:
-                return "stale"
-        return "done"
-    if (run_dir / ERROR).exists():
-        return "failed"
-    return "pending"
-
-
-def _dead_attempt(folder: Path, timeout_s: float | None) -> bool:
-    """Whether an attempt folder `.tmp-<hash>-<host>-<pid>-<token>` (or the run it set aside, `.old-...`) was
-    left by an attempt that is over.
-
-    This host's: its process is gone (Linux / macOS; on Windows, where probing a process can end it, never).
-    Another host's (a shared file system): when its runner's heartbeat is older than HEARTBEAT_STALE_S (it
-    touches the file every HEARTBEAT_S while its worker runs); an attempt without one (an older moelab's)
-    only when it started longer ago than the grid's timeout_s, past which its own runner would have killed
-    it, and without a timeout never: it may still run."""
-    host = socket.gethostname()
-    prefix = folder.name[:5]  # ".tmp-" or ".old-"
-    h = folder.name[len(prefix):].split("-", 1)[0]
-    mine = folder.name[len(f"{prefix}{h}-{host}-"):] if folder.name.startswith(f"{prefix}{h}-{host}-") else ""
-    pid, _, token = mine.partition("-")
-    if pid.isdigit() and len(token) == 8 and all(c in "0123456789abcdef" for c in token):
-        # this host's (the token's shape keeps a host `node` from claiming `node-2`'s folders)
-        if os.name == "nt":
-            return False
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
-            return True
-        except OSError:  # EPERM: alive, another user's
-            return False
-        return False
-    age = _heartbeat_age(folder, prefix)
-    if age is not None:
-        return age > HEARTBEAT_STALE_S
-    if timeout_s is None:
-        return False
+def run_point(notebook: Path, params: dict, run_dir: Path, *, digest: str | None = None, rerun: bool = False,
+              figures: Path | None = None, timeout_s: float | None = None, gpu: str | None = None) -> Point:
+    """Claim the point, run papermill in a temporary sibling folder, rename it into place, release the claim;
+    a point done (unless rerun) or another sweep's is left as it is."""
+    notebook, run_dir = Path(notebook), Path(run_dir)
+    h, sweep_dir = run_dir.name, run_dir.parent
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    claim = sweep_dir / f"{h}.claim"
+    mine = _claim(claim, CLAIM_STALE_S if timeout_s is None else timeout_s + 60)
+    if mine is None:
+        return Point(h, params, "busy")
+    tmp, old = sweep_dir / f".tmp-{h}-{os.getpid()}-{secrets.token_hex(4)}", sweep_dir / f".old-{h}"
     try:
-        started = json.loads((folder / PARAMS).read_text())["started_epoch"]
-    except (OSError, ValueError, KeyError, TypeError):
-        try:
-            started = folder.stat().st_mtime
-        except OSError:  # gone meanwhile (its attempt finished, or another sweep removed it)
-            return False
-    return time.time() - started > timeout_s + 60
+        for left in sweep_dir.glob(f".tmp-{h}-*"):  # a dead claimant's attempt
+            shutil.rmtree(left, ignore_errors=True)
+        if old.exists() and not run_dir.exists():  # a dead claimant's replacement, stopped between its renames
+            os.rename(old, run_dir)
+        shutil.rmtree(old, ignore_errors=True)
+        if run_state(run_dir, digest) == "done" and not rerun:
+            return Point(h, params, "done")
+        tmp.mkdir()
+        where = {"host": socket.gethostname(), "gpu": gpu}
+        (tmp / PARAMS).write_text(json.dumps({"notebook": str(notebook), "notebook_digest": notebook_digest(notebook),
+                                              "parameters": params, "started": time.strftime("%FT%T%z"), **where}))
+        error, elapsed = _papermill(notebook, tmp, params, Path(figures or tmp / "figures"), timeout_s, gpu)
+        if _STOP.is_set():
+            return Point(h, params, "interrupted")
+        (tmp / (ERROR if error else DONE)).write_text(json.dumps({**(error or {}), "elapsed_s": elapsed, **where}))
+        if run_dir.exists():  # a failed or stale run: set aside, move the new one in, then delete
+            os.rename(run_dir, old)
+        os.rename(tmp, run_dir)
+        shutil.rmtree(old, ignore_errors=True)
+        return Point(h, params, "failed" if error else "ok", error, elapsed)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        _release(claim, mine)
 
 
-def _heartbeat_age(folder: Path, prefix: str) -> float | None:
-    """Seconds since an attempt's runner last touched its heartbeat; None if it has none. A set-aside run
-    (`.old-...`) has its attempt's: in the attempt's folder, or in the run folder it was moved to."""
-    where = [folder / HEARTBEAT]
-    if prefix == ".old-":
-        rest = folder.name[len(prefix):]
-        where = [folder.parent / (".tmp-" + rest) / HEARTBEAT, folder.parent / rest.split("-", 1)[0] / HEARTBEAT]
-    for f in where:
-        try:
-            return time.time() - f.stat().st_mtime
-        except OSError:
-            continue
-    return None
-
-
-def _beat(folder: Path) -> None:
-    """Touch an attempt's heartbeat (see _dead_attempt); its folder may have moved into place meanwhile."""
+def _papermill(notebook: Path, out: Path, params: dict, figures: Path, timeout_s, gpu) -> tuple[dict | None, float]:
+    env = {**os.environ, "MOELAB_RUN_DIR": str(out), "MOELAB_FIGURES": str(figures), "HF_HUB_DISABLE_PROGRESS_BARS":
+           "1", "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "lib"), os.environ.get("PYTHONPATH")]))}
+    if gpu is not None:
+        env["CUDA_VISIBLE_DEVICES"] = str(gpu)
+    cmd = [sys.executable, "-m", "papermill", str(notebook), str(out / OUT), "-y", json.dumps(params),
+           "--cwd", str(notebook.parent), "--no-progress-bar"]
+    t0, error = time.monotonic(), None
+    with open(out / "papermill.log", "wb") as f:  # its own session; the kernel exits with papermill
+        proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    _LIVE[proc.pid] = proc
     try:
-        (folder / HEARTBEAT).touch()
-    except OSError:
+        if _STOP.is_set():  # Ctrl-C came while it started
+            _kill(proc)
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        error = {"cell_index": None, "ename": "Timeout", "evalue": f"the run passed timeout_s={timeout_s}"}
+    finally:  # also on Ctrl-C in a sweep that runs points in this thread
+        if proc.returncode is None:
+            _kill(proc)
+            proc.wait()
+        _LIVE.pop(proc.pid, None)
+    if proc.returncode and not error:
+        tail = (out / "papermill.log").read_text(errors="replace")[-2000:]
+        raised = re.findall(r"^([A-Za-z_][\w.]*(?:Error|Exception)): ?(.*)$", tail, re.M)
+        error = _cell_error(out / OUT) or {"cell_index": None, "evalue": tail,
+                                           "ename": raised[-1][0] if raised else f"PapermillExit{proc.returncode}"}
+    return error, round(time.monotonic() - t0, 2)
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
         pass
 
 
-def _read_error(run_dir: Path) -> dict:
-    """A failed run's error.json ({} with the reason where it cannot be read)."""
+def _cell_error(executed: Path) -> dict | None:
+    """The failing cell of an executed notebook: its index in the source notebook, line, source, exception."""
     try:
-        err = json.loads((run_dir / ERROR).read_text())
-        return err if isinstance(err, dict) else {"ename": "UnreadableError", "evalue": f"{run_dir / ERROR}"}
-    except (OSError, ValueError) as e:
-        return {"ename": "UnreadableError", "evalue": f"{run_dir / ERROR}: {e}"}
+        cells = json.loads(executed.read_text())["cells"]
+    except (OSError, ValueError, KeyError):
+        return None
+    added = {"injected-parameters", "papermill-error-cell-tag"}
+    cells = [c for c in cells if not added & set(c.get("metadata", {}).get("tags", []))]
+    for i, c in enumerate(cells):
+        for o in [o for o in c.get("outputs", []) if o.get("output_type") == "error"]:
+            tb = re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(o.get("traceback", [])))
+            hits = re.findall(rf"Cell In\[{c.get('execution_count')}\], line (\d+)", tb)
+            line, src = (int(hits[-1]) if hits else None), "".join(c["source"]).splitlines()
+            return {"cell_index": i, "exec_count": c.get("execution_count"), "line": line, "ename": o.get("ename"),
+                    "evalue": o.get("evalue"), "source_excerpt": f"line {line}: {src[line - 1].strip()}"
+                    if line and line <= len(src) else "\n".join(src[:3])}
+    return None
 
 
-def _clear_dead_attempts(final: Path, timeout_s: float | None) -> None:
-    """Remove the attempt folders of run `final` left by killed attempts (`_dead_attempt`)."""
-    for stale in final.parent.glob(f".tmp-{final.name}-*"):
-        if _dead_attempt(stale, timeout_s):
-            shutil.rmtree(stale, ignore_errors=True)
+def describe_error(notebook: str, e: dict) -> str:
+    if e.get("cell_index") is None:
+        return f"{notebook}: {e.get('ename', 'error')}: {str(e.get('evalue', ''))[-500:]}"
+    return f"{notebook}: cell {e['cell_index']} failed: {e['ename']}: {e['evalue']}\n    {e.get('source_excerpt')}"
 
 
-def _launch(notebook: Path, params: dict, final: Path, figures: str, gpu: str | None,
-            timeout_s: float | None, digest: str) -> RunState:
-    """Execute one run in a worker process (its own session, so a timeout kills its kernel too)."""
-    h = final.name
-    _clear_dead_attempts(final, timeout_s)
-    tmp = final.parent / f".tmp-{h}-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"
-    tmp.mkdir(parents=True)
-    try:
-        shutil.copyfile(notebook, tmp / SOURCE)  # the run executes this copy: a later edit cannot reach it
-        ran = notebook_digest(tmp / SOURCE)
-        write_json(tmp / PARAMS, {
-            "notebook": str(notebook), "notebook_digest": ran, "parameters": params, "hash": h,
-            "final": str(final), "figures": figures, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "started_epoch": time.time(),
-        })
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if ran != digest:
-        log.warning("run %s: %s changed since the sweep started; this run uses the new version", h, notebook.name)
-    env = dict(os.environ)
-    # headless: transformers' weight-loading bar would stay in the saved notebook as a widget frozen at 0%
-    env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    if gpu is not None:
-        env["CUDA_VISIBLE_DEVICES"] = gpu
-    env["MOELAB_SWEEP_PARENT"] = str(os.getpid())
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "lib"), env.get("PYTHONPATH")]))
-    cmd = [sys.executable, "-m", "moelab.sweep", "--worker", str(tmp)]
-    timed_out = None
-    with open(tmp / WORKER_LOG, "wb") as logf:  # travels with the folder when it is renamed
-        _beat(tmp)
-        proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=logf, stderr=subprocess.STDOUT)
-        t0 = time.monotonic()
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while True:
-            left = HEARTBEAT_S if deadline is None else min(HEARTBEAT_S, max(0.0, deadline - time.monotonic()))
+class GPUExecutor(cf.ThreadPoolExecutor):
+    """A thread per GPU; each task runs with gpu= an id taken from a queue of free GPUs."""
+
+    def __init__(self, gpus: list[str]):
+        super().__init__(max_workers=len(gpus))
+        self.free: queue.Queue = queue.Queue()
+        for g in gpus:
+            self.free.put(str(g))
+
+    def submit(self, fn, /, *args, **kwargs):
+        def on_gpu():
+            gpu = self.free.get()
             try:
-                proc.wait(timeout=left)
-                break
-            except subprocess.TimeoutExpired:
-                if deadline is not None and time.monotonic() >= deadline:
-                    os.killpg(proc.pid, 9)  # the worker's session: papermill and its kernel
-                    proc.wait()
-                    timed_out = {"cell_index": None, "ename": "Timeout",  # fields as the worker's own errors
-                                 "evalue": f"run exceeded timeout_s={timeout_s}", "host": socket.gethostname(),
-                                 "gpu": gpu, "elapsed_s": round(time.monotonic() - t0, 2)}
-                    break
-                _beat(tmp)  # still running: other hosts leave this attempt's folder alone
-    aside = final.parent / (".old-" + tmp.name[len(".tmp-"):])  # where the worker's `_finish` sets the old run aside
-    # the worker has ended: its heartbeat goes (with the folder, if the worker moved its run into place)
-    (tmp / HEARTBEAT if tmp.exists() else final / HEARTBEAT).unlink(missing_ok=True)
-    if tmp.exists() and (tmp / DONE).exists():
-        _finish(tmp, final)  # the notebook finished; the worker was stopped while it moved the run into place
-        shutil.rmtree(aside, ignore_errors=True)
-    elif tmp.exists() or not final.exists() or (timed_out is None and proc.returncode not in (0, 1)):
-        # tmp left: the worker never finished (a timeout, a crash); with tmp gone the worker moved its run in
-        where = tmp if tmp.exists() else final
-        tail = (where / WORKER_LOG).read_text(errors="replace")[-2000:] if (where / WORKER_LOG).exists() else ""
-        err = timed_out or {"cell_index": None, "ename": f"WorkerExit{proc.returncode}", "evalue": tail}
-        if tmp.exists():
-            write_json(tmp / ERROR, err)
-            _finish(tmp, final)
-            shutil.rmtree(aside, ignore_errors=True)
-        return RunState(h, params, "failed", err)
-    if (final / DONE).exists():
-        return RunState(h, params, "ok", elapsed_s=json.loads((final / DONE).read_text()).get("elapsed_s"))
-    return RunState(h, params, "failed", _read_error(final))
+                return fn(*args, gpu=gpu, **kwargs)
+            finally:
+                self.free.put(gpu)
+        return super().submit(on_gpu)
 
 
-# -------------------------------------------------------------------------------------------- sweeps
+class Serial(cf.Executor):
+    """Runs each task when it is submitted, in this thread."""
+
+    def submit(self, fn, /, *args, **kwargs):
+        f = cf.Future()
+        try:
+            f.set_result(fn(*args, **kwargs))
+        except Exception as e:  # noqa: BLE001  into the future, as a pool does (Ctrl-C goes through)
+            f.set_exception(e)
+        return f
 
 
-def visible_gpus() -> list[str]:
-    """GPU ids to spread runs over: CUDA_VISIBLE_DEVICES if set, else every device torch sees."""
-    env = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if env is not None:
-        return [g.strip() for g in env.split(",") if g.strip() and g.strip() != "-1"]
-    try:
-        import torch
-    except ImportError:
-        return []
-    return [str(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
-
-
-def parse_shard(text: str | None) -> tuple[int, int]:
-    if not text:
-        return 0, 1
-    try:
-        i, n = (int(x) for x in text.split("/"))
-    except ValueError:
-        raise ValueError(f"shard={text!r}: must read I/N with integers, e.g. 3/32") from None
-    if not (n >= 1 and 0 <= i < n):
-        raise ValueError(f"shard={text!r}: need N >= 1 and 0 <= I < N")
-    return i, n
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C during a sweep; the message says what finished."""
 
 
 @dataclasses.dataclass
-class SweepReport:
+class Report:
     name: str
     directory: Path
-    runs: list[RunState]
+    points: list[Point]
     tables: dict[str, Path]
 
     @property
-    def failed(self) -> list[RunState]:
-        return [r for r in self.runs if r.status == "failed"]
+    def failed(self) -> list[Point]:
+        return [p for p in self.points if p.status == "failed"]
 
     def counts(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for r in self.runs:
-            out[r.status] = out.get(r.status, 0) + 1
-        return out
+        return dict(collections.Counter(p.status for p in self.points))
 
 
-def run_sweep(grid: Grid | str | Path, *, root: Path | None = None, workers: int | None = None,
-              shard: str | None = None, rerun: bool = False, collect_only: bool = False,
-              progress: bool = True) -> SweepReport:
-    """Run every point of a grid that has not finished yet, then combine all finished runs into tables."""
-    from tqdm.auto import tqdm
-
-    if not isinstance(grid, Grid):
-        grid = load_grid(grid)
-    grid.check_parameters()
-    sweep_dir = Path(root or runs_root()) / grid.name
+def _check_folder(sweep_dir: Path, grid: Grid) -> None:
+    """Record the grid in runs/<name>/grid.json, or refuse one that differs from the grid recorded there."""
+    here = json.loads(json.dumps({"notebook": grid.notebook.name, "swept": sorted(grid.parameters),
+                                  "fixed": grid.fixed}))
     sweep_dir.mkdir(parents=True, exist_ok=True)
-    digest = notebook_digest(grid.notebook)
-    si, sn = parse_shard(shard)
-    points = [(param_hash(grid.notebook, p), p) for i, p in enumerate(grid.points()) if i % sn == si]
+    if _create(sweep_dir / GRID, json.dumps(here, indent=1)):
+        return
+    there = _read_json(sweep_dir / GRID)
 
-    states: dict[str, RunState] = {}
-    todo = []
-    for h, p in points:
-        st = run_state(sweep_dir / h, digest)  # first: it finishes an interrupted move, by the attempts' heartbeats
-        _clear_dead_attempts(sweep_dir / h, grid.timeout_s)  # also of a point that finished since
-        if st == "done" and not rerun:
-            states[h] = RunState(h, p, "done")
-        elif collect_only and st in ("stale", "failed"):  # listed as they are: --collect runs nothing
-            states[h] = RunState(h, p, st, _read_error(sweep_dir / h) if st == "failed" else None)
-        else:
-            if st == "stale":
-                log.warning("run %s finished with another version of %s: running it again", h, grid.notebook.name)
-            states[h] = RunState(h, p, "pending")
-            todo.append((h, p))
-
-    if todo and not collect_only:
-        gpus = visible_gpus()
-        slots: list[str | None] = gpus if gpus else [None] * max(1, workers or grid.workers or 1)
-        jobs: queue.Queue = queue.Queue()
-        for item in todo:
-            jobs.put(item)
-        bar = tqdm(total=len(points), initial=len(points) - len(todo), desc=f"sweep {grid.name}",
-                   unit="run", disable=not progress, file=sys.stderr)
-        lock = threading.Lock()
-
-        def work(slot):
-            while True:
-                try:
-                    h, p = jobs.get_nowait()
-                except queue.Empty:
-                    return
-                try:
-                    state = _launch(grid.notebook, p, sweep_dir / h, grid.figures, slot, grid.timeout_s, digest)
-                except Exception as e:  # noqa: BLE001  the runner's own failure: recorded, the other points go on
-                    log.exception("sweep runner failed on point %s %s", h, json.dumps(p, default=str))
-                    state = RunState(h, p, "failed", {"cell_index": None, "ename": f"Runner{type(e).__name__}",
-                                                      "evalue": str(e)})
-                with lock:
-                    states[h] = state
-                    bar.update(1)
-                    if state.status == "failed":
-                        bar.write(f"FAILED {h} {json.dumps(p, default=str)}\n  "
-                                  + describe_error(grid.notebook.name, state.error or {}))
-
-        threads = [threading.Thread(target=work, args=(s,), daemon=True) for s in slots]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        bar.close()
-        for h, p in todo:  # nothing may stay pending after a run: a point no worker finished is a failure
-            if states[h].status == "pending":
-                states[h] = RunState(h, p, "failed", {"cell_index": None, "ename": "NotRun",
-                                                      "evalue": "no worker finished this point"})
-
-    # the notebook as it is now: runs that started after an edit during the sweep are current, earlier ones stale
-    tables = collect(sweep_dir, [h for h, _ in param_hash_points(grid)], grid.name,
-                     digest=notebook_digest(grid.notebook))
-    return SweepReport(grid.name, sweep_dir, [states[h] for h, _ in points], tables)
+    def role(g, k):
+        return "swept" if k in g["swept"] else f"fixed {g['fixed'][k]!r}" if k in g["fixed"] else "absent"
+    names = sorted({*here["swept"], *here["fixed"], *there["swept"], *there["fixed"]})
+    diffs = [f"{k}: {role(there, k)} there, {role(here, k)} here" for k in names if role(there, k) != role(here, k)]
+    diffs += [f"notebook {there['notebook']} there, {here['notebook']} here"] * (there["notebook"] != here["notebook"])
+    if diffs:
+        raise ValueError(f"{sweep_dir} holds runs of another grid named {grid.name!r} ({'; '.join(diffs)}): give this "
+                         "grid another name, or remove that folder")
 
 
-def param_hash_points(grid: Grid) -> list[tuple[str, dict]]:
-    """(hash, parameters) of every point of the grid, in grid order."""
-    return [(param_hash(grid.notebook, p), p) for p in grid.points()]
-
-
-# ------------------------------------------------------------------------------------------- tables
-
-
-def list_points(grid: Grid, root: Path | None = None) -> list[dict]:
-    """Per point, what an outside engine needs to run it itself: its run folder and the params.json to
-    write there (with the notebook's digest, so that a later ordinary sweep sees the run as current)."""
+def run_sweep(grid: Grid | str | Path, *, root: Path | None = None, executor: cf.Executor | None = None,
+              gpus: list[str] | None = None, shard: tuple[int, int] = (0, 1), rerun: bool = False,
+              collect_only: bool = False, figures: Path | None = None) -> Report:
+    """Run the grid's points (of one shard) that are not done, on `executor` (any with `submit`), else one per
+    GPU of `gpus`, else one after another; then build the tables."""
+    grid = grid if isinstance(grid, Grid) else load_grid(grid)
     grid.check_parameters()
     sweep_dir = Path(root or runs_root()) / grid.name
+    _check_folder(sweep_dir, grid)
     digest = notebook_digest(grid.notebook)
-    return [{"hash": h, "run_dir": str(sweep_dir / h), "notebook": str(grid.notebook), "notebook_digest": digest,
-             "parameters": p} for h, p in param_hash_points(grid)]
+    points = [(param_hash(grid.notebook, p), p) for j, p in enumerate(grid.points()) if j % shard[1] == shard[0]]
+    states = {h: Point(h, p, run_state(sweep_dir / h, digest)) for h, p in points}
+    for h in states if collect_only else ():
+        states[h].error = _read_json(sweep_dir / h / ERROR) if states[h].status == "failed" else None
+    todo = [] if collect_only else [(h, p) for h, p in points if rerun or states[h].status != "done"]
+    _STOP.clear()
+    ex = executor or (GPUExecutor(gpus) if gpus else Serial())
+    futures: dict[cf.Future, tuple[str, dict]] = {}
+    try:
+        for h, p in todo:
+            futures[ex.submit(run_point, grid.notebook, p, sweep_dir / h, digest=digest, rerun=rerun,
+                              figures=figures, timeout_s=grid.timeout_s)] = (h, p)
+        for f in cf.as_completed(futures):
+            (h, p), e = futures[f], f.exception()
+            states[h] = Point(h, p, "failed", {"ename": type(e).__name__, "evalue": str(e)}) if e else f.result()
+            log.info("%s %s %s", states[h].status, h, json.dumps(p, default=str))
+    except KeyboardInterrupt:
+        _STOP.set()
+        for proc in list(_LIVE.values()):
+            _kill(proc)
+        for f in futures:
+            f.cancel()
+        if executor is None:
+            ex.shutdown(wait=True)
+        done = sum((sweep_dir / h / DONE).exists() for h, _ in points)
+        raise Interrupted(f"interrupted: {done} of {len(points)} points done in {sweep_dir} (kept)") from None
+    finally:
+        if executor is None:
+            ex.shutdown(wait=False)
+    return Report(grid.name, sweep_dir, [states[h] for h, _ in points], collect(sweep_dir, digest))
 
 
-def _cell(v):
-    """A table cell: scalars as they are, anything else as JSON text (parquet needs one type per column)."""
-    if v is None or isinstance(v, (bool, int, float, str)):
-        return v
-    return json.dumps(v, default=str)
-
-
-def _flatten(d: dict, prefix: str = "") -> dict:
-    """{'a': {'b': 1}} -> {'a.b': 1}: nested scalar results become columns."""
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict) and v:
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
-def _one_type_per_column(df):
-    """df with every column of mixed value types (e.g. a parameter given as "1024" and as 2048) as text:
-    parquet takes one type per column, and the summary must still be written."""
-    def missing(v):
-        return v is None or (isinstance(v, float) and math.isnan(v))
-
-    out = df.copy()
-    for c in out.columns:
-        if out[c].dtype == object and len({type(v) for v in out[c] if not missing(v)}) > 1:
-            out[c] = out[c].map(lambda v: v if missing(v) else str(v))
-    return out
-
-
-def _write_table(df, path_stem: Path) -> dict[str, Path]:
-    import io
-
-    df = _one_type_per_column(df)
-    buf = io.BytesIO()
-    df.to_parquet(buf, index=False)
-    atomic_write_bytes(path_stem.with_suffix(".parquet"), buf.getvalue())
-    atomic_write_bytes(path_stem.with_suffix(".csv"), df.to_csv(index=False).encode())
-    return {"parquet": path_stem.with_suffix(".parquet"), "csv": path_stem.with_suffix(".csv")}
-
-
-_SUMMARY_COLUMNS = ("run", "status", "elapsed_s", "error")
-
-
-def _read_run(d: Path, state: str) -> tuple[dict, dict, dict]:
-    """A finished run's params.json, its `done` or error.json record ({} for a stale run) and saved results;
-    a file that cannot be read raises ValueError or OSError naming it."""
-    from moelab.results import load_saved, read_json
-
-    def record(path: Path) -> dict:
-        value = read_json(path)
-        if not isinstance(value, dict):
-            raise ValueError(f"{path}: holds a JSON {type(value).__name__}, not an object")
-        return value
-
-    spec = record(d / PARAMS)
-    if not isinstance(spec.get("parameters"), dict):
-        raise ValueError(f"{d / PARAMS}: has no 'parameters' object")
-    if state == "stale":
-        return spec, {}, {}
-    return spec, record(d / (DONE if state == "done" else ERROR)), load_saved(d)
-
-
-def collect(sweep_dir: Path, hashes: list[str], name: str = "", digest: str | None = None) -> dict[str, Path]:
-    """Combine runs into summary.{parquet,csv} (one row per run) and <result>.{parquet,csv} per saved frame.
-
-    Parameters become columns, prefixed `param.` only where a frame already has a column of that name or the
-    name is one of the summary's own columns (run, status, elapsed_s, error); a scalar result with such a name
-    (or a parameter's) is prefixed `result.`, and a frame with its own `run` column gets the run as `sweep.run`.
-    digest: the notebook's current `notebook_digest`; a run finished with another version is listed with
-    status 'stale' and none of its results (a sweep without --collect runs it again). A run whose files
-    cannot be read (params.json, done, error.json, a saved result) is left out with a warning naming the file.
-    """
+def collect(sweep_dir: Path, digest: str | None = None) -> dict[str, Path]:
+    """Build summary.{csv,parquet} and a table per saved frame from every run in the folder (module docstring),
+    replacing the folder's earlier tables. A run's file that cannot be read raises ValueError naming it."""
     import pandas as pd
 
-    summary, frames, stale = [], {}, 0
-    for h in hashes:
-        d = sweep_dir / h
-        state = run_state(d, digest)
-        if state == "pending":
-            continue
-        try:
-            spec, end, saved = _read_run(d, state)
-        except (OSError, ValueError) as e:
-            log.warning("run %s: left out of the summary, a file of it cannot be read: %s", h, e)
-            continue
-        params = {k: _cell(v) for k, v in spec["parameters"].items()}
-        row = {"run": h, **{(f"param.{k}" if k in _SUMMARY_COLUMNS else k): v for k, v in params.items()},
-               "status": {"done": "ok", "stale": "stale"}.get(state, "failed")}
-        if state == "stale":
-            stale += 1
-            summary.append(row)
-            continue
+    from moelab.results import load_saved
+
+    def cell(v):
+        return v if v is None or isinstance(v, (bool, int, float, str)) else json.dumps(v, default=str)
+
+    def put(row, key, value, prefix):
+        row[prefix + key if key in row else key] = value
+
+    def flat(d, pre=""):  # {'a': {'b': 1}} -> {'a.b': 1}
+        return {k2: v2 for k, v in d.items() for k2, v2 in
+                (flat(v, f"{pre}{k}.").items() if isinstance(v, dict) and v else [(pre + k, v)])}
+    rows, frames = [], {}
+    for d in sorted(p for p in sweep_dir.iterdir() if (p / PARAMS).exists() and not p.name.startswith(".")):
+        state, spec = run_state(d, digest), _read_json(d / PARAMS)
+        row, params = {"run": d.name, "status": state.replace("done", "ok")}, spec.get("parameters", {})
+        for k, v in params.items():
+            put(row, k, cell(v), "param.")
+        if state == "failed":
+            row["error"] = describe_error(Path(spec.get("notebook", "?")).name, _read_json(d / ERROR))
         if state == "done":
-            row["elapsed_s"] = end.get("elapsed_s")
-        else:
-            row["error"] = describe_error(Path(spec.get("notebook", "notebook")).name, end)
-        for rname, obj in saved.items():
-            if isinstance(obj, pd.DataFrame) or (isinstance(obj, list) and obj and all(isinstance(x, dict)
-                                                                                       for x in obj)):
-                df = obj if isinstance(obj, pd.DataFrame) else pd.DataFrame(obj)
-                df = df.assign(**{c: df[c].map(_cell) for c in df.columns if df[c].dtype == object})
-                run_col = "sweep.run" if "run" in df.columns else "run"
-                cols = {(f"param.{k}" if k in df.columns or k == run_col else k): v for k, v in params.items()}
-                df = df.assign(**{run_col: h, **cols})[[run_col, *cols, *df.columns]]
-                frames.setdefault("result.summary" if rname == "summary" else rname, []).append(df)
-            elif isinstance(obj, dict):
-                row.update({f"{rname}.{k}": _cell(v) for k, v in _flatten(obj).items()})
-            else:
-                row[f"result.{rname}" if rname in _SUMMARY_COLUMNS or rname in params else rname] = _cell(obj)
-        summary.append(row)
-    if stale:
-        log.warning("%s: %d runs finished with another version of the notebook: listed as 'stale', without their "
-                    "results (run the sweep again to redo them)", name or sweep_dir.name, stale)
+            row["elapsed_s"] = _read_json(d / DONE).get("elapsed_s")
+            for name, obj in load_saved(d).items():
+                if isinstance(obj, list) and obj and all(isinstance(x, dict) for x in obj):
+                    obj = pd.DataFrame(obj)
+                if isinstance(obj, pd.DataFrame):
+                    cols = {"sweep.run" if "run" in obj else "run": d.name}
+                    cols.update({f"param.{k}" if k in obj or k in cols else k: cell(v) for k, v in params.items()})
+                    frames.setdefault(("result." if name == "summary" else "") + name, []).append(
+                        obj.assign(**cols)[[*cols, *obj.columns]])
+                elif isinstance(obj, dict):
+                    for k, v in flat(obj).items():
+                        put(row, f"{name}.{k}", cell(v), "result.")
+                else:
+                    put(row, name, cell(obj), "result.")
+        rows.append(row)
+    tables = {"summary": pd.DataFrame(rows), **{k: pd.concat(v, ignore_index=True) for k, v in frames.items()}}
     out = {}
-    if summary:
-        out.update({f"summary.{k}": v for k, v in _write_table(pd.DataFrame(summary), sweep_dir / "summary").items()})
-    for rname, dfs in frames.items():
-        df = pd.concat(dfs, ignore_index=True)  # columns: run, parameters, then the frame's own
-        out.update({f"{rname}.{k}": v for k, v in _write_table(df, sweep_dir / rname).items()})
-    _drop_old_tables(sweep_dir, {p.name for p in out.values()})
-    return out
-
-
-def _drop_old_tables(sweep_dir: Path, written: set[str]) -> None:
-    """Remove the tables an earlier collect wrote and this one did not (e.g. of runs now stale), then list
-    this collect's in TABLES."""
-    try:
-        old = json.loads((sweep_dir / TABLES).read_text())
-    except (OSError, ValueError):
-        old = []
-    for f in old if isinstance(old, list) else []:
-        if isinstance(f, str) and f not in written and f == Path(f).name and f.endswith((".csv", ".parquet")):
-            (sweep_dir / f).unlink(missing_ok=True)
-    write_json(sweep_dir / TABLES, sorted(written))
-
-
-# ---------------------------------------------------------------------------------------- main job
-
-
-def main_grids(directory: Path | None = None, overrides: dict[str, dict] | None = None) -> list[Grid]:
-    """One single-run grid per notebook NN_*.ipynb in notebooks/, with its defaults (plus overrides)."""
-    d = Path(directory or notebooks_dir())
-    out = []
-    for nb in sorted(d.glob("[0-9][0-9]_*.ipynb")):
-        out.append(Grid(notebook=nb, name=nb.stem, fixed=dict((overrides or {}).get(nb.stem, {})), figures="repo"))
+    for name, df in tables.items() if rows else ():
+        for c in df.columns:  # parquet takes one type per column: mixed ones as text
+            if df[c].dtype == object and len({type(v) for v in df[c].dropna()}) > 1:
+                df[c] = df[c].map(lambda v: v if v is None or v != v else str(v))
+        for ext in ("csv", "parquet"):
+            out[f"{name}.{ext}"] = path = sweep_dir / f"{name}.{ext}"
+            tmp = path.with_name(f".{path.name}.{os.getpid()}")
+            df.to_csv(tmp, index=False) if ext == "csv" else df.to_parquet(tmp, index=False)
+            os.replace(tmp, path)
+    for old in {*sweep_dir.glob("*.csv"), *sweep_dir.glob("*.parquet")} - set(out.values()):  # of runs now stale
+        old.unlink()
     return out
 
 
 def run_main(directory: Path | None = None, root: Path | None = None, overrides: dict | None = None,
-             budget_s: float = MAIN_TIME_BUDGET_S, resume: bool = False) -> int:
-    """Run every notebook through the sweep runner (runs/main/<notebook>/); print where the outputs are.
-
-    Every notebook runs again (fresh figures from the current code) unless resume=True, which skips
-    notebooks that finished earlier with the same source.
-    """
-    from moelab.plots import figures_dir
-
-    grids = main_grids(directory, overrides)
-    if not grids:
-        print(f"no notebooks NN_*.ipynb in {directory or notebooks_dir()}")
-        return 1
-    root = Path(root or runs_root()) / "main"
-    t0 = time.time()
-    failed, skipped = [], 0
-    for g in grids:
+             resume: bool = False, figures: Path | None = None) -> int:
+    """Every notebook NN_*.ipynb with its defaults (and overrides[stem]) into runs/main/<stem>/, figures into
+    figures/ (MOELAB_FIGURES); with resume, notebooks done with this source are skipped. 1 if one failed."""
+    nbs = sorted(Path(directory or REPO / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+    root, t0, failed = Path(root or runs_root()) / "main", time.time(), []
+    figures = Path(figures or os.environ.get("MOELAB_FIGURES", REPO / "figures"))
+    for k, nb in enumerate(nbs):
         t1 = time.time()
-        print(f"== {g.notebook.name}", flush=True)
-        rep = run_sweep(g, root=root, progress=False, rerun=not resume)
-        earlier = not rep.failed and rep.counts().get("done")
-        status = "FAILED" if rep.failed else ("done earlier (--resume: not run again)" if earlier else "ok")
-        took = "" if earlier else f" in {time.time() - t1:.0f} s"
-        print(f"   {status}{took} -> {rep.directory}", flush=True)
-        skipped += bool(earlier)
-        for r in rep.failed:
-            print("   " + describe_error(g.notebook.name, r.error or {}).replace("\n", "\n   "), flush=True)
-            failed.append(g.notebook.name)
-    total = time.time() - t0
-    figs = figures_dir()
-    files = sorted(p for p in figs.glob("*") if p.suffix in (".pdf", ".png", ".csv", ".tex")) if figs.exists() else []
-    ran = f"{len(grids) - len(failed) - skipped}/{len(grids)} notebooks ran" + (f", {skipped} done earlier" if skipped
-                                                                                else "")
-    print(f"\n{ran}, in {total:.0f} s "
-          f"(budget {budget_s / 60:.0f} min{'' if total <= budget_s else ', EXCEEDED'}).")
-    print(f"Figures and tables ({len(files)} files) are in {figs}/:")
-    for p in files:
-        print(f"  {p.name}")
-    print(f"Executed notebooks and named results: {root}/<notebook>/<run>/")
+        try:
+            rep = run_sweep(Grid(nb, nb.stem, fixed=dict((overrides or {}).get(nb.stem) or {})), root=root,
+                            rerun=not resume, figures=figures)
+        except Interrupted:
+            raise Interrupted(f"interrupted: {k} of {len(nbs)} notebooks done (runs in {root})") from None
+        status = "FAILED" if rep.failed else "done earlier" if rep.counts().get("done") else "ok"
+        print(f"{nb.name}: {status} in {time.time() - t1:.0f} s", flush=True)
+        for p in rep.failed:
+            print("   " + describe_error(nb.name, p.error).replace("\n", "\n   "), flush=True)
+            failed.append(nb.name)
+    print(f"{len(nbs) - len(failed)} of {len(nbs)} notebooks ran in {time.time() - t0:.0f} s; figures in {figures}/, "
+          f"executed notebooks and results in {root}/<notebook>/<run>/")
     if failed:
         print(f"FAILED: {', '.join(failed)}")
-        return 1
-    return 0
+    return 1 if failed or not nbs else 0
 
 
-# ---------------------------------------------------------------------------------------------- CLI
+def _shard(text: str) -> tuple[int, int]:
+    i, _, n = text.partition("/")
+    if not (i.isdigit() and n.isdigit() and int(i) < int(n)):
+        raise argparse.ArgumentTypeError(f"shard={text!r}: must read I/N with integers 0 <= I < N, e.g. 3/32")
+    return int(i), int(n)
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(prog="python -m moelab.sweep", description=__doc__.split("\n")[0])
     ap.add_argument("grid", nargs="?", help="grid YAML file")
     ap.add_argument("--main", action="store_true", help="run every notebook in notebooks/ with its defaults")
-    ap.add_argument("--workers", type=int, help="parallel runs on a CPU (default 1; on GPUs one per GPU)")
-    ap.add_argument("--shard", help="I/N: run only the points with index %% N == I (job arrays)")
-    ap.add_argument("--rerun", action="store_true", help="run finished points again")
-    ap.add_argument("--resume", action="store_true", help="with --main: skip notebooks that finished earlier")
-    ap.add_argument("--collect", action="store_true", help="run nothing; combine finished runs into tables")
-    ap.add_argument("--list", action="store_true",
-                    help="print each point as JSON (hash, run_dir, notebook, notebook_digest, parameters), run nothing")
-    ap.add_argument("--root", type=Path, help="runs folder (default runs/ or MOELAB_RUNS)")
-    ap.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--resume", action="store_true", help="with --main: skip notebooks done with this source")
+    ap.add_argument("--gpus", help="GPU ids, e.g. 0,1,2,3: one point per GPU at a time")
+    ap.add_argument("--shard", type=_shard, help="I/N: only the points whose index %% N is I")
+    ap.add_argument("--rerun", action="store_true", help="run done points again")
+    ap.add_argument("--collect", action="store_true", help="run nothing; build the tables")
+    ap.add_argument("--list", action="store_true", help="print each point as a JSON line; run nothing")
+    ap.add_argument("--root", type=Path, help="runs folder (default runs/, or MOELAB_RUNS)")
     a = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.basicConfig(level=logging.WARNING if a.main else logging.INFO, format="%(message)s")  # a line a point
     logging.getLogger("papermill").setLevel(logging.WARNING)
-    if a.worker:
-        return _worker(a.worker)
-    if a.workers is not None and a.workers < 1:
-        ap.error(f"--workers {a.workers}: must be at least 1")
-    if a.main:
-        clash = [f"--{k}" for k in ("list", "collect", "shard", "workers", "rerun") if getattr(a, k)]
-        if a.grid or clash:
-            ap.error(f"--main runs every notebook with its defaults; it takes only --resume and --root, "
-                     f"not {', '.join(clash + ([a.grid] if a.grid else []))}")
-        return run_main(root=a.root, resume=a.resume)
-    if not a.grid:
-        ap.error("give a grid file or --main")
-    if a.resume:
-        ap.error("--resume is for --main; a grid sweep always skips its finished points (--rerun runs them again)")
-    if a.list:
-        clash = [f"--{k}" for k in ("collect", "shard", "workers", "rerun") if getattr(a, k)]
-        if clash:
-            ap.error(f"--list prints every point and runs nothing; it takes only --root, not {', '.join(clash)}")
+    extra = [f"--{k}" for k in ("list", "collect", "rerun", "gpus", "shard") if getattr(a, k)]
+    if a.main and (a.grid or extra):
+        ap.error(f"--main takes only --resume and --root, not {' '.join(extra + [a.grid or ''])}")
+    if not a.main and (not a.grid or a.resume):
+        ap.error("give a grid file or --main (--resume is for --main: a grid sweep always resumes)")
+    if a.list and extra != ["--list"]:
+        ap.error(f"--list runs nothing; it takes only --root, not {' '.join(extra[1:])}")
     try:
+        if a.main:
+            return run_main(root=a.root, resume=a.resume)
         grid = load_grid(a.grid)
         if a.list:
-            for line in list_points(grid, a.root):
-                print(json.dumps(line, default=str))
+            grid.check_parameters()
+            digest, hashes = notebook_digest(grid.notebook), [param_hash(grid.notebook, p) for p in grid.points()]
+            for h, p in zip(hashes, grid.points()):
+                print(json.dumps({"hash": h, "run_dir": str(Path(a.root or runs_root()) / grid.name / h),
+                                  "notebook": str(grid.notebook), "notebook_digest": digest, "parameters": p}))
             return 0
-        grid.check_parameters()  # run_sweep checks these too; here a bad value is a usage error, not a traceback
-        parse_shard(a.shard)
+        rep = run_sweep(grid, root=a.root, gpus=a.gpus and a.gpus.split(","), shard=a.shard or (0, 1),
+                        rerun=a.rerun, collect_only=a.collect)
     except ValueError as e:
         ap.error(str(e))
-    rep = run_sweep(grid, root=a.root, workers=a.workers, shard=a.shard, rerun=a.rerun, collect_only=a.collect)
-    print(f"{rep.name}: {rep.counts()} in {rep.directory}")
-    for k, p in rep.tables.items():
-        print(f"  {k}: {p}")
-    for r in rep.failed:
-        print(f"FAILED {r.hash} {json.dumps(r.params, default=str)}\n  "
-              + describe_error(grid.notebook.name, r.error or {}))
+    except KeyboardInterrupt as e:
+        resume = [x for x in argv if x != "--rerun"] + ["--resume"] * (a.main and not a.resume)
+        print(f"{e if isinstance(e, Interrupted) else 'interrupted'}; to resume: python -m moelab.sweep "
+              f"{shlex.join(resume)}", flush=True)
+        return 130
+    busy = sum(p.status == "busy" for p in rep.points)
+    print(f"{rep.name}: {rep.counts()} in {rep.directory}" + f" ({busy} run by another sweep now)" * bool(busy))
+    for p in rep.failed:
+        print(f"FAILED {p.hash} {json.dumps(p.params, default=str)}\n  {describe_error(grid.notebook.name, p.error)}")
     return 1 if rep.failed else 0
 
 
