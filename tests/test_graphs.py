@@ -25,7 +25,7 @@ from moelab.graphs import (
     pool_bytes,
     trace_allocations,
 )
-from moelab.routing import EntropyAdaptiveK
+from moelab.routing import EntropyAdaptiveK, choose_k
 from moelab.scratch import (
     BestFitFreeList,
     ScratchBuffers,
@@ -544,7 +544,7 @@ def test_entropy_adaptive_choose_k_is_the_table_lookup_without_a_k_tensor():
     ent = torch.cat([torch.rand(500) * 3, torch.tensor([0.5, 1.0, 2.0, 0.0, float("nan")])])
     idx = sum((ent >= t).long() for t in pol.thresholds)
     want = torch.tensor(pol.k_values, dtype=torch.int32)[idx]
-    got = pol.choose_k(torch.empty(ent.shape[0], 8), ent)
+    got = choose_k(pol, torch.empty(ent.shape[0], 8), ent)
     assert got.dtype == torch.int32 and torch.equal(got, want)
 
 
