@@ -29,7 +29,7 @@
 # %% tags=["parameters"]
 run_benchmark: bool = False  # True needs a GPU: run benchmarks/moe_kernels.py first (about 1 min on an H200); False: plot only
 parts: str = "routing,layer"  # benchmark parts: routing, host, layer, tune, tune-gemm, tune-few, cutlass-tiles (--help of the script)
-tokens: str = "1,16,64,512,4096,65536"  # token counts T of the benchmark (the set)
+tokens: str = "1,16,64,512,4096,65536"  # token counts T of the benchmark
 quick: bool = False  # benchmark fewer shapes (routing at E 64 and 128; the OLMoE-like layer only)
 results_dir: str = ""  # read results from (and with run_benchmark write them to) this folder; topics it lacks: data/results
 interactive: bool = False  # show ipywidgets explorers (never in headless runs)
@@ -444,7 +444,7 @@ for path in stage_paths(stages_doc) if stages_doc is not None else []:
 # ## 5 · The targets, met or not
 # Checked by `kernel_report` on the results above; `met` is False where the target is missed. A layer
 # with a shared expert (Qwen-like) also gets rows that count the shared expert's work as always-kept pairs
-# (shared width / expert width per token), beside the issue's own kept / native.
+# (shared width / expert width per token), beside the plain kept / native.
 
 # %%
 targets = pd.concat([routing_targets(routing_doc), layer_targets(layer_doc)], ignore_index=True)

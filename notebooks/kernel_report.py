@@ -17,7 +17,7 @@ GRAPH_LIMIT_US = 5.0  # routing in a CUDA graph, T <= 4096
 HBM_FRACTION = 0.5  # routing at T = 65536, E = 64 and 128: fraction of the HBM bound
 EAGER_SPEEDUP = 8.0  # eager call against the torch version's eager call
 LAYER_SLACK = 1.1  # adaptive layer time <= slack * kept/native * native layer time (T = 4096)
-DECODE_TOKENS = (1, 16, 64)  # the decode sizes, where weight reads dominate
+DECODE_TOKENS = (1, 16, 64)  # decode sizes, where weight reads dominate
 
 
 def _rows(doc: dict, topic: str, *cols: str) -> pd.DataFrame:

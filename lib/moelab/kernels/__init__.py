@@ -95,9 +95,9 @@ def write_config(device: str, tables: dict, directory: Path = CONFIGS) -> Path:
 @functools.lru_cache(maxsize=1)
 def _configs() -> dict:
     """Every device's file, in TUNED_ON's order (a same-SM device without a table looks there first), then by name."""
-    found = {c["device"]: c for c in map(read_config, sorted(CONFIGS.glob("*.json")))}
-    return {n: found[n] for n in sorted(found, key=lambda n: (n not in TUNED_ON, list(TUNED_ON).index(n)
-                                                                if n in TUNED_ON else 0, n))}
+    found = {c["device"]: c for c in map(read_config, CONFIGS.glob("*.json"))}
+    order = list(TUNED_ON)
+    return {n: found[n] for n in sorted(found, key=lambda n: (order.index(n) if n in order else len(order), n))}
 
 
 def load_tables(table: str) -> dict:
