@@ -1,7 +1,7 @@
 """Where the MoE layer's time goes, stage by stage, with native top-k and with adaptive-k plans.
 
-The layer-time target of issue 5 asks that the adaptive layer take at most 1.1 x (kept / native pairs)
-of the native layer's time. This times each step of moelab's layer on its own, on the plans of the
+The layer-time target asks that the adaptive layer take at most 1.1 x (kept / native pairs) of the
+native layer's time. This times each step of moelab's layer on its own, on the plans of the
 layer benchmark (same shapes, seeded weights, same policies), so the part of the layer that does not
 shrink with the kept pairs shows. Two expert paths (`--gemms`): 'grouped' (torch._grouped_mm, as
 `set_gemm('grouped')` runs it), whose steps are
@@ -158,10 +158,10 @@ def main():
     notes = ("bf16, the layer benchmark's seeded weights and policies (native top-k; adaptive: (k/4, k/2, k) at the "
              "entropy terciles; adaptive_q50: (k/2, k) at the median). Each stage of moelab's layer timed alone: "
              "time_us, the eager call (CUDA-event median, do_bench, L2 flushed; a short stage shows its host "
-             f"launch time); graph_us (since 2026-11-30 14:00), GPU time per call in a CUDA graph of {GRAPH_CALLS} "
+             f"launch time); graph_us, GPU time per call in a CUDA graph of {GRAPH_CALLS} "
              "calls (do_bench median of replays, L2 flushed before each replay). Per expert path (gemm): "
-             "'grouped', torch._grouped_mm experts with Triton gather and SwiGLU; 'triton' (since 2026-11-30 "
-             "13:00), moelab.kernels.grouped in the device's tuned configuration, its gate_up with the gather "
+             "'grouped', torch._grouped_mm experts with Triton gather and SwiGLU; 'triton', "
+             "moelab.kernels.grouped in the device's tuned configuration, its gate_up with the gather "
              "and SwiGLU fused. layer: the whole layer in one call, pinned to that path. dense_gate_up / "
              "dense_down: the same kept rows through one expert's weights in one GEMM. weights_read_us: all "
              "experts' weights of that GEMM read once at the measured copy bandwidth.")

@@ -1,4 +1,4 @@
-"""GPU benchmark: the fused routing kernel and the MoE layer against their baselines (issue 5).
+"""GPU benchmark: the fused routing kernel and the MoE layer against their baselines.
 
 Routing (topic `routing-kernel`), bf16 logits [T, E]: moelab's Triton kernel (native top-k, entropy
 adaptive-k, adaptive-k with device statistics), moelab's torch reference, a faithful torch
@@ -32,19 +32,25 @@ import itertools
 import math
 import os
 import random
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from moelab import kernels
 from moelab.experts import get_gemm, run_experts, set_gemm
 from moelab.kernels import device_table, own_table, tuned_for
 from moelab.kernels.layout import pair_layout_padded
 from moelab.kernels.routing import RoutingStats, route_triton
 from moelab.results import write_results
 from moelab.routing import EntropyAdaptiveK, TopK, route_torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "notebooks"))
+from kernel_report import GEMM_KEYS, batch_targets, layer_targets, least_regret  # noqa: E402
 
 TOKENS = [1, 16, 64, 512, 4096, 65536]
 # name: (hidden D, expert ffn F, experts E, native k, renormalize, shared expert ffn)
@@ -216,10 +222,8 @@ def events_us(fn, rep_ms=50):
 def interleaved_events_us(fns: dict, rounds: int, rep_ms: int) -> dict:
     """events_us of every function, measured in turn for `rounds` rounds: {name: [us per round]}. A slow
     spell of the GPU or host falls on all of them alike, so ratios of medians are steadier than ratios
-    of times taken minutes apart. Each round takes the functions in another (seeded) order: on the H200
-    two identical layers timed at fixed places in every round differed by up to 16%
-    (archive/moe-layer-20261130-2580876.json.xz, OLMoE-like T = 4096: 1000 against 1160 us in a graph), a bias
-    of the place that a median cannot remove."""
+    of times taken minutes apart. Each round takes the functions in another (seeded) order: a function's place
+    in a round biases its time, which a median cannot remove."""
     times = {name: [] for name in fns}
     names = list(fns)
     for r in range(rounds):
@@ -247,10 +251,8 @@ REPIN = {"on": False}  # set when the process is pinned: the routing part pins a
 
 def pin_fastest_cpu(verbose: bool = True) -> dict:
     """Pin this process to the allowed CPU whose host probe (`_host_probe_us`: on the GPU, or on the CPU without
-    one) is fastest; {"pinned", "probe_us"} for the results file.
-    On the H200 machine (a 16-vCPU KVM guest) some vCPUs run host code 1.5-1.7x slower than others, and an
-    unpinned eager timing took either level depending on where the scheduler put it (routing-host files at
-    2580876: plan allocations 9-10 or 17-18 us per call), so an eager ratio mixed a fast and a slow level."""
+    one) is fastest; {"pinned", "probe_us"} for the results file. On a virtual machine some vCPUs can run host
+    code much slower than others, and an unpinned eager timing takes either speed."""
     if not hasattr(os, "sched_setaffinity"):
         return {"pinned": None, "probe_us": {}}
     allowed = sorted(os.sched_getaffinity(0))
@@ -304,8 +306,7 @@ def routing_methods(k, renorm, ada, stats, trt_stats):
     }
 
 
-# not captured: .item() syncs the host. route_torch's adaptive path captures since 49d5e2c (its k from Python
-# scalars; tests/test_graphs.py), but runs up to b7574dd still skipped it here with a stale reason.
+# not captured: .item() syncs the host
 NOT_CAPTURABLE = {
     "trtllm_adaptive_stats": "host sync: .item() per statistic",
 }
@@ -491,8 +492,7 @@ def experts_used(plan):
 
 def layer_input(T, D, batch=0):
     """The layer benchmarks' input: [T, D] bf16 N(0, 1), seeded by (T, batch) alone, so that a batch is the same
-    whatever other sizes a run times (before 2026-12-01 the inputs came one after another from one generator,
-    so T = 4096 got another batch when --tokens changed)."""
+    whatever other sizes a run times."""
     g = torch.Generator(device="cuda").manual_seed(T + (batch << 32))
     return torch.randn(T, D, device="cuda", generator=g).to(torch.bfloat16)
 
@@ -518,7 +518,7 @@ def quantile_policy(entropy, k, q):
 
 ROUNDS = 5  # layer benchmark: interleaved timing rounds per variant (median reported, every round kept)
 # at the wall-clock target's T (4096) more and longer rounds: a Mixtral-like layer call takes about 5 ms, so a
-# 20 ms round times only about four calls and one slow call moves a ratio by a few percent (since 2580876)
+# 20 ms round would time only about four calls
 TARGET_T, TARGET_ROUNDS, TARGET_REP_MS = 4096, 9, 50
 # at TARGET_T the target's layers (ours, 'auto' path) are also timed on further input batches: with 128-row
 # tiles the same share of kept pairs makes another share of row tiles on another batch (Mixtral-like median
@@ -715,23 +715,19 @@ TUNE_SHAPES = {8: 2, 60: 4, 64: 8, 128: 8}  # E: native k of the routing shapes
 
 
 def tune_configs(E, k, T, selects="all"):
-    """(select, tile, warps, split) worth timing at this shape. The three tile selections over tiles and
+    """(select, tile, warps, split) worth timing at this shape. The tile kernel ('rounds') over tiles and
     warps ('all'); the row kernel (bf16: 32-bit keys, any E; keys inserted one by one or, 'rowsort',
     sorted in chunks of eight and merged) with a row cut into `split` pieces, tile = rows per program x
-    BLOCK_E; selects='rowwise': only the row kernel (the tile selections' timings stand in the table
-    already, as its current pick, timed beside them)."""
-    import triton
-
+    BLOCK_E; selects='rowwise': only the row kernel (timed beside the table's current pick)."""
     from moelab.kernels import routing as kr
 
     out = []
     if selects == "all":
-        out = [(sel, tile, warps, 1) for sel in ("rounds", "bitonic", "split")
-               for tile in ((512, 1024, 2048) if T >= 4096 else (1024,)) for warps in (4, 8)]
+        out = [("rounds", tile, warps, 1) for tile in ((512, 1024, 2048) if T >= 4096 else (1024,))
+               for warps in (4, 8)]
     be = triton.next_power_of_2(E)
-    # 'rowsort' (chunks of eight keys sorted and merged) differs from 'rowwise' only for 5 <= k <= 8, and
-    # alone takes 8 < k <= 16
-    sels = [sel for sel in ("rowwise", "rowsort") if kr._select(k, sel, be, 2) == 3 and (sel == "rowwise" or k >= 5)]
+    # 'rowsort' differs from 'rowwise' only for 5 <= k <= 8, and alone takes 8 < k <= 16
+    sels = [sel for sel in ("rowwise", "rowsort") if kr._rows_select(k, sel, be, 2) and (sel == "rowwise" or k >= 5)]
     for sel in sels:
         for split in (1, 2, 4, 8, 16) if be >= 512 else (1, 2, 4, 8):
             for warps in (2, 4):
@@ -773,18 +769,14 @@ def tune_routing(bw_gbs, selects="all", shapes=None, save=None):
 
 
 def tuned_table(rows) -> dict:
-    """{(BLOCK_E, BLOCK_K): [(T up to, {select, warps, tile}), ...]} in the form of
-    moelab.kernels.routing.TUNED (paste it there under the device's name): per key and tuned T, the
-    configuration whose worst slowdown against the fastest, over the E that share the key, is smallest.
-    The selection's cost grows with k_max, so k is part of the key (E = 60, k = 4 and E = 64, k = 8 differ)."""
-    import triton
-
+    """{(BLOCK_E, BLOCK_K): [(T up to, {select, warps, tile, split}), ...]}, a device's routing table
+    (kernels/configs): per key and tuned T, the configuration whose worst slowdown against the fastest, over the E
+    that share the key, is smallest. The selection's cost grows with k_max, so k is part of the key."""
     def key(r):
         return triton.next_power_of_2(r["E"]), triton.next_power_of_2(r.get("k") or TUNE_SHAPES[r["E"]])
 
     table: dict = {}
-    # 'pre' (the row kernel loading chunks ahead, measured at 7a973f4, no faster): since removed
-    rows = [r for r in rows if not (r.get("pre") and r["select"] in ("rowwise", "rowsort"))]
+    rows = [r for r in rows if not (r.get("pre") and r["select"] != "rounds")]  # a row-kernel variant since removed
     for kk in sorted({key(r) for r in rows}):
         group = [r for r in rows if key(r) == kk]
         t_all = sorted({r["T"] for r in group})
@@ -797,7 +789,7 @@ def tuned_table(rows) -> dict:
                 cfg = (r["select"], r["warps"], r["tile"], r.get("split", 1))
                 regret[cfg] = max(regret.get(cfg, 0.0), r["graph_us"] / best[r["E"]])
             sel, warps, tile, split = min(regret, key=regret.get)
-            entries.append((T if i < len(t_all) - 1 else 2**62,
+            entries.append((T if i < len(t_all) - 1 else kernels.UNBOUNDED,
                             {"select": sel, "warps": warps, "tile": tile, "split": split}))
         table[kk] = entries
     return table
@@ -811,16 +803,12 @@ GEMM_CONFIGS = {  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, GROUP_M); gate_up
              (128, 256, 64, 8, 3, 16), (64, 128, 128, 4, 3, 16), (64, 256, 64, 4, 4, 16), (128, 128, 64, 4, 3, 16),
              (128, 256, 64, 8, 4, 16), (64, 256, 64, 4, 5, 16)],
 }
-# the last gate_up / down entries (since 2026-12-01): deeper pipelines, 5-6 stages of weight tiles in flight (about
-# 200 KB of shared memory): the expert weights stream from HBM once per GEMM (OLMoE-like gate_up: 512 MB). In their
-# first run (data/results/trials/experts-tune-20261201-c56b190.json.xz, H200) OLMoE-like down 64x256 with 5 stages took
-# 241 / 160 us (native / adaptive) against 268 / 176 for the 128x256 4-stage pick of grouped.TUNED; the picks of that
-# run were not adopted (data/results/trials/README.md).
+# the last gate_up / down entries: deeper pipelines, 5-6 stages of weight tiles in flight (about 200 KB of shared
+# memory), as the expert weights stream from HBM once per GEMM
 
 
 # (TMA, PERSISTENT, FLATTEN) per configuration: pointer loads, TMA loads, TMA loads in persistent programs (one
-# per SM); for down also with the tile and K loops flattened (since 1154eea; gate_up not: a first probe on the
-# H200, not kept, found it slower that way at each tile it tried)
+# per SM); for down also with the tile and K loops flattened
 LOADS = {"gate_up": ((False, False, False), (True, False, False), (True, True, False)),
          "down": ((False, False, False), (True, False, False), (True, True, False), (True, True, True))}
 TUNE_ROUNDS = 3  # tune-gemm: interleaved timing rounds per configuration (median kept, every round recorded)
@@ -837,10 +825,10 @@ FEW_CONFIGS = {
              (16, 128, 64, 4, 5, 1), (16, 64, 128, 4, 5, 1), (16, 256, 64, 8, 4, 1), (16, 128, 128, 8, 4, 1),
              (16, 128, 128, 8, 4, 8), (16, 64, 128, 4, 3, 8), (32, 128, 128, 8, 4, 1), (32, 64, 128, 4, 3, 1)],
 }
-# the last four of each (since 2026-12-05 night): at T = 64 an expert of the Mixtral-like layer gets more than 16
-# rows, so 16-row tiles read its weights twice or more; GROUP_M 8 walks an expert's row tiles column by column
-# (the second read from L2), 32-row tiles read them once
-FEW_TOKENS = (64, 16)  # T = 64 first: the case that misses on the H100 (a run cut short keeps it)
+# the last four of each: at T = 64 an expert of the Mixtral-like layer gets more than 16 rows, so 16-row tiles
+# read its weights twice or more; GROUP_M 8 walks an expert's row tiles column by column (the second read from
+# L2), 32-row tiles read them once
+FEW_TOKENS = (64, 16)  # T = 64 first (a run cut short keeps it)
 
 
 @torch.no_grad()
@@ -904,10 +892,9 @@ def tune_experts(tokens=4096, save=None, shapes=None, configs=None):
 
 def tuned_few_table(rows) -> dict:
     """{(D, F): {"gate_up": cfg, "down": cfg}}: per shape and kernel the few-row configuration whose worst
-    slowdown over the (plan, T) cases timed is smallest (report.least_regret), beside the current
-    FEW_ROWS[0] launch's worst slowdown (`current_regret`) and the pick's (`regret`)."""
+    slowdown over the (plan, T) cases timed is smallest (least_regret), beside the current FEW_ROWS[0]
+    launch's worst slowdown (`current_regret`) and the pick's (`regret`)."""
     from moelab.kernels import grouped as gk
-    from moelab.kernels.report import GEMM_KEYS, least_regret
 
     table = {}
     for name, (D, Fd, *_rest) in LAYERS.items():
@@ -932,10 +919,8 @@ def tuned_few_table(rows) -> dict:
 
 
 def few_entries(table: dict) -> dict:
-    """tuned_few_table's picks as grouped.FEW_TUNED entries: {(D, F): {kernel: launch}}, the launch keys only,
-    those at their defaults (GROUP_M 1, flags off) left out as in the committed entries."""
-    from moelab.kernels.report import GEMM_KEYS
-
+    """tuned_few_table's picks as a device's few_rows entries: {(D, F): {kernel: launch}}, the launch keys only,
+    those at their defaults (GROUP_M 1, flags off) left out."""
     off = {"GROUP_M": 1, "TMA": False, "PERSISTENT": False, "FLATTEN": False}
     return {shape: {kernel: {k: cfg[k] for k in GEMM_KEYS if k in cfg and off.get(k, None) != cfg[k]}
                     for kernel, cfg in entry.items()}
@@ -952,9 +937,8 @@ def _cutlass_gate_up(x, tok, offs, gu):
 
 def tune_policies(entropy, k) -> dict:
     """The plans tune-gemm times the expert GEMMs on: native top-k, the terciles policy ('adaptive', about 58% of
-    the pairs kept) and, since 2026-12-01, the median policy ('adaptive_q50', (k/2, k) at the median entropy,
-    about 75%) where it differs from the terciles one (not for k = 2). One configuration serves them all: a
-    table picked on two plans made 'auto' take a path that was slower on the third (data/results/trials)."""
+    the pairs kept) and the median policy ('adaptive_q50', (k/2, k) at the median entropy, about 75%) where it
+    differs from the terciles one (not for k = 2). One configuration has to serve them all."""
     pols = {"native": TopK(k), "adaptive": adaptive_policy(entropy, k)}
     q50 = quantile_policy(entropy, k, 0.5)
     if q50 != pols["adaptive"]:
@@ -963,13 +947,10 @@ def tune_policies(entropy, k) -> dict:
 
 
 def tuned_experts_table(rows) -> dict:
-    """{(D, F): [(2**62, {"gate_up": cfg, "down": cfg, "beats_cutlass": bool})]} in the form of
-    moelab.kernels.grouped.TUNED: per shape and kernel the configuration whose worst slowdown against the
-    fastest, over the plans timed (tune_policies), is smallest (moelab.kernels.report.least_regret);
-    beats_cutlass: those two GEMMs take less time than CUTLASS's (gather, GEMM + SwiGLU, GEMM) on every
-    plan, so set_gemm('auto') runs them at many rows per expert too."""
-    from moelab.kernels.report import GEMM_KEYS, least_regret
-
+    """{(D, F): [(UNBOUNDED, {"gate_up": cfg, "down": cfg, "beats_cutlass": bool})]}, a device's grouped table
+    (kernels/configs): per shape and kernel the configuration whose worst slowdown against the fastest, over the
+    plans timed (tune_policies), is smallest (least_regret); beats_cutlass: those two GEMMs take less time than
+    CUTLASS's (gather, GEMM + SwiGLU, GEMM) on every plan, so set_gemm('auto') runs them at many rows per expert."""
     table = {}
     for name, (D, Fd, *_rest) in LAYERS.items():
         entry, ours, theirs = {}, {}, {}
@@ -987,7 +968,7 @@ def tuned_experts_table(rows) -> dict:
                     ours[r.get("plan")] = ours.get(r.get("plan"), 0.0) + r["time_us"]
         if entry:
             entry["beats_cutlass"] = bool(theirs) and all(ours.get(p, float("inf")) < t for p, t in theirs.items())
-            table[(D, Fd)] = [(2**62, entry)]
+            table[(D, Fd)] = [(kernels.UNBOUNDED, entry)]
     return table
 
 
@@ -1060,9 +1041,10 @@ def main():
     common = {"copy_bandwidth_gbs": bw, "l2_bytes": l2, "host": host, "tuned_on": tuned_on()}
     if "tune" in parts:
         tune_shapes = args.tune_routing_shapes
-        notes = ("native top-k Triton routing, GPU time per call in a CUDA graph (inputs rotated over 8 tensors), "
-                 "per launch configuration: select (top-k method), tile (logits per program), warps. tuned_table: "
-                 "the fastest per BLOCK_E and T, as moelab.kernels.routing.TUNED takes it.")
+        notes = ("native top-k Triton routing, GPU time per call in a CUDA graph (inputs rotated over 8 "
+                 "tensors), per launch configuration: select (top-k method), tile (logits per program), "
+                 "warps, split (threads per row). tuned_table: per (BLOCK_E, BLOCK_K) and T the "
+                 "configuration with the least worst slowdown, the device's routing table (kernels/configs).")
 
         def save_routing_tune(rows):  # keys of tuned_table "(BLOCK_E, BLOCK_K)"
             extra = {**common, "tuned_table": {str(k): v for k, v in tuned_table(rows).items()}}
@@ -1070,30 +1052,21 @@ def main():
                                  notes=notes)
 
         rows = tune_routing(bw, args.tune_selects, tune_shapes or None, save_routing_tune)
-        table = tuned_table(rows)
         print("wrote", save_routing_tune(rows))
-        print("TUNED table:", table)
-        from moelab.kernels import routing as kr
-
-        name = torch.cuda.get_device_name(0)  # the routing parts below run with it (a partial tune: merged in)
-        # over the device's own entries; shapes it has none for still take a same-SM device's (kernels.device_table)
-        kr.TUNED[name] = {**kr.TUNED.get(name, {}), **table}
-        kr.clear_launch_caches()
+        print("wrote", install_tuned("routing", tuned_table(rows)))
         common["tuned_on"] = tuned_on()
     if "routing" in parts:
-        notes = ("bf16 router logits, random normal. eager_us: host loop per call, Python launch included, all methods "
-                 "timed in turn over 5 rounds (median), after 0.25 s of untimed rounds (since 2026-11-30 14:00; since "
-                 "2026-12-01 13:30 the 0.25 s start after every method's first, compiling, call, and the garbage "
-                 "collector is off while timing). "
-                 "graph_us: GPU time per call inside one CUDA graph of >= 20 calls, inputs rotated over up to 16 "
-                 "copies (3x L2 where 16 suffice: at T = 65536 2.0-3.2x L2; at T <= 4096 they stay in L2, as a router "
-                 "GEMM's output does in a layer) "
-                 "(do_bench median of replays). hbm_bound_us: (logits read + plan written) / measured copy "
-                 "bandwidth. Adaptive thresholds at the entropy terciles of a 4096-token calibration batch. "
-                 "graph_us None: the method cannot be captured (graph_note says why). host: since 2026-12-01 the "
-                 "process runs pinned to the allowed CPU with the fastest host probe (pin_fastest_cpu; probe_us per "
-                 "CPU), before unpinned; since 2026-12-01 14:00 pinned again before each (shape, T): host_cpu and "
-                 "its host_probe_us per row.")
+        notes = ("bf16 router logits, random normal. eager_us: host loop per call, Python launch included, "
+                 "all methods timed in turn over 5 rounds (median), after 0.25 s of untimed rounds that "
+                 "start after every method's first (compiling) call; the garbage collector is off while "
+                 "timing. graph_us: GPU time per call inside one CUDA graph of >= 20 calls, inputs rotated "
+                 "over up to 16 copies (3x L2 where 16 suffice; at T <= 4096 they stay in L2, as a router "
+                 "GEMM's output does in a layer) (do_bench median of replays). hbm_bound_us: (logits read + "
+                 "plan written) / measured copy bandwidth. Adaptive thresholds at the entropy terciles of a "
+                 "4096-token calibration batch. graph_us None: the method cannot be captured (graph_note "
+                 "says why). host: the process runs pinned to the allowed CPU with the fastest host probe "
+                 "(pin_fastest_cpu; probe_us per CPU), pinned again before each (shape, T): host_cpu and its "
+                 "host_probe_us per row.")
         save = functools.partial(_save, "routing-kernel", notes, common)
         print("wrote", save(bench_routing(tokens, bw, l2, args.quick, save)))
     if "routing-wide" in parts:  # the same timing for 256- and 512-expert routers (untuned launch)
@@ -1103,29 +1076,28 @@ def main():
         save = functools.partial(_save, "routing-wide", notes, common)
         print("wrote", save(bench_routing(tokens, bw, l2, args.quick, save, WIDE_ROUTING_SHAPES)))
     if "host" in parts:
-        notes = ("host time per eager call (host loop, synchronised at the end; methods timed in turn over 7 rounds, "
-                 "median, after 0.25 s of untimed rounds since 2026-11-30 14:00; since 2026-12-01 13:30 the 0.25 s "
-                 "start after every method's first call and the garbage collector is off while timing) of route_triton "
-                 "with the "
-                 "entropy-adaptive policy on bf16 logits: direct launch (default), Triton's public launch path "
-                 "(moelab Launcher disabled), the four plan allocations alone, and the "
-                 "torch TensorRT-LLM version without statistics. experts / experts_public_launch: routing (native "
-                 "top-k) + padded layout + fused Triton experts of each layer shape at T = 1 and 16, random bf16 "
-                 "weights; gpu_us: the same call timed with CUDA events (do_bench median). host: since 2026-12-01 "
-                 "pinned to the allowed CPU with the fastest host probe (pin_fastest_cpu), before unpinned.")
+        notes = ("host time per eager call (host loop, synchronised at the end; methods timed in turn over 7 "
+                 "rounds, median, after 0.25 s of untimed rounds that start after every method's first call; "
+                 "the garbage collector off while timing) of route_triton with the entropy-adaptive policy "
+                 "on bf16 logits: direct launch (default), Triton's public launch path (moelab Launcher "
+                 "disabled), the four plan allocations alone, and the torch TensorRT-LLM version without "
+                 "statistics. experts / experts_public_launch: routing (native top-k) + padded layout + "
+                 "fused Triton experts of each layer shape at T = 1 and 16, random bf16 weights; gpu_us: the "
+                 "same call timed with CUDA events (do_bench median). host: pinned to the allowed CPU with "
+                 "the fastest host probe (pin_fastest_cpu).")
         print("wrote", write_results("routing-host", bench_host(), notes=notes, extra=common))
     if "tune-gemm" in parts:
-        notes = ("Triton expert GEMMs (moelab.kernels.grouped) per launch configuration (TMA: weight tiles, and the "
-                 "down GEMM's rows, through tensor descriptors; PERSISTENT: one program per SM looping over the "
-                 "tiles that exist, else one program per tile of the worst-case grid), GPU time (CUDA events, L2 "
-                 "flushed; since 2026-11-30 12:30 the median of 3 rounds of 20 ms in which every configuration of a "
-                 "(shape, plan) and CUTLASS are timed in turn (since 1356df0, 2026-11-30 22:44 UTC, in a seeded "
-                 "shuffled order per round), rounds_us) on the native top-k plan and the "
-                 "entropy-adaptive plan (terciles) of each layer shape at T=4096 (since 2026-12-01 also the median "
-                 "policy, plan 'adaptive_q50', where it differs: tune_policies), bf16, random weights; cutlass "
-                 "rows: torch._grouped_mm on the same rows (gate_up: + gather and SwiGLU passes, which the Triton "
-                 "gate_up fuses). tuned_table: per (D, F) and kernel the configuration with the smallest worst "
-                 "slowdown over the plans (since 2026-12-01 three), as moelab.kernels.grouped.TUNED takes it.")
+        notes = ("Triton expert GEMMs (moelab.kernels.grouped) per launch configuration (TMA: weight tiles, "
+                 "and the down GEMM's rows, through tensor descriptors; PERSISTENT: one program per SM "
+                 "looping over the tiles that exist, else one program per tile of the worst-case grid; "
+                 "FLATTEN: the tile and K loops pipelined as one), GPU time (CUDA events, L2 flushed; the "
+                 "median of 3 rounds of 20 ms in which every configuration of a (shape, plan) and CUTLASS "
+                 "are timed in turn, in a seeded shuffled order per round; rounds_us) on the plans of "
+                 "tune_policies (native top-k, terciles, and the median policy 'adaptive_q50' where it "
+                 "differs) of each layer shape at T=4096, bf16, random weights; cutlass rows: "
+                 "torch._grouped_mm on the same rows (gate_up: + gather and SwiGLU passes, which the Triton "
+                 "gate_up fuses). tuned_table: per (D, F) and kernel the configuration with the smallest "
+                 "worst slowdown over the plans, the device's grouped table (kernels/configs).")
 
         def save_tune(rows):
             table = tuned_experts_table(rows)
@@ -1133,23 +1105,16 @@ def main():
                                  notes=notes)
 
         rows = tune_experts(save=save_tune, shapes=args.tune_shapes)
-        table = tuned_experts_table(rows)
-        path = save_tune(rows)
-        print("wrote", path)
-        print("experts TUNED table:", table)
-        from moelab.kernels import grouped as gk
-
-        dev = torch.cuda.get_device_name(0)
-        gk.TUNED[dev] = {**gk.TUNED.get(dev, {}), **table}  # the layer part below runs with it
-        gk._launch_config.cache_clear()
+        print("wrote", save_tune(rows))
+        print("wrote", install_tuned("grouped", tuned_experts_table(rows)))
         common["tuned_on"] = tuned_on()
-    if "tune-few" in parts:  # the few-row launch per device (grouped.FEW_TUNED; paste few_table's picks there)
+    if "tune-few" in parts:  # the few-row launch per device (few_rows in its config)
         notes = ("Triton expert GEMMs at decode sizes (T in FEW_TOKENS, up to 64 padded rows per expert: the "
-                 "grouped.FEW_ROWS[0] class) per launch configuration of FEW_CONFIGS (16-row tiles, since 79bee78 also "
-                 "32-row ones and GROUP_M 8; the first of each kernel is the FEW_ROWS[0] launch), pointer / TMA / "
-                 "persistent loads as tune-gemm, on the plans of tune_policies, beside CUTLASS; timing as tune-gemm "
-                 "(interleaved rounds, L2 flushed). few_table: per (D, F) and kernel the least-regret configuration "
-                 "over (plan, T), its worst slowdown (regret) and the FEW_ROWS[0] launch's (current_regret).")
+                 "grouped.FEW_ROWS[0] class) per launch configuration of FEW_CONFIGS (16- and 32-row tiles; "
+                 "the first of each kernel is the FEW_ROWS[0] launch), pointer / TMA / persistent loads as "
+                 "tune-gemm, on the plans of tune_policies, beside CUTLASS; timing as tune-gemm (interleaved "
+                 "rounds, L2 flushed). few_table: per (D, F) and kernel the least-regret configuration over "
+                 "(plan, T), its worst slowdown (regret) and the FEW_ROWS[0] launch's (current_regret).")
         few_rows: list = []
 
         def save_few(rows):
@@ -1160,14 +1125,7 @@ def main():
         for t in FEW_TOKENS:
             few_rows += tune_experts(t, save=save_few, shapes=args.tune_shapes, configs=FEW_CONFIGS)
         print("wrote", save_few([]))
-        table = tuned_few_table(few_rows)
-        print("few-row table:", table)
-        from moelab.kernels import grouped as gk
-
-        dev = torch.cuda.get_device_name(0)  # the layer part below runs with the picks (merged over its own entries)
-        gk.FEW_TUNED[dev] = {**gk.FEW_TUNED.get(dev, {}), **few_entries(table)}
-        gk._launch_config.cache_clear()
-        print(f"grouped.FEW_TUNED[{dev!r}] =", gk.FEW_TUNED[dev])
+        print("wrote", install_tuned("few_rows", few_entries(tuned_few_table(few_rows))))
     if "cutlass-tiles" in parts:
         notes = ("torch._grouped_mm expert GEMMs (bf16, random weights N(0, 1/fan_in), random rows) on the padded "
                  "layout of native top-k and entropy-adaptive plans (terciles policy, as in the layer part) at "
@@ -1177,34 +1135,47 @@ def main():
                  "same_output: the kept rows are bit-identical.")
         print("wrote", write_results("cutlass-tiles", bench_cutlass_tiles(), notes=notes, extra=common))
     if "layer" in parts:
-        notes = ("bf16 MoE layer on random weights N(0, 1/fan_in) (seed 0, since 2026-11-30) and random inputs; "
-                 "same weights for all variants. "
-                 "time_us: do_bench median (CUDA events, L2 flushed between calls), eager launch; since "
-                 "2026-11-30 13:00 every variant of a (shape, T), eager and graph, is timed in turn in 5 rounds "
-                 "(20 ms each, 10 at T=65536; at T=4096 since 2580876, 2026-11-30 22:37 UTC, 9 rounds of 50 ms): "
-                 "time_us / graph_us are the medians, *_rounds_us every round; since 1356df0 (22:44 UTC) each round "
-                 "takes the timers in a seeded shuffled order. "
-                 "gemm_tiles_128: "
-                 "sum over experts of ceil(pairs / 128), the row tiles of a grouped GEMM with 128-row tiles. "
-                 "graph_us: ours captured in a CUDA graph (T <= 4096). "
-                 "moelab_*: router GEMM + Triton routing + padded layout + expert GEMMs as set_gemm('auto') picks "
-                 "them (Triton grouped GEMMs up to 32 padded rows per expert, and above where the device's tuned "
-                 "entry says they beat CUTLASS, else torch._grouped_mm) + combine (+ shared expert for qwen15); "
-                 "moelab_*_triton: pinned to the Triton grouped GEMMs (gather + gate_up + SwiGLU fused, down; "
-                 "moelab.kernels.grouped, at many rows per expert the device's tuned configuration, else 64-row "
-                 "tiles); moelab_*_cutlass: pinned to Triton gather/SwiGLU "
-                 "+ torch._grouped_mm experts (set_gemm('grouped')). gemm_tiles_64: the same count with 64-row tiles. "
-                 "hf_*: transformers sparse MoE block with experts implementation eager / grouped_mm. "
-                 "Adaptive: k levels (k/4, k/2, k) at the entropy terciles of a 4096-token batch; "
-                 "_q25 / _q50 (T=4096): (k/2, k) at the 25% / 50% entropy quantile; "
-                 "_routed_only (qwen15, T=4096): without the shared expert, whose time does not shrink with k. "
-                 "rel_err_vs_hf: ||ours - hf_grouped_mm|| / ||hf|| (both bf16). layer_targets: at T=4096, "
-                 "adaptive time / native time of the same expert path against 1.1 x kept / native pairs. "
-                 "Since 2026-12-01: inputs seeded by (T, batch) alone (layer_input; rows are batch 0), and "
+        notes = ("bf16 MoE layer on random weights N(0, 1/fan_in) (seed 0) and random inputs; same weights "
+                 "for all variants. time_us: do_bench median (CUDA events, L2 flushed between calls), eager "
+                 "launch; every variant of a (shape, T), eager and graph, is timed in turn in 5 rounds (20 "
+                 "ms each, 10 at T=65536; at T=4096 9 rounds of 50 ms), each round in a seeded shuffled "
+                 "order: time_us / graph_us are the medians, *_rounds_us every round. gemm_tiles_128: sum "
+                 "over experts of ceil(pairs / 128), the row tiles of a grouped GEMM with 128-row tiles; "
+                 "gemm_tiles_64: the same with 64-row tiles. graph_us: ours captured in a CUDA graph (T <= "
+                 "4096). moelab_*: router GEMM + Triton routing + padded layout + expert GEMMs as "
+                 "set_gemm('auto') picks them (Triton grouped GEMMs up to 32 padded rows per expert, and "
+                 "above where the device's tuned entry says they beat CUTLASS, else torch._grouped_mm) + "
+                 "combine (+ shared expert for qwen15); moelab_*_triton: pinned to the Triton grouped GEMMs "
+                 "(gather + gate_up + SwiGLU fused, down; at many rows per expert the device's tuned "
+                 "configuration, else 64-row tiles); moelab_*_cutlass: pinned to Triton gather/SwiGLU + "
+                 "torch._grouped_mm experts (set_gemm('grouped')). hf_*: transformers sparse MoE block with "
+                 "experts implementation eager / grouped_mm. Adaptive: k levels (k/4, k/2, k) at the entropy "
+                 "terciles of a 4096-token batch; _q25 / _q50 (T=4096): (k/2, k) at the 25% / 50% entropy "
+                 "quantile; _routed_only (qwen15, T=4096): without the shared expert, whose time does not "
+                 "shrink with k. rel_err_vs_hf: ||ours - hf_grouped_mm|| / ||hf|| (both bf16). "
+                 "layer_targets: at T=4096, adaptive time / native time of the same expert path against 1.1 "
+                 "x kept / native pairs. Inputs seeded by (T, batch) alone (layer_input; rows are batch 0); "
                  "batches: ours (native, every adaptive policy; qwen15 also routed only) at T=4096 on input "
                  "batches 1..4, each batch timed as the rows are; batch_targets: layer_targets per batch.")
         save = functools.partial(_save_layer, notes, common)
         print("wrote", save(*bench_layer(tokens, args.quick, save, args.batches)))
+
+
+def install_tuned(table: str, entries: dict) -> Path:
+    """Merge a tuning part's picks over this GPU's own entries of `table` ('routing', 'grouped' or 'few_rows'): in
+    the tables this process runs with (the parts after it use them) and in kernels/configs/<device>.json (commit it
+    to keep them). Shapes the GPU has no entry for still take a same-SM device's (kernels.device_table)."""
+    from moelab.kernels import grouped as gk
+    from moelab.kernels import routing as kr
+
+    dev = torch.cuda.get_device_name(0)
+    live = {"routing": kr.TUNED, "grouped": gk.TUNED, "few_rows": gk.FEW_TUNED}
+    live[table][dev] = {**live[table].get(dev, {}), **entries}
+    kr.clear_launch_caches()
+    gk._launch_config.cache_clear()
+    path = kernels.config_path(dev)
+    tables = kernels.read_config(path) if path.exists() else {}
+    return kernels.write_config(dev, {**tables, table: live[table][dev]})
 
 
 def tuned_on() -> dict:
@@ -1222,12 +1193,11 @@ def _save(topic, notes, common, rows):
 
 def _save_layer(notes, common, rows, batches=()):
     from moelab.kernels import grouped as gk
-    from moelab.kernels.report import batch_targets, layer_targets
 
     # the expert GEMM configurations the run used (a tune-gemm / tune-few part before it in the same run replaces them)
     tuned = {str(k): v for k, v in device_table(gk.TUNED, 0).items()}
     few = {str(k): v for k, v in own_table(gk.FEW_TUNED, 0).items()}  # decode sizes: the device's own entries
-    # with the tuned tiles, so that the stored labels' tile shares are the report's (report.layer_targets)
+    # with the tuned tiles, so that the stored labels' tile shares are the report's (layer_targets)
     targets = layer_targets({"rows": rows, "experts_tuned": tuned}).to_dict("records") if rows else []
     per_batch = (batch_targets({"rows": rows, "batches": list(batches), "experts_tuned": tuned}).to_dict("records")
                  if batches else [])

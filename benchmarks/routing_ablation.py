@@ -5,8 +5,8 @@ compiled again from its source with parts taken out, and timed in a CUDA graph b
 and `memory_floor` (moe_kernels.py: read the logits, write a plan of the same size, no work):
   full           the kernel as shipped
   no_selection   each 8-key chunk folded into a running max instead of sorted and merged into the best
-                 eight (at launches where the table picks 'rowsort', as at E = 64 and 128, T = 65536 on the
-                 H200; rows record it); the split merge and the epilogue stay
+                 eight (at launches where the table picks 'rowsort'; rows record it); the split merge and the
+                 epilogue stay
   no_exp         exp2 replaced by the identity in the online softmax / entropy sums
   neither        both
 The ablated kernels compute wrong plans: this measures time only. Beside the times, `profile` (in the
@@ -160,7 +160,7 @@ def main():
     notes = ("bf16 logits, native top-8, GPU time per call in a CUDA graph of 20 calls, inputs rotated past 3x L2 "
              "(as benchmarks/moe_kernels.py). Variants of the Triton row kernel compiled from its source with parts "
              "taken out (times only: their plans are wrong); memory_floor: moe_kernels.memory_floor. hbm_bound_us: "
-             "logits read + plan written at the measured copy bandwidth. profile (since 2026-12-01): the shipped "
+             "logits read + plan written at the measured copy bandwidth. profile: the shipped "
              "kernel as compiled for each E: registers, programs, programs that fit on one SM (registers, threads, "
              "shared memory), waves, and the static instruction mix of its chunk loop (8 logits per thread and "
              "iteration): instructions, min/max and MUFU per logit.")

@@ -22,13 +22,14 @@
 # transformers 5 sparse MoE blocks (experts implementation `eager` and `grouped_mm`).
 #
 # On a GPU with `run_benchmark=True` this notebook first runs `benchmarks/moe_kernels.py` with the
-# shapes below (it writes `data/results/routing-kernel-*.json` and `moe-layer-*.json`). On a CPU it
-# plots the committed results, and every figure names the machine they were measured on.
+# shapes below (it writes the `routing-kernel` and `moe-layer` results). On a CPU it plots the committed
+# results, and every figure names the machine they were measured on. The target checks and tables come from
+# `kernel_report.py` beside this notebook.
 
 # %% tags=["parameters"]
 run_benchmark: bool = False  # True needs a GPU: run benchmarks/moe_kernels.py first (about 1 min on an H200); False: plot only
 parts: str = "routing,layer"  # benchmark parts: routing, host, layer, tune, tune-gemm, tune-few, cutlass-tiles (--help of the script)
-tokens: str = "1,16,64,512,4096,65536"  # token counts T of the benchmark (the issue's set)
+tokens: str = "1,16,64,512,4096,65536"  # token counts T of the benchmark
 quick: bool = False  # benchmark fewer shapes (routing at E 64 and 128; the OLMoE-like layer only)
 results_dir: str = ""  # read results from (and with run_benchmark write them to) this folder; topics it lacks: data/results
 interactive: bool = False  # show ipywidgets explorers (never in headless runs)
@@ -41,16 +42,15 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 import pandas as pd
-from matplotlib.lines import Line2D
-from matplotlib.patches import Patch
 import torch
 from IPython.display import display
+from kernel_report import (GRAPH_LIMIT_US, HBM_FRACTION, LAYER_SLACK, STAGES, batch_summary, batch_targets,
+                           decode_table, expert_gemms, gemm_scaling, layer_targets, layout_sweep, machine_line,
+                           routing_targets, stage_paths, stage_table, stage_time)
+from matplotlib.lines import Line2D
+from matplotlib.patches import Patch
 
 from moelab import results
-from moelab.kernels.report import (GRAPH_LIMIT_US, HBM_FRACTION, LAYER_SLACK, STAGES, batch_summary, batch_targets,
-                                   decode_table, expert_gemms, gemm_scaling, layer_runs, layer_targets, layout_sweep,
-                                   machine_line, power_trace, routing_targets, run_docs, run_policies, runs_line,
-                                   stage_paths, stage_table, stage_time)
 from moelab.params import check_bools
 from moelab.plots import explorer, figure, save_table, savefig
 
@@ -84,7 +84,7 @@ print("command:", routing_doc["command"])
 # plan of the same size with no softmax or selection: what moving the same bytes costs at this size,
 # launch and ramp included (at T = 65536, how much of the bound a kernel of a few microseconds reaches).
 # Methods that cannot be captured (host syncs, host-to-device copies per call) have no graph time. The thin
-# black line is the graph-time target for T <= 4096 (`report.GRAPH_LIMIT_US`).
+# black line is the graph-time target for T <= 4096 (`kernel_report.GRAPH_LIMIT_US`).
 
 # %%
 METHODS = {
@@ -93,7 +93,7 @@ METHODS = {
     "triton_adaptive_stats": ("moelab Triton, adaptive-k + stats", "--", "s"),
     "trtllm_adaptive": ("TRT-LLM proposal (torch)", "-", "^"),
     "torch_softmax_topk": ("torch softmax + top-k", "-", "v"),
-    "memory_floor": ("memory-only kernel (floor)", ":", "x"),  # in results from 2026-11-30 on
+    "memory_floor": ("memory-only kernel (floor)", ":", "x"),
 }
 
 
@@ -126,7 +126,8 @@ routing_figure(routing, routing_doc, "04_routing_graph_time")
 # %% [markdown]
 # Where the time goes at T = 65536 (`benchmarks/routing_ablation.py`, run on its own): the kernel
 # recompiled without its chunk selection, without exp, without both, beside the memory-only kernel.
-# The dashed line is the target: `report.HBM_FRACTION` of the HBM bound, i.e. the bound's time over that fraction.
+# The dashed line is the target: `kernel_report.HBM_FRACTION` of the HBM bound, i.e. the bound's time over that
+# fraction.
 
 # %%
 abl_doc = results.load_optional("routing-ablation", rdir)
@@ -155,7 +156,7 @@ if abl_doc is not None:
     plt.show()
 
 # %% [markdown]
-# The shipped launch as compiled (`profile`, in runs since 2026-12-01): registers, how many programs fit
+# The shipped launch as compiled (`profile`): registers, how many programs fit
 # on an SM, how many waves the grid takes (below 1: every program resident from the start), and the
 # instructions of the chunk loop per logit (min / max: the selection and the running max).
 
@@ -169,9 +170,8 @@ if abl_doc is not None and abl_doc.get("profile"):
 # ## 1c · Wider routers: 256 and 512 experts
 # Qwen3.5-35B-A3B routes over 256 experts (top-8); Qwen3-Next-80B-A3B and Qwen3.5-397B-A17B over 512 (top-10),
 # where the row kernel keeps each row piece's best eight and next eight keys (8 < k <= 16).
-# `benchmarks/moe_kernels.py --parts routing-wide` times the same methods at these shapes (`routing-wide-*.json`;
-# its command line says whether their launch was tuned in the same run). The issue's targets were set for E <= 128;
-# they are drawn for scale.
+# `benchmarks/moe_kernels.py --parts routing-wide` times the same methods at these shapes (topic `routing-wide`).
+# The targets were set for E <= 128; they are drawn for scale.
 
 # %%
 wide_doc = results.load_optional("routing-wide", rdir)
@@ -279,9 +279,9 @@ plt.show()
 # `benchmarks/moe_kernels.py --parts tune-gemm` at T = 4096 on the native and the adaptive plan: CUTLASS
 # (gate_up with its gather and SwiGLU passes, which the Triton gate_up fuses), the fastest Triton
 # configuration with pointer loads, with TMA tensor-descriptor loads, in persistent programs (one per
-# SM, looping over the tiles that exist; runs since 2026-11-30 12:00) and in persistent programs whose tile
-# and K loops Triton pipelines as one (`FLATTEN`; runs since 2026-12-01), and the tuned pick (the least
-# worst slowdown over the plans, what `moelab.kernels.grouped.TUNED` holds).
+# SM, looping over the tiles that exist) and in persistent programs whose tile and K loops Triton pipelines as
+# one (`FLATTEN`), and the tuned pick (the least worst slowdown over the plans, what the device's
+# `lib/moelab/kernels/configs/*.json` holds).
 
 # %%
 tune_doc = results.load_optional("experts-tune", rdir)
@@ -348,7 +348,7 @@ if sweep_doc is not None:
 # %% [markdown]
 # ## 4 · Do compute savings become wall-clock savings?
 # Adaptive-k layer time over native top-k layer time, against the fraction of (token, expert) pairs
-# kept and the fraction of 128-row GEMM tiles kept. The target: at most `report.LAYER_SLACK` x the
+# kept and the fraction of 128-row GEMM tiles kept. The target: at most `kernel_report.LAYER_SLACK` x the
 # fraction of pairs kept at T = 4096 (thin grey line; the limit the target checks is marked at its T).
 # At decode sizes the weights dominate: there only experts that no token of the batch uses
 # are saved, so the right comparison is the fraction of experts used.
@@ -390,30 +390,26 @@ saving.round(3)
 
 # %% [markdown]
 # The decode sizes as a table: native and adaptive time in a CUDA graph beside the shares of pairs kept and of
-# experts used. The decode GEMM launch is tuned per device (`grouped.FEW_TUNED`) and can be newer than the whole
-# layer run above; a later run of the decode layer alone on the same device (`.ci/gpu decode-layer`, filed as
-# `archive/moe-layer-<date>-<suffix>-decode.json.xz`) follows it where there is one.
+# experts used. The decode GEMM launch is tuned per device (`few_rows` in the device's config) and can be newer than
+# the whole layer run above; a later run of the decode layer alone on the same device (topic `moe-layer-decode`)
+# follows it where there is one.
 
 # %%
 display(decode_table(layer_doc).round(3))
-later = [results.read_file(f) for f in (REPO / "data" / "results" / "archive").glob("moe-layer-*-decode.json*")]
-later = [d for d in later
-         if d["created"] > layer_doc["created"] and d["machine"]["device"] == layer_doc["machine"]["device"]]
-if later:
-    newest = max(later, key=lambda d: d["created"])
-    print("the decode layer alone, later:", machine_line(newest))
-    display(decode_table(newest).round(3))
+decode_doc = results.load_optional("moe-layer-decode", rdir)
+if (decode_doc is not None and decode_doc["created"] > layer_doc["created"]
+        and decode_doc["machine"]["device"] == layer_doc["machine"]["device"]):
+    print("the decode layer alone, later:", machine_line(decode_doc))
+    display(decode_table(decode_doc).round(3))
 
 # %% [markdown]
 # Where the layer's time goes at T = 4096 (`benchmarks/layer_stages.py`, run on its own): each step
 # of the layer timed alone, with native top-k and adaptive-k plans, per expert path: torch._grouped_mm
-# (gather, GEMM, SwiGLU, GEMM) and, in runs since 2026-11-30 13:00, moelab's Triton GEMMs (the gather
-# and SwiGLU fused into gate_up). Right: each expert GEMM's adaptive / native time beside the same kept
+# (gather, GEMM, SwiGLU, GEMM) and moelab's Triton GEMMs (the gather and SwiGLU fused into gate_up). Right: each expert GEMM's adaptive / native time beside the same kept
 # rows through one dense GEMM and the fraction of pairs kept. A grouped GEMM that shrank like the dense
 # one would turn the pairs saved into time saved; the weights of every used expert are read whatever
-# the rows. Times are GPU time per call in a CUDA graph where the run has them (since 2026-11-30 14:00);
-# older runs have the eager call's CUDA-event time only, where a short stage (routing, layout) shows
-# its host launch time rather than its GPU work.
+# the rows. Times are GPU time per call in a CUDA graph where the run has them, else the eager call's
+# CUDA-event time, where a short stage (routing, layout) shows its host launch time rather than its GPU work.
 
 # %%
 stages_doc = results.load_optional("layer-stages", rdir)
@@ -445,10 +441,10 @@ for path in stage_paths(stages_doc) if stages_doc is not None else []:
     display(scaling.round(3))
 
 # %% [markdown]
-# ## 5 · The issue's targets, met or not
-# Checked by `moelab.kernels.report` on the results above; `met` is False where the target is missed. A layer
+# ## 5 · The targets, met or not
+# Checked by `kernel_report` on the results above; `met` is False where the target is missed. A layer
 # with a shared expert (Qwen-like) also gets rows that count the shared expert's work as always-kept pairs
-# (shared width / expert width per token), beside the issue's own kept / native.
+# (shared width / expert width per token), beside the plain kept / native.
 
 # %%
 targets = pd.concat([routing_targets(routing_doc), layer_targets(layer_doc)], ignore_index=True)
@@ -462,11 +458,11 @@ summary
 
 # %% [markdown]
 # ## 5a · The layer target on several input batches
-# Runs from 2026-12-01 on also time the target's layers (ours, native and every adaptive policy) on four
+# The layer runs also time the target's layers (ours, native and every adaptive policy) on four
 # more input batches at T = 4096 (`batch_targets` / `batch_summary`). The same share of kept pairs makes another
 # share of GEMM row tiles on another batch, and the ratio follows the tiles: the right panel puts each batch's
 # ratio against its tile share (the tiles of the path 'auto' took: 128 rows on CUTLASS, the tuned gate_up tile
-# on the Triton GEMMs, `report._row_tile`).
+# on the Triton GEMMs, `kernel_report._row_tile`).
 
 # %%
 per_batch = batch_targets(layer_doc)
@@ -502,48 +498,6 @@ else:
     fig.suptitle(machine_line(layer_doc), fontsize=7)
     savefig(fig, "04_layer_batches")
     plt.show()
-
-# %% [markdown]
-# ## 5b · How far the layer ratios move between runs
-# The committed `moe-layer` runs that routed the same pairs (`results.load_runs`: the current file and the
-# archived ones it replaced; `like=None`: the pairs the most runs routed, one input batch and the same
-# policies; that group need not hold the current run, whose own batch is plotted in sections 4-5), one column per run, beside the limit; each line is labelled by its variant and the k values of
-# its policy (the results' `policy` column). Every column is another commit, and the code of the layer
-# (routing, layout, expert GEMMs) changed between them, so the spread from run to run mixes code changes with
-# run-to-run noise: the H200 runs these layers at its power cap (the nvidia-smi traces below, taken during the
-# layer runs). Only runs of one commit would show the noise alone. A point close to its limit meets it in
-# some runs and not in others.
-
-# %%
-layer_docs = results.load_runs("moe-layer")  # the committed runs (a results_dir run is plotted in sections 4-5)
-runs = layer_runs(layer_docs, like=None)
-shown = run_docs(runs)  # the runs behind the columns
-policy_ks = run_policies(shown)  # (shape, variant) -> 'k=(1, 2)'
-adaptive_default = runs[runs.index.get_level_values("target").str.match(r"moelab_adaptive(_q50)? /")]
-display(adaptive_default.round(3))
-shapes_r = list(dict.fromkeys(adaptive_default.index.get_level_values("shape")))
-fig, axes = figure("full", aspect=0.38, ncols=len(shapes_r), squeeze=False, layout="constrained")
-for ax, shape in zip(axes.flat, shapes_r):
-    for target, row in adaptive_default.loc[shape].iterrows():
-        r = row.drop("limit")
-        variant = target.split(" / ")[0]
-        timing = "graph" if "graph_us" in target else "eager"
-        line, = ax.plot(range(len(r)), r.values, "--" if timing == "graph" else "-", marker="o", ms=2.5,
-                        label=f"{variant.removeprefix('moelab_')} {policy_ks.get((shape, variant), '')}, {timing}")
-        ax.axhline(row["limit"], color=line.get_color(), ls=":", lw=0.8)
-    ax.set_xticks(range(len(r)), r.index, rotation=60, fontsize=5)
-    ax.set(title=shape, xlabel="run (commit)")
-axes.flat[0].set_ylabel("adaptive / native (dotted: limit)")
-for ax in axes.flat:  # the k values differ between shapes: a legend per panel, above the lines
-    lo, hi = ax.get_ylim()
-    ax.set_ylim(lo, hi + 0.6 * (hi - lo))
-    ax.legend(fontsize=5, loc="upper center")
-fig.suptitle(runs_line(shown) + "\nthe committed runs that routed the same pairs (the run of sections 4-5 need not be"
-             " among them)", fontsize=7)
-savefig(fig, "04_layer_runs")
-plt.show()
-traces = sorted((REPO / "data" / "results" / "logs").glob("smi-trace-*.csv*"))  # xz-compressed; all H200 but 64bc936 (H100)
-pd.DataFrame({f.name.split(".csv")[0]: power_trace(f) for f in traces}).T
 
 # %% [markdown]
 # ## 6 · Explorer (`interactive=True`)

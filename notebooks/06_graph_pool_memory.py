@@ -44,6 +44,7 @@ interactive: bool = False  # show ipywidgets explorers (never in headless runs)
 import pandas as pd
 import torch
 from IPython.display import display
+from kernel_report import machine_line  # beside this notebook
 
 from moelab import results
 from moelab.graphs import REUSE_PEAK_LIMIT, REUSE_SPEED_FLOOR, check_buckets

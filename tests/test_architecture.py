@@ -17,7 +17,7 @@ LIB = Path(moelab.__file__).resolve().parents[1]  # the library these tests impo
 LAYER = {
     # utilities and the contract: import no later stage
     "moelab": 0, "moelab.data": 0, "moelab.results": 0, "moelab.scratch": 0, "moelab.kernels": 0, "moelab.params": 0,
-    "moelab.kernels.report": 0,
+    "moelab.plan": 0,
     "moelab.routing": 1, "moelab.tokenizer": 1, "moelab.plots": 1, "moelab.graphs": 1,
     # kernels and the steps that speak the plan
     "moelab.compute": 2, "moelab.experts": 2, "moelab.models": 2, "moelab.kernels.routing": 2,

@@ -1,27 +1,48 @@
-"""moelab.kernels.report: the issue-5 target checks and the layer-stage tables, on small documents built
-here (rows as the benchmarks write them) and on the committed results."""
+"""notebooks/kernel_report.py: the target checks and the kernel tables, on small documents built here (rows as the
+benchmarks write them) and on the current committed results; and the tuning rules of benchmarks/moe_kernels.py
+against the committed tuning runs and the tuned tables in lib/moelab/kernels/configs."""
+
+import sys
 
 import pytest
 
 from moelab import results
-from moelab.kernels.report import (
+
+sys.path.insert(0, str(results.REPO / "notebooks"))
+sys.path.insert(0, str(results.REPO / "benchmarks"))
+import moe_kernels as mk  # noqa: E402
+from kernel_report import (  # noqa: E402
+    GEMM_KEYS,
     STAGES,
     batch_summary,
     batch_targets,
     decode_table,
     expert_gemms,
     gemm_scaling,
-    layer_runs,
     layer_targets,
     layout_sweep,
     least_regret,
     machine_line,
-    power_trace,
     routing_targets,
     stage_paths,
     stage_table,
     stage_time,
 )
+
+H100, H200 = "NVIDIA H100 80GB HBM3", "NVIDIA H200"
+
+
+def committed(topic: str) -> dict:
+    """The current results of `topic` (results.load_results); skipped where this checkout has none."""
+    try:
+        return results.load_results(topic)
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+
+
+def launches(entries: list, tokens) -> list:
+    """The launch a tuned table's entries [(T up to, launch)] give at each T."""
+    return [next(c for n, c in entries if T <= n) for T in tokens]
 
 
 def _stage_rows(shape, plan, kept, times, T=4096):
@@ -99,15 +120,6 @@ def test_routing_targets_limits():
     assert not any(x.startswith("fraction of HBM bound") for x, _ in t.index)
 
 
-def test_committed_layer_stages():
-    doc = results.load_optional("layer-stages")
-    if doc is None:
-        pytest.skip("no committed layer-stages results")
-    g = gemm_scaling(doc)
-    assert len(g) and g[["grouped", "dense"]].gt(0).all().all()
-    assert g["kept pairs"].between(0, 1).all()  # adaptive plans keep at most the native pairs
-    t = stage_table(doc)
-    assert t["layer"].notna().all() and (t.index.get_level_values("plan") == "native").sum() == len(g["shape"].unique())
 
 
 def _gemm(plan, us, bm=64, tma=False, kernel="gate_up", persistent=None, flatten=None):
@@ -115,7 +127,7 @@ def _gemm(plan, us, bm=64, tma=False, kernel="gate_up", persistent=None, flatten
            "BLOCK_K": 64, "num_warps": 4, "num_stages": 3, "GROUP_M": 16, "TMA": tma, "time_us": us}
     if persistent is not None:  # runs before the persistent programs have no PERSISTENT key
         row["PERSISTENT"] = persistent
-    if flatten is not None:  # nor FLATTEN, before 1154eea
+    if flatten is not None:
         row["FLATTEN"] = flatten
     return row
 
@@ -140,7 +152,7 @@ def test_expert_gemms_table():
     assert t.loc["native", "cutlass"] == 95.0 and t.loc["native", "triton_pointer"] == 100.0
     assert t.loc["adaptive", "triton_tma"] == 66.0 and t.loc["adaptive", "tuned"] == 66.0
     assert t.loc["native", "tuned"] == 110.0 and t.loc["native", "tuned_config"] == "64x64x64 w4 s3 tma"
-    assert t["triton_persistent"].isna().all() and t["triton_flatten"].isna().all()  # not timed in this older run
+    assert t["triton_persistent"].isna().all() and t["triton_flatten"].isna().all()  # not timed in this run
 
     rows += [_gemm("native", 104.0, tma=True, persistent=True), _gemm("adaptive", 62.0, tma=True, persistent=True)]
     t = expert_gemms({"rows": rows}).set_index("plan")
@@ -154,109 +166,13 @@ def test_expert_gemms_table():
     assert t.loc["native", "tuned_config"] == "64x64x64 w4 s3 tma persistent flatten"  # worst 1.03x, persistent 1.04x
 
 
-def test_committed_experts_tune_picks_what_grouped_tuned_holds():
-    """The tuned picks in the committed experts-tune file are the configurations moelab.kernels.grouped.TUNED
-    holds for the H200 (per GEMM shape), and the table has a row per shape, plan and kernel."""
-    from moelab.kernels import grouped as gk
-
-    doc = results.load_results("experts-tune", fallback=True)
-    t = expert_gemms(doc)
-    plans = {(r["shape"], r["plan"]) for r in doc["rows"]}  # native, terciles and (k > 2) median policy
-    assert len(plans) == 8 and len(t) == 2 * len(plans)
-    assert t[["cutlass", "triton_pointer", "triton_tma", "tuned"]].notna().all().all()
-    shapes = {"mixtral": (4096, 14336), "olmoe": (2048, 1024), "qwen15": (2048, 1408)}
-    for (shape, kernel), g in t.groupby(["shape", "kernel"]):
-        cfg = gk.TUNED["NVIDIA H200"][shapes[shape]][0][1][kernel]
-        want = f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']}x{cfg['BLOCK_K']} w{cfg['num_warps']} s{cfg['num_stages']}"
-        want += (" tma" if cfg["TMA"] else "") + (" persistent" if cfg.get("PERSISTENT") else "")
-        want += " flatten" if cfg.get("FLATTEN") else ""
-        assert set(g["tuned_config"]) == {want}
-
-
-def test_grouped_tuned_is_the_tuning_tables_rule_applied_to_the_committed_run():
-    """benchmarks/moe_kernels.py's tuned_experts_table on the committed experts-tune rows gives
-    moelab.kernels.grouped.TUNED for the H200: every shape, each GEMM's launch keys (a key TUNED leaves out is off)
-    and beats_cutlass, which decides whether set_gemm('auto') takes the Triton GEMMs at many rows per expert."""
-    import sys
-
-    from moelab.kernels import grouped as gk
-    from moelab.kernels.report import GEMM_KEYS
-
-    sys.path.insert(0, str(results.REPO / "benchmarks"))
-    import moe_kernels as mk
-
-    def norm(table):
-        return {shape: [(n, {**{g: {k: e[g].get(k, False) for k in GEMM_KEYS} for g in ("gate_up", "down")},
-                             "beats_cutlass": e["beats_cutlass"]}) for n, e in entries]
-                for shape, entries in table.items()}
-
-    got = mk.tuned_experts_table(results.load_results("experts-tune")["rows"])
-    want = gk.TUNED["NVIDIA H200"]
-    assert norm(got) == norm(want)
-
-
-def test_wide_router_launches_are_the_committed_tuning_runs_fastest():
-    """For the 256- and 512-expert routers, moelab.kernels.routing.TUNED holds, at every tuned T, the fastest
-    launch of the committed routing-tune-wide run (one E per key: least regret is the fastest), and the
-    committed routing-wide run used those launches (its command tuned them in the same process)."""
-    import pandas as pd
-
-    from moelab.kernels import pow2
-    from moelab.kernels import routing as kr
-
-    doc = results.load_results("routing-tune-wide")
-    rows = pd.DataFrame(doc["rows"])
-    assert set(zip(rows.E, rows.k)) == {(256, 8), (512, 10)}
-    table = kr.TUNED["NVIDIA H200"]
-    for (E, k, T), g in rows.groupby(["E", "k", "T"]):
-        best = g.loc[g.graph_us.idxmin()]
-        entry = next(cfg for upto, cfg in table[(pow2(E), pow2(k))] if T <= upto)
-        assert (entry["select"], entry["warps"], entry["tile"], entry["split"]) == (
-            best.select, best.warps, best.tile, best.split), (E, T)
-    wide = results.load_results("routing-wide")
-    assert "--tune-routing-shapes 256:8,512:10" in wide["command"] and wide["commit"] == doc["commit"]
-
-
-def test_h100_tables_are_the_tuning_rule_applied_to_its_own_runs():
-    """The H100's TUNED tables (routing and expert GEMMs) are what the tuning rules (tuned_table,
-    tuned_experts_table) give on its own committed runs (side runs: archive/*-20261205-h100.json.xz), which
-    ran on an H100 and timed every selection and plan."""
-    import sys
-
-    from moelab.kernels import grouped as gk
-    from moelab.kernels import routing as kr
-
-    sys.path.insert(0, str(results.REPO / "benchmarks"))
-    import moe_kernels as mk
-
-    name = "NVIDIA H100 80GB HBM3"
-    archive = results.REPO / "data" / "results" / "archive"
-    routing = results.read_file(archive / "routing-tune-20261205-h100.json.xz")
-    gemms = results.read_file(archive / "experts-tune-20261205-h100.json.xz")
-    assert routing["machine"]["device"] == gemms["machine"]["device"] == name
-    assert {r["select"] for r in routing["rows"]} >= {"rounds", "bitonic", "split", "rowwise", "rowsort"}
-    assert mk.tuned_table(routing["rows"]) == kr.TUNED[name]
-    assert {(r["shape"], r["plan"]) for r in gemms["rows"]} == {(r["shape"], r["plan"]) for r in
-                                                               results.load_results("experts-tune")["rows"]}
-    got = mk.tuned_experts_table(gemms["rows"])
-    assert got.keys() == gk.TUNED[name].keys()
-    for shape, [(n, entry)] in got.items():
-        [(n_want, want)] = gk.TUNED[name][shape]
-        assert n == n_want and entry["beats_cutlass"] == want["beats_cutlass"]
-        for g in ("gate_up", "down"):  # a key TUNED leaves out is off
-            assert {k: v for k, v in entry[g].items() if v} == {k: v for k, v in want[g].items() if v}, (shape, g)
 
 
 def test_tuned_few_table_weighs_every_plan_and_token_count():
     """tuned_few_table picks, per shape and kernel, the configuration with the smallest worst slowdown over every
     (plan, T) case, and reports the current FEW_ROWS[0] launch's worst slowdown beside it; CUTLASS rows are not
     candidates."""
-    import sys
-
     from moelab.kernels import grouped as gk
-
-    sys.path.insert(0, str(results.REPO / "benchmarks"))
-    import moe_kernels as mk
 
     cur = {"GROUP_M": 1, "TMA": False, "PERSISTENT": False, "FLATTEN": False, **gk.FEW_ROWS[0][1]["down"]}  # as timed
     wide = {**cur, "BLOCK_M": 32}
@@ -271,58 +187,8 @@ def test_tuned_few_table_weighs_every_plan_and_token_count():
     assert "gate_up" not in mk.tuned_few_table(rows)[(4096, 14336)]
 
 
-def test_h100_few_row_launches_are_the_tuning_rule_applied_to_its_runs():
-    """grouped.FEW_TUNED for the H100 is what tuned_few_table gives on its tune-few runs: the Mixtral-like shape
-    from the run with 32-row tiles, where the current 16-row launch was over 1.3x the best at T = 64 (an expert
-    gets more than 16 rows and its weights are read twice), the other shapes from the 16-row run."""
-    import sys
-
-    from moelab.kernels import grouped as gk
-    from moelab.kernels.report import GEMM_KEYS
-
-    sys.path.insert(0, str(results.REPO / "benchmarks"))
-    import moe_kernels as mk
-
-    name, mixtral = "NVIDIA H100 80GB HBM3", (4096, 14336)
-    archive = results.REPO / "data" / "results" / "archive"
-    first = results.read_file(archive / "experts-tune-few-20261205-h100.json.xz")
-    mix = results.read_file(archive / "experts-tune-few-20261205-h100-mixtral.json.xz")
-    assert first["machine"]["device"] == mix["machine"]["device"] == name
-    assert {r["T"] for r in first["rows"]} == {r["T"] for r in mix["rows"]} == {16, 64}
-    got = {**mk.tuned_few_table(first["rows"]), **mk.tuned_few_table(mix["rows"])}
-    assert got.keys() == gk.FEW_TUNED[name].keys() and {r["shape"] for r in mix["rows"]} == {"mixtral"}
-    off = {"GROUP_M": 1, "TMA": False, "PERSISTENT": False, "FLATTEN": False}
-    for shape, entry in got.items():
-        for g in ("gate_up", "down"):
-            want = {**off, **gk.FEW_ROWS[0][1][g], **gk.FEW_TUNED[name][shape][g]}
-            assert {k: entry[g][k] for k in GEMM_KEYS} == {k: want[k] for k in GEMM_KEYS}, (shape, g)
-            assert entry[g]["regret"] <= entry[g]["current_regret"]
-            if shape == mixtral:
-                assert entry[g]["current_regret"] > 1.3 and entry[g]["BLOCK_M"] == 32
-    assert mk.few_entries(got) == gk.FEW_TUNED[name]  # the form the tune-few part installs for a layer part after it
 
 
-def test_h200_few_row_launches_are_the_tuning_rule_applied_to_its_run():
-    """grouped.FEW_TUNED for the H200 is few_entries(tuned_few_table) of its one tune-few run (every candidate, 32-row
-    tiles included): the Mixtral-like shape takes 32-row tiles, where the 16-row launch was over 1.4x the best."""
-    import sys
-
-    from moelab.kernels import grouped as gk
-
-    sys.path.insert(0, str(results.REPO / "benchmarks"))
-    import moe_kernels as mk
-
-    name = "NVIDIA H200"
-    archive = results.REPO / "data" / "results" / "archive"
-    doc = results.read_file(archive / "experts-tune-few-20261205-h200-few.json.xz")
-    assert doc["machine"]["device"] == name and {r["T"] for r in doc["rows"]} == {16, 64}
-    got = mk.tuned_few_table(doc["rows"])
-    assert mk.few_entries(got) == gk.FEW_TUNED[name]
-    for shape, entry in got.items():
-        for g in ("gate_up", "down"):
-            assert entry[g]["regret"] <= entry[g]["current_regret"]
-            if shape == (4096, 14336):
-                assert entry[g]["current_regret"] > 1.4 and entry[g]["BLOCK_M"] == 32
 
 
 def test_layer_targets_limit_and_rounds():
@@ -368,7 +234,7 @@ def test_committed_layout_sweep_matches_the_layout_rule():
     launch_config gives for every shape and T, and the rule's row is there."""
     import moelab.kernels.layout as lk
 
-    doc = results.load_results("pair-layout-sweep")
+    doc = committed("pair-layout-sweep")
     t = layout_sweep(doc)
     assert len(t) >= 20 and t["rule_us"].notna().all() and (t["rule_over_fastest"] >= 1.0).all()
     k = {r["shape"]: r["k"] for r in doc["rows"]}
@@ -396,69 +262,10 @@ def test_layer_targets_count_a_shared_expert_as_kept_pairs():
     assert routed["measured"] == pytest.approx(31 / 50) and routed["met"]  # native layer: routed experts only
 
 
-def test_layer_runs_side_by_side():
-    """One column per run that routed the same pairs as the newest, labelled by commit, beside the newest
-    limit; a run with other kept pairs (another seed or policy) is left out."""
-    def doc(sha, created, nat, ada, kept=60):
-        rows = [{"shape": "olmoe", "T": 4096, "variant": v, "time_us": t, "graph_us": t, "kept_pairs": k,
-                 "native_pairs": 100, "gemm_tiles_128": k // 10, "gemm_tiles_64": k // 5}
-                for v, t, k in (("moelab_topk", nat, 100), ("moelab_adaptive", ada, kept),
-                                ("hf_grouped_mm", 200.0, 100))]
-        return {"commit": sha + "0" * 33, "created": created, "rows": rows}
-
-    docs = [doc("aaaaaaa", "1", 100.0, 70.0, kept=50), doc("bbbbbbb", "2", 100.0, 65.0),
-            doc("ccccccc", "3", 100.0, 68.0), doc("ccccccc", "2026-11-30T23:10:00", 100.0, 64.0)]
-    t = layer_runs(docs)
-    assert list(t.columns) == ["limit", "bbbbbbb", "ccccccc", "ccccccc 2026-11-30T23:10"]  # aaaaaaa: other pairs
-    row = t.loc[("olmoe", "moelab_adaptive / native layer time_us (kept 0.600, 128-row tiles 0.600)")]
-    assert row["limit"] == pytest.approx(0.66) and row["bbbbbbb"] == pytest.approx(0.65)
-    assert row["ccccccc 2026-11-30T23:10"] == pytest.approx(0.64)
-    from moelab.kernels.report import run_docs
-
-    # the runs behind the columns are the ones kept, even where a left-out run shares a commit
-    docs.insert(0, doc("bbbbbbb", "0", 100.0, 70.0, kept=50))
-    t = layer_runs(docs)
-    assert [d["created"] for d in run_docs(t)] == ["2", "3", "2026-11-30T23:10:00"]
-    with pytest.raises(ValueError, match="attrs"):
-        run_docs(type(t)(t.values))  # a frame rebuilt from the values has no record of the runs
-    with pytest.raises(ValueError, match="docs="):
-        layer_runs([])
 
 
-def test_layer_runs_one_row_per_variant_across_tile_records():
-    """An older run without 64-row tile counts names its target with 128-row tiles: still one row per
-    (shape, variant, timer), named by the newest run, with the newest limit."""
-    def doc(sha, created, ada, tiles64=True):
-        rows = [{"shape": "olmoe", "T": 4096, "variant": v, "time_us": t, "graph_us": t, "kept_pairs": k,
-                 "native_pairs": 100, "gemm_tiles_128": k // 10, **({"gemm_tiles_64": k // 5} if tiles64 else {})}
-                for v, t, k in (("moelab_topk", 100.0, 100), ("moelab_topk_triton", 100.0, 100),
-                                ("moelab_adaptive_triton", ada, 60))]
-        return {"commit": sha + "0" * 33, "created": created, "rows": rows}
-
-    t = layer_runs([doc("aaaaaaa", "1", 66.0, tiles64=False), doc("bbbbbbb", "2", 64.0)])
-    assert len(t) == 2 and t["limit"].notna().all()  # eager and graph, each one row
-    row = t.loc[("olmoe", "moelab_adaptive_triton / native layer time_us (kept 0.600, 64-row tiles 0.600)")]
-    assert row["aaaaaaa"] == pytest.approx(0.66) and row["bbbbbbb"] == pytest.approx(0.64)
 
 
-def test_layer_runs_like_picks_the_pairs():
-    """like=i keeps the runs that routed docs[i]'s pairs, whichever run is newest; a bad index is named."""
-    def doc(sha, ada, kept):
-        rows = [{"shape": "olmoe", "T": 4096, "variant": v, "time_us": t, "graph_us": t, "kept_pairs": k,
-                 "native_pairs": 100, "gemm_tiles_128": k // 10, "gemm_tiles_64": k // 5}
-                for v, t, k in (("moelab_topk", 100.0, 100), ("moelab_adaptive", ada, kept))]
-        return {"commit": sha + "0" * 33, "created": sha, "rows": rows}
-
-    docs = [doc("aaaaaaa", 70.0, 60), doc("bbbbbbb", 66.0, 60), doc("ccccccc", 64.0, 58)]
-    assert list(layer_runs(docs, like=0).columns) == ["limit", "aaaaaaa", "bbbbbbb"]
-    assert list(layer_runs(docs).columns) == ["limit", "ccccccc"]
-    assert list(layer_runs(docs, like=None).columns) == ["limit", "aaaaaaa", "bbbbbbb"]  # the most runs
-    with pytest.raises(ValueError, match="like=3"):
-        layer_runs(docs, like=3)
-    # like=None with as many runs on each pairs: the newest group (the later runs in the list)
-    tie = [doc("aaaaaaa", 70.0, 60), doc("bbbbbbb", 66.0, 58)]
-    assert list(layer_runs(tie, like=None).columns) == ["limit", "bbbbbbb"]
-    assert list(layer_runs(tie[::-1], like=None).columns) == ["limit", "aaaaaaa"]
 
 
 def test_batch_targets_per_input_batch():
@@ -501,34 +308,6 @@ def test_decode_table_compares_decode_sizes_of_batch_zero():
     assert r["experts_used_ratio"] == pytest.approx(44 / 59)
 
 
-def test_committed_h200_decode_run_saves_only_where_experts_go_unused():
-    """The README's decode item on the H200's run of its decode launch: with every expert still used the adaptive
-    layer takes the native time (within 1%, though it keeps 74-81% of the pairs); with experts unused it saves."""
-    doc = results.read_file(results.REPO / "data/results/archive/moe-layer-20261206-h200-decode.json.xz")
-    assert doc["machine"]["device"] == "NVIDIA H200"
-    t = decode_table(doc)
-    assert len(t) == 6
-    full = t[t["experts_used_ratio"] == 1]
-    assert len(full) == 3 and (full["time_ratio_graph"] - 1).abs().max() < 0.01
-    assert full["kept_pairs_ratio"].max() < 0.82
-    part = t[t["experts_used_ratio"] < 1]
-    assert (part["time_ratio_graph"] < 0.97).all()
-
-
-def test_power_trace_summary(tmp_path):
-    """Share of nvidia-smi samples at the software power cap (reason bit 0x4), clock and power there; idle
-    samples (0x1) count in the share's denominator but not among the 'other' clocks."""
-    lines = ["timestamp, clocks.current.sm [MHz], power.draw [W], temperature.gpu, clocks_event_reasons.active"]
-    for mhz, w, reason in ((1980, 300.0, 0), (1500, 700.0, 4), (1700, 690.0, 4), (345, 80.0, 1), (1980, 500.0, 0)):
-        lines.append(f"2026/11/30 23:00:00.000, {mhz} MHz, {w} W, 40, 0x{reason:016x}")
-    path = tmp_path / "smi.csv"
-    path.write_text("\n".join(lines) + "\n")
-    p = power_trace(path)
-    assert p["samples"] == 5 and p["capped_share"] == pytest.approx(0.4)
-    assert p["capped_mhz"] == (1500.0, 1600.0, 1700.0) and p["capped_watts_median"] == pytest.approx(695.0)
-    assert p["other_mhz"] == (1980.0, 1980.0, 1980.0)
-    committed = sorted((results.REPO / "data" / "results" / "logs").glob("smi-trace-*.csv.xz"))  # as committed
-    assert committed and all(0 < power_trace(f)["capped_share"] < 1 for f in committed)
 
 
 def test_layer_targets_tile_share_follows_the_path_the_run_took():
@@ -561,32 +340,12 @@ def test_layer_targets_tile_share_follows_the_path_the_run_took():
     assert got["moelab_adaptive"][0].startswith("128") and got["moelab_adaptive_triton"][0].startswith("64")
 
 
-def test_policy_k_and_runs_line_read_what_the_rows_say():
-    """A layer row's policy text gives its k values for a legend; several runs give one caption naming every
-    machine field's values, the commits and the dates, and bad input is refused naming it."""
-    from moelab.kernels.report import policy_k, runs_line
-
-    assert policy_k("EntropyAdaptiveK(k_values=(1, 2), thresholds=(0.5,), renormalize=None)") == "k=(1, 2)"
-    assert policy_k("TopK(k=8, renormalize=None)") == "k=8"
-    with pytest.raises(ValueError, match="policy='RatioSkip'"):
-        policy_k("RatioSkip")
-    m = {"device": "NVIDIA H200", "torch": "2.11", "triton": "3.6", "transformers": "5.17"}
-    docs = [{"machine": m, "commit": "abc1234ff", "created": "2026-11-30T10:00"},
-            {"machine": m, "commit": "def5678aa", "created": "2026-12-01T09:00"}]
-    line = runs_line(docs)
-    assert "NVIDIA H200" in line and "2 runs, 2 commits, abc1234 to def5678" in line
-    assert "2026-11-30 to 2026-12-01" in line
-    line = runs_line(docs[::-1])  # given newest first: the span still runs from the earliest date
-    assert "2026-11-30 to 2026-12-01" in line and "2 commits, def5678 to abc1234" in line
-    assert runs_line(docs[:1]).endswith("1 runs, abc1234 · 2026-11-30")
-    with pytest.raises(ValueError, match="docs=\\[\\]"):
-        runs_line([])
 
 
 def test_layer_targets_of_a_run_without_the_target_size_keep_their_columns():
     """A quick run that leaves out T = 4096 has only the hf comparison rows; the adaptive rows' columns are
     there (empty), so the notebook's selection by variant and timer finds nothing instead of failing."""
-    doc = results.load_results("moe-layer")
+    doc = committed("moe-layer")
     quick = dict(doc, rows=[r for r in doc["rows"] if r["T"] != 4096])
     lt = layer_targets(quick)
     assert len(lt) and {"variant", "timer", "kept", "tiles"} <= set(lt.columns) and lt["variant"].isna().all()
@@ -618,13 +377,113 @@ def test_report_tables_refuse_another_topics_document():
 
 
 def test_machine_line_says_when_a_run_borrowed_or_lacked_tuned_launches():
-    """The H100 runs with the H200's tables say so (their `tuned_on`); a run on its own tables, or from before the
-    field, shows the plain line."""
-    h100 = results.read_file(results.results_dir() / "archive" / "routing-kernel-20261205-h100.json.xz")
-    assert machine_line(h100) == ("NVIDIA H100 80GB HBM3 · torch 2.11.0+cu130 · triton 3.6.0 · transformers 5.17.0 · "
-                                  "commit bb8ca2d · 2026-12-05 · routing launches tuned on NVIDIA H200 · experts "
-                                  "launches tuned on NVIDIA H200")
-    plain = machine_line({**h100, "tuned_on": {"routing": "NVIDIA H100 80GB HBM3"}})
-    assert plain.endswith("commit bb8ca2d · 2026-12-05")
-    assert machine_line({k: v for k, v in h100.items() if k != "tuned_on"}) == plain
-    assert machine_line({**h100, "tuned_on": {"experts": None}}).endswith("2026-12-05 · experts launches untuned")
+    """A run with another device's tables, or none, says so (its `tuned_on`); a run on its own tables, or one
+    without the field, shows the plain line; a document without machine, commit or date is refused."""
+    m = {"device": H100, "torch": "2.11.0", "triton": "3.6.0", "transformers": "5.17.0"}
+    doc = {"machine": m, "commit": "0123456789abcdef", "created": "2026-12-05T10:00:00+00:00",
+           "tuned_on": {"routing": H200, "experts": H200}}
+    plain = f"{H100} · torch 2.11.0 · triton 3.6.0 · transformers 5.17.0 · commit 0123456 · 2026-12-05"
+    assert machine_line(doc) == plain + f" · routing launches tuned on {H200} · experts launches tuned on {H200}"
+    assert machine_line({**doc, "tuned_on": {"routing": H100}}) == plain
+    assert machine_line({k: v for k, v in doc.items() if k != "tuned_on"}) == plain
+    assert machine_line({**doc, "tuned_on": {"experts": None}}) == plain + " · experts launches untuned"
+
+
+# ---------------------------------------------------------------- the current committed results
+
+
+def test_committed_layer_stages():
+    doc = committed("layer-stages")
+    g = gemm_scaling(doc)
+    assert len(g) and g[["grouped", "dense"]].gt(0).all().all()
+    assert g["kept pairs"].between(0, 1).all()  # adaptive plans keep at most the native pairs
+    t = stage_table(doc)
+    assert t["layer"].notna().all() and (t.index.get_level_values("plan") == "native").sum() == len(g["shape"].unique())
+
+
+def test_committed_experts_tune_picks_what_the_grouped_table_holds():
+    """The tuned picks of the committed experts-tune run are the H200's grouped table (per GEMM shape), its
+    beats_cutlass flags are the rule's, and the report has a row per shape, plan and kernel."""
+    from moelab.kernels import grouped as gk
+
+    doc = committed("experts-tune")
+    t = expert_gemms(doc)
+    plans = {(r["shape"], r["plan"]) for r in doc["rows"]}  # native, terciles and (k > 2) median policy
+    assert len(t) == 2 * len(plans)
+    assert t[["cutlass", "triton_pointer", "triton_tma", "tuned"]].notna().all().all()
+    shapes = {name: (D, F) for name, (D, F, *_rest) in mk.LAYERS.items()}
+    for (shape, kernel), g in t.groupby(["shape", "kernel"]):
+        cfg = gk.TUNED[H200][shapes[shape]][0][1][kernel]
+        want = f"{cfg['BLOCK_M']}x{cfg['BLOCK_N']}x{cfg['BLOCK_K']} w{cfg['num_warps']} s{cfg['num_stages']}"
+        want += (" tma" if cfg["TMA"] else "") + (" persistent" if cfg.get("PERSISTENT") else "")
+        want += " flatten" if cfg.get("FLATTEN") else ""
+        assert set(g["tuned_config"]) == {want}
+
+
+def _same_gemm_table(got: dict, want: dict) -> None:
+    """tuned_experts_table's picks against a device's grouped table: every shape, each GEMM's launch keys (a key
+    the table leaves out is off) and beats_cutlass."""
+    def norm(table):
+        return {shape: [(n, {**{g: {k: e[g].get(k, False) for k in GEMM_KEYS} for g in ("gate_up", "down")},
+                             "beats_cutlass": e["beats_cutlass"]}) for n, e in entries]
+                for shape, entries in table.items()}
+
+    assert norm(got) == norm(want)
+
+
+@pytest.mark.parametrize("device,topic", [(H200, "experts-tune"), (H100, "experts-tune-h100")])
+def test_grouped_tables_are_the_tuning_rule_applied_to_the_committed_runs(device, topic):
+    """tuned_experts_table on a device's committed tune-gemm run gives its grouped table, which decides among
+    other things whether set_gemm('auto') takes the Triton GEMMs at many rows per expert."""
+    from moelab.kernels import grouped as gk
+
+    doc = committed(topic)
+    assert doc["machine"]["device"] == device
+    _same_gemm_table(mk.tuned_experts_table(doc["rows"]), gk.TUNED[device])
+
+
+@pytest.mark.parametrize("device,topics", [(H200, ("routing-tune", "routing-tune-wide")),
+                                           (H100, ("routing-tune-h100",))])
+def test_routing_tables_are_the_tuning_rule_applied_to_the_committed_runs(device, topics):
+    """tuned_table on a device's committed routing tuning runs gives the launch its routing table holds at every
+    T tuned and above (for the wide routers, one E per key, the fastest launch)."""
+    from moelab.kernels import routing as kr
+
+    for topic in topics:
+        doc = committed(topic)
+        assert doc["machine"]["device"] == device
+        tokens = sorted({r["T"] for r in doc["rows"]}) + [10**9]
+        for key, entries in mk.tuned_table(doc["rows"]).items():
+            assert launches(entries, tokens) == launches(kr.TUNED[device][key], tokens), (topic, key)
+
+
+@pytest.mark.parametrize("device,topics", [(H200, ("experts-tune-few",)),
+                                           (H100, ("experts-tune-few-h100", "experts-tune-few-h100-mixtral"))])
+def test_few_row_launches_are_the_tuning_rule_applied_to_the_committed_runs(device, topics):
+    """A device's few_rows table is few_entries(tuned_few_table) of its tune-few runs (a later run's shapes over
+    an earlier one's); each pick's worst slowdown is at most the FEW_ROWS[0] launch's, and the Mixtral-like shape,
+    where an expert gets more than 16 rows at T = 64, takes 32-row tiles."""
+    from moelab.kernels import grouped as gk
+
+    got = {}
+    for topic in topics:
+        doc = committed(topic)
+        assert doc["machine"]["device"] == device and {r["T"] for r in doc["rows"]} == {16, 64}
+        got.update(mk.tuned_few_table(doc["rows"]))
+    assert mk.few_entries(got) == gk.FEW_TUNED[device]
+    for shape, entry in got.items():
+        for g in ("gate_up", "down"):
+            assert entry[g]["regret"] <= entry[g]["current_regret"]
+            if shape == (4096, 14336):
+                assert entry[g]["current_regret"] > 1.3 and entry[g]["BLOCK_M"] == 32
+
+
+def test_committed_decode_run_saves_only_where_experts_go_unused():
+    """At decode sizes the expert weights are read whatever the rows: with every expert still used the adaptive
+    layer takes the native time (within 1%, though it keeps under 82% of the pairs); with experts unused it saves."""
+    t = decode_table(committed("moe-layer-decode"))
+    full = t[t["experts_used_ratio"] == 1]
+    assert len(full) and (full["time_ratio_graph"] - 1).abs().max() < 0.01
+    assert full["kept_pairs_ratio"].max() < 0.82
+    part = t[t["experts_used_ratio"] < 1]
+    assert len(part) and (part["time_ratio_graph"] < 0.97).all()

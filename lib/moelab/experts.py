@@ -1,53 +1,29 @@
 """Expert execution that skips: only the kept (token, expert) pairs go through the expert GEMMs.
 
-Weights are stored the way transformers 5 stores fused experts:
-    gate_up_EHD  [E, 2F, D]   (rows 0..F-1 are the gate projection, F..2F-1 the up projection)
-    down_EDF     [E, D, F]
-Flow: plan -> expert-sorted pairs -> gather rows -> grouped GEMM (gate/up) -> act(gate) * up
-      -> grouped GEMM (down) -> scale by routing weight -> scatter-add into [T, D].
-The number of rows in both GEMMs is exactly the number of kept pairs: skipped pairs cost nothing.
+Weights are stored as transformers 5 stores fused experts: gate_up_EHD [E, 2F, D] (rows 0..F-1 the gate
+projection, F..2F-1 the up projection) and down_EDF [E, D, F].
+Flow: plan -> expert-sorted pairs -> gather rows -> grouped GEMM (gate/up) -> act(gate) * up -> grouped GEMM
+(down) -> scale by routing weight -> scatter-add into [T, D]. Both GEMMs see exactly the kept pairs' rows.
 
 Expert GEMMs (`set_gemm`):
-- 'triton': moelab.kernels.grouped.fused_experts, Triton grouped GEMMs with 16-128-row tiles, the gather
-  and SwiGLU fused into the gate_up GEMM, then the down GEMM and a per-token combine (padded layouts
-  with slot_row and a SiLU act_fn only);
-- 'grouped': torch._grouped_mm (CUTLASS, 128-row tiles) between Triton gather / SwiGLU / combine
-  steps on padded layouts, torch ops on exact ones;
+- 'triton': `moelab.kernels.grouped.fused_experts`, Triton grouped GEMMs with the gather and SwiGLU fused into
+  gate_up, then down and a per-token combine (padded layouts with slot_row and a SiLU act_fn only);
+- 'grouped': torch._grouped_mm (CUTLASS) between Triton gather / SwiGLU / combine steps on padded layouts,
+  torch ops on exact ones;
 - 'loop': a per-expert loop of matmuls (the reference);
-- 'auto' (default): 'triton' on CUDA for padded layouts in bf16 / fp16 with few rows per expert
-  (decode sizes: up to FUSED_MAX_ROWS_PER_EXPERT = 32 padded rows) or, above 128 padded rows per expert
-  (where the tuned tables apply), where the device's tuning run measured the tuned Triton GEMMs faster
-  than CUTLASS (moelab.kernels.grouped.TUNED, 'beats_cutlass'); else torch._grouped_mm where supported
-  (bf16 on sm90+), else the loop (fp16 between 33 and 128 rows per expert, for one).
-  On the CPU nothing changes: the torch paths.
+- 'auto' (default): 'triton' on CUDA for padded 16-bit layouts with at most FUSED_MAX_ROWS_PER_EXPERT rows per
+  expert, or above where the device's tuned entry says it beats CUTLASS; else 'grouped' where supported (bf16 on
+  sm90+, or the CPU), else the loop.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from moelab.routing import RoutingPlan
-
-
-@dataclass
-class PairLayout:
-    """Kept (token, expert) pairs sorted by expert; P pairs in all."""
-
-    token_idx: torch.Tensor  # [P] int64, token of each pair
-    expert_idx: torch.Tensor  # [P] int64, expert of each pair (ascending)
-    weights: torch.Tensor  # [P] float32, routing weight of each pair
-    offsets: torch.Tensor  # [E] int32, cumulative end row of each expert's group
-    padded: bool = False  # True: T * k_max rows, rows from offsets[-1] on are padding (token T, weight 0)
-    slot_row: torch.Tensor | None = None  # [T, K] int32 row of each plan slot, -1 if unused (padded layouts)
-
-    @property
-    def num_pairs(self) -> int:
-        """Rows in the layout: the kept pairs, or the worst case T * k_max when padded."""
-        return self.token_idx.shape[0]
+from moelab.plan import PairLayout, RoutingPlan, check_experts
 
 
 def pair_layout(plan: RoutingPlan) -> PairLayout:
@@ -116,7 +92,6 @@ def make_layout(plan: RoutingPlan) -> PairLayout:
         from moelab.kernels.layout import pair_layout_padded
 
         check_kernel_input(plan.expert_ids, "set_layout('padded')")
-
         return pair_layout_padded(plan)
     return pair_layout(plan)
 
@@ -125,10 +100,7 @@ _GEMM_MODE = "auto"  # "auto" | "triton" | "grouped" | "loop"
 
 
 def set_gemm(mode: str) -> None:
-    """Force the expert GEMM: 'auto' (Triton fused on CUDA padded layouts with at most
-    FUSED_MAX_ROWS_PER_EXPERT rows per expert or, above 128, where the device's tuned entry beat CUTLASS;
-    else grouped where supported, else the loop), 'triton' (moelab.kernels.grouped; padded layouts with
-    slot_row and a SiLU activation only), 'grouped' (torch._grouped_mm) or 'loop'."""
+    """Force the expert GEMM: 'auto', 'triton', 'grouped' or 'loop' (see the module docstring)."""
     global _GEMM_MODE
     if mode not in ("auto", "triton", "grouped", "loop"):
         raise ValueError(f"gemm mode={mode!r}: must be 'auto', 'triton', 'grouped' or 'loop'")
@@ -140,18 +112,14 @@ def get_gemm() -> str:
     return _GEMM_MODE
 
 
-# 'auto' takes the Triton experts up to this many padded rows (T * k_max) per expert: on the H200
-# (archive/moe-layer-20261130-c17d25a.json.xz) the Triton layer was faster at T = 16 and 64 (4-16 rows per expert;
-# e.g. Mixtral-like T = 16: 0.69 against 1.08 ms, OLMoE-like T = 64 in a graph: 0.24 against 0.33 ms). Above,
-# CUTLASS, unless the device's tuned entry says the Triton GEMMs beat it (fused_supported; tuned entries cover
-# more than 128 padded rows per expert only, so from 33 to 128 it is CUTLASS).
+# 'auto' takes the Triton experts up to this many padded rows (T * k_max) per expert (decode sizes)
 FUSED_MAX_ROWS_PER_EXPERT = 32
 
 
 def fused_supported(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, rows: int = 0) -> bool:
-    """Whether 'auto' runs the Triton fused experts (moelab.kernels.grouped) on these operands: CUDA,
-    bf16 / fp16, same dtype, contiguous weights, at most 256 experts, and at most FUSED_MAX_ROWS_PER_EXPERT
-    padded rows per expert or a tuned entry measured faster than CUTLASS for this shape and device."""
+    """Whether 'auto' runs the Triton fused experts on these operands: CUDA, bf16 / fp16, one dtype, contiguous
+    weights, at most 256 experts, and at most FUSED_MAX_ROWS_PER_EXPERT padded rows per expert or a tuned entry
+    that beats CUTLASS for this shape and device."""
     E, H, D = gate_up.shape
     if not (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and gate_up.dtype == x.dtype == down.dtype
             and gate_up.is_contiguous() and down.is_contiguous() and E <= 256):
@@ -192,27 +160,6 @@ def grouped_gemm(x_PK: torch.Tensor, w_ENK: torch.Tensor, offsets_E: torch.Tenso
     return y
 
 
-def check_plan(plan: RoutingPlan, T: int, E: int) -> None:
-    """A plan for T tokens and E experts: its type, shapes, dtypes and num_experts (no host sync on CUDA, so a
-    forward stays capturable: expert ids are range-checked on CPU tensors only)."""
-    if not isinstance(plan, RoutingPlan):
-        raise ValueError(f"plan={plan!r}: must be a RoutingPlan (moelab.routing.route)")
-    ids, w, k = plan.expert_ids, plan.weights, plan.k
-    if ids.dim() != 2 or w.shape != ids.shape or k.shape != ids.shape[:1]:
-        raise ValueError(f"plan expert_ids {tuple(ids.shape)}, weights {tuple(w.shape)}, k {tuple(k.shape)}: "
-                         "must be [T, K], [T, K] and [T]")
-    if ids.dtype.is_floating_point or ids.dtype == torch.bool or not w.dtype.is_floating_point:
-        raise ValueError(f"plan expert_ids {ids.dtype}, weights {w.dtype}: must be integer ids and float weights")
-    if plan.num_tokens != T:
-        raise ValueError(f"plan has {plan.num_tokens} tokens but x has T={T}")
-    if plan.num_experts != E:
-        raise ValueError(f"plan has num_experts={plan.num_experts} but the weights have E={E}")
-    if ids.device.type == "cpu":
-        bad = ids[(ids < -1) | (ids >= E)]
-        if bad.numel():
-            raise ValueError(f"plan.expert_ids holds {int(bad[0])}: must be -1 (unused) or an expert in [0, E={E})")
-
-
 def run_experts(
     x_TD: torch.Tensor,
     plan: RoutingPlan,
@@ -222,18 +169,8 @@ def run_experts(
     layout: PairLayout | None = None,
 ) -> torch.Tensor:
     """Sum over kept experts of weight * down(act(gate(x)) * up(x)); returns [T, D] in x's dtype."""
-    if x_TD.dim() != 2 or gate_up_EHD.dim() != 3 or down_EDF.dim() != 3:
-        raise ValueError(f"x {tuple(x_TD.shape)}, gate_up {tuple(gate_up_EHD.shape)}, down {tuple(down_EDF.shape)}: "
-                         "must be [T, D], [E, 2F, D] and [E, D, F]")
+    check_experts(x_TD, plan, gate_up_EHD, down_EDF)
     T, D = x_TD.shape
-    E, H = gate_up_EHD.shape[:2]
-    check_plan(plan, T, E)
-    if gate_up_EHD.shape[2] != D or H % 2 or tuple(down_EDF.shape) != (E, D, H // 2):
-        raise ValueError(f"weights gate_up {tuple(gate_up_EHD.shape)} / down {tuple(down_EDF.shape)}: must be "
-                         f"[E, 2F, D] / [E, D, F] with E={E}, hidden D={D} (from x) and one F")
-    if not x_TD.dtype == gate_up_EHD.dtype == down_EDF.dtype or not x_TD.dtype.is_floating_point:
-        raise ValueError(f"dtypes x {x_TD.dtype}, gate_up {gate_up_EHD.dtype}, down {down_EDF.dtype}: "
-                         "must be one dtype, a floating-point one")
     layout = layout if layout is not None else make_layout(plan)
     fusable = layout.padded and layout.slot_row is not None and is_silu(act_fn)
     if _GEMM_MODE == "triton" and not fusable:

@@ -1,23 +1,20 @@
 """Grouped expert GEMMs in Triton over the padded pair layout: the layer's work scales with the kept pairs.
 
-The torch._grouped_mm path (moelab.experts) runs gather -> GEMM -> SwiGLU -> GEMM -> combine, with
-CUTLASS's 128-row tiles: every expert's last partial tile is mostly wasted, and the gather and SwiGLU
-passes add fixed cost. Here two launches of one kernel do the same with row tiles sized to the rows per
-expert (16 / 32 at few, 64 or a device's tuned size at many):
-- A, gate_up + SwiGLU: rows of x gathered through token_idx straight into the GEMM (no x_PD copy),
-  gate and up accumulated side by side for the same F columns, a_PF = silu(gate) * up written once;
+Two launches of one kernel, with row tiles sized to the rows per expert:
+- A, gate_up + SwiGLU: rows of x gathered through token_idx straight into the GEMM (no x_PD copy), gate and up
+  accumulated side by side for the same F columns, a_PF = silu(gate) * up written once;
 - B, down: y_PD = a_PF @ down_EDF[e].T;
 then `combine_rows` (moelab.kernels.experts) sums each token's rows.
 
-Tile map, on the device (no host sync, so a CUDA graph runs with any number of kept pairs): the
-grid has an upper bound of row tiles; each program reads the E group ends `offsets`, counts
-cdiv(count_e, BLOCK_M) tiles per expert, and finds its expert and rows from the cumsum of those
-counts. A tile never crosses an expert boundary; programs past the total return at once.
+Tile map, on the device (no host sync, so a CUDA graph runs with any number of kept pairs): the grid has an
+upper bound of row tiles; each program reads the E group ends `offsets`, counts cdiv(count_e, BLOCK_M) tiles per
+expert, and finds its expert and rows from the cumsum of those counts. A tile never crosses an expert boundary;
+programs past the total return at once.
 
-Launch configurations: `DEFAULT` (BLOCK_M 64) and `FEW_ROWS` (BLOCK_M 16 / 32 for few rows per
-expert), from vLLM fused_moe's bf16 table for the H200, and a per-device table `TUNED` filled in from
-a GPU tuning run (vLLM keeps per-device configs the same way); `launch_config` picks. A configuration
-with TMA loads weight tiles through tensor descriptors (Hopper's bulk copies) instead of pointer loads.
+Launch configurations: `DEFAULT` (BLOCK_M 64) and `FEW_ROWS` (BLOCK_M 16 / 32 for few rows per expert), from
+vLLM fused_moe's bf16 table for the H200, updated key by key by the device's tuned entries (`TUNED` at many rows
+per expert, `FEW_TUNED` at decode sizes; kernels/configs/*.json); `launch_config` picks. A configuration with TMA
+loads weight tiles through tensor descriptors (Hopper's bulk copies) instead of pointer loads.
 """
 
 from __future__ import annotations
@@ -33,10 +30,9 @@ try:  # host-side tensor descriptors (Triton 3.4+): the TMA weight loads of the 
 except ImportError:  # pragma: no cover - older Triton: pointer loads only
     TensorDescriptor = None
 
-from moelab.experts import PairLayout
-from moelab.kernels import cdiv, device_table, interpreting, launch, on_device_of, own_table, pow2
+from moelab.kernels import cdiv, device_table, interpreting, launch, load_tables, on_device_of, own_table, pow2
 from moelab.kernels.experts import combine_rows
-from moelab.routing import RoutingPlan
+from moelab.plan import PairLayout, RoutingPlan, check_experts
 
 __all__ = ["fused_experts", "gate_up_swiglu", "down_proj", "tile_map", "launch_config", "max_tiles",
            "tma_supported", "tuned_beats_cutlass", "DEFAULT", "FEW_ROWS", "FEW_TUNED", "TUNED", "MAX_EXPERTS"]
@@ -46,107 +42,25 @@ _INTERPRET = interpreting()
 
 # per kernel: BLOCK_M rows (of one expert) x BLOCK_N output columns, BLOCK_K of the reduction per step.
 # gate_up: BLOCK_N columns of F for gate and up each (two accumulators), so BLOCK_N 64 here is vLLM's 128
-# columns of the fused 2F output. Starting points from vLLM's fused_moe table for the H200, bf16,
-# E=128, N=1024 (one config for both GEMMs there): BLOCK_M 64 / N 128 / K 64, 4 warps, 3 stages from
-# 3072 tokens on, BLOCK_M 32 (K 128, 8 warps) at 1536-2048, BLOCK_M 16 (K 128) below; here as padded
-# rows per expert with k = 8 (192+, 96-128, up to 64). Not measured on moelab's kernels yet: see TUNED.
+# columns of the fused 2F output.
 DEFAULT = {
     "gate_up": {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3, "GROUP_M": 16},
     "down": {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3, "GROUP_M": 16},
 }
-# fewer rows per expert (N / E, N = T * k_max padded rows): smaller row tiles waste less on each group
+# fewer padded rows per expert (N / E, N = T * k_max): smaller row tiles waste less on each group
 FEW_ROWS = [
     (64, {"gate_up": {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3},
           "down": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3}}),
     (128, {"gate_up": {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3},
            "down": {"BLOCK_M": 32, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3}}),
 ]
-
-# device name -> {(D, F): [(N up to, {"gate_up": {...}, "down": {...}, "beats_cutlass": bool}), ...]} (N = T * k_max
-# rows); an entry's dicts update the default's key by key (many rows per expert only). beats_cutlass: the tuning
-# run measured these GEMMs faster than torch._grouped_mm (with its gather and SwiGLU passes) on every plan it
-# timed (native and entropy-adaptive), so set_gemm('auto') takes them at many rows per expert too (moelab.experts).
-_TMA_128 = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "GROUP_M": 16, "TMA": True}
-_64 = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4, "GROUP_M": 16, "TMA": True}
-_FLAT = {"TMA": True, "PERSISTENT": True, "FLATTEN": True}
-TUNED: dict[str, dict[tuple[int, int], list]] = {
-    # benchmarks/moe_kernels.py tuned_experts_table() on data/results/experts-tune-20261201.json.xz (H200, torch 2.11,
-    # triton 3.6, at 18235a1, T = 4096, median of 3 interleaved rounds in shuffled order, picked over three plans:
-    # native top-k, the terciles policy and the median policy, tune_policies). The first few configurations of a
-    # GEMM are within a few percent, less than one round's spread, so picks move between runs. The down GEMMs run
-    # in persistent programs with the tile and K loops flattened; OLMoE- and Qwen-like ones with 64 x 256 tiles
-    # and 5 stages (OLMoE-like 244 / 160 us native / adaptive against 266 / 179 for 128 x 256 with 4).
-    # OLMoE-like: faster than CUTLASS on every plan (gate_up + down 836 against 912 us native, 542 against 698
-    # terciles, 680 against 719 median); Mixtral-like and Qwen-like: not on every plan (Mixtral-like 5107 against
-    # 4975 us native; Qwen-like 696 against 794 native but 485 against 481 terciles), CUTLASS stays 'auto'
-    "NVIDIA H200": {
-        (4096, 14336): [(2**62, {"gate_up": {**_TMA_128, "num_stages": 4},
-                                 "down": {**_TMA_128, "BLOCK_N": 256, "num_stages": 4, **_FLAT},
-                                 "beats_cutlass": False})],
-        (2048, 1024): [(2**62, {"gate_up": {**_64, "num_stages": 5},
-                                "down": {**_64, "BLOCK_N": 256, "num_stages": 5, **_FLAT},
-                                "beats_cutlass": True})],
-        (2048, 1408): [(2**62, {"gate_up": {**_TMA_128, "num_stages": 4},
-                                "down": {**_64, "BLOCK_N": 256, "num_stages": 5, **_FLAT},
-                                "beats_cutlass": False})],
-    },
-    # tuned_experts_table() on data/results/archive/experts-tune-20261205-h100.json.xz (H100 SXM, torch 2.11,
-    # triton 3.6, at 4d6b4df, `.ci/gpu tune-gemm`). Against the H200's picks on the same H100 run: OLMoE-like
-    # 827 / 569 us native / terciles against 906 / 598, Mixtral-like 4898 against 5217 native; Qwen-like the
-    # H200's picks. OLMoE- and Qwen-like beat CUTLASS on every plan there (Qwen-like by 1% on the terciles plan)
-    "NVIDIA H100 80GB HBM3": {
-        (4096, 14336): [(2**62, {"gate_up": {**_TMA_128, "num_stages": 3, "PERSISTENT": True},
-                                 "down": {**_TMA_128, "BLOCK_N": 256, "num_stages": 3, **_FLAT},
-                                 "beats_cutlass": False})],
-        (2048, 1024): [(2**62, {"gate_up": {**_TMA_128, "num_stages": 4},
-                                "down": {**_64, "BLOCK_N": 256, "num_stages": 5, **_FLAT},
-                                "beats_cutlass": True})],
-        (2048, 1408): [(2**62, {"gate_up": {**_TMA_128, "num_stages": 4},
-                                "down": {**_64, "BLOCK_N": 256, "num_stages": 5, **_FLAT},
-                                "beats_cutlass": True})],
-    },
-}
-
-# device name -> {(D, F): {"gate_up": {...}, "down": {...}}}: the few-row class (FEW_ROWS[0], decode sizes) per layer
-# shape, updating FEW_ROWS[0]'s launch key by key; measured by `benchmarks/moe_kernels.py --parts tune-few`
-# (`report.least_regret` over native and adaptive plans at T = 16 and 64: moe_kernels.tuned_few_table, in the form
-# moe_kernels.few_entries gives). H100 SXM, torch 2.11, triton 3.6: data/results/archive/experts-tune-few-20261205-
-# h100.json.xz (at 5a0e2a7, 16-row tiles, every shape) and, for the Mixtral-like shape,
-# archive/experts-tune-few-20261205-h100-mixtral.json.xz (79bee78, with 32-row tiles): at T = 64 an expert there gets
-# more than 16 rows and 16-row tiles read its weights twice or more (gate_up + down 1364 us native against 959 with
-# 32-row tiles, CUTLASS 1136); OLMoE- and Qwen-like 16-row tiles with longer K steps, 1-6% faster. In the layer
-# (archive/moe-layer-20261205-h100-few.json.xz, graph time) the Mixtral-like T = 64 went from 1349 to 966 us (hf
-# grouped_mm block 1219 eager), the others about 2% down. H200, same versions: archive/experts-tune-few-20261205-
-# h200-few.json.xz (16118e1, every candidate in one run); its layer with them (moe-layer-20261205-h200-few.json.xz,
-# the run before them beside it, -16118e1-h200-few): Mixtral-like T = 64 971 -> 668 us, the others 1-3% down. A device
-# takes only its own entries here (`.ci/gpu decode-layer tune-few` measures a new one).
-FEW_TUNED: dict[str, dict[tuple[int, int], dict]] = {
-    "NVIDIA H200": {
-        (4096, 14336): {"gate_up": {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3,
-                                    "TMA": True},
-                        "down": {"BLOCK_M": 32, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 4,
-                                 "TMA": True}},
-        (2048, 1024): {"gate_up": {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3,
-                                   "TMA": True},
-                       "down": {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3,
-                                "TMA": True}},
-        (2048, 1408): {"gate_up": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3,
-                                   "GROUP_M": 8, "TMA": True},
-                       "down": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3,
-                                "TMA": True}},
-    },
-    "NVIDIA H100 80GB HBM3": {
-        (4096, 14336): {"gate_up": {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3},
-                        "down": {"BLOCK_M": 32, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8, "num_stages": 4,
-                                 "TMA": True}},
-        (2048, 1024): {"gate_up": {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3},
-                       "down": {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3,
-                                "TMA": True}},
-        (2048, 1408): {"gate_up": {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3},
-                       "down": {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 5,
-                                "TMA": True}},
-    },
-}
+# device name -> {(D, F): [(N rows up to, {"gate_up": {...}, "down": {...}, "beats_cutlass": bool})]}, many rows per
+# expert (N > FEW_ROWS' last bound); beats_cutlass: the tuning run measured these GEMMs faster than torch._grouped_mm
+# (with its gather and SwiGLU passes) on every plan it timed, so set_gemm('auto') takes them there too.
+TUNED: dict[str, dict[tuple[int, int], list]] = load_tables("grouped")
+# device name -> {(D, F): {"gate_up": {...}, "down": {...}}}: the few-row class (FEW_ROWS[0], decode sizes); a device
+# takes only its own entries here.
+FEW_TUNED: dict[str, dict[tuple[int, int], dict]] = load_tables("few_rows")
 
 
 def launch_config(N: int, E: int, D: int, Fd: int, device: torch.device | None = None) -> dict:
@@ -178,9 +92,8 @@ def _tuned_entry(N: int, D: int, Fd: int, cuda: int) -> dict | None:
 
 
 def tuned_beats_cutlass(N: int, E: int, D: int, Fd: int, device: torch.device) -> bool:
-    """Whether this device's tuning run (benchmarks/moe_kernels.py --parts tune-gemm) measured the tuned
-    GEMMs faster than torch._grouped_mm at many rows per expert for (D, F), on every plan it timed
-    ('beats_cutlass' in the TUNED entry): then set_gemm('auto') runs them there too."""
+    """The TUNED entry's 'beats_cutlass' for (D, F) at many rows per expert: then set_gemm('auto') runs the Triton
+    GEMMs there too."""
     if device.type != "cuda" or N <= FEW_ROWS[-1][0] * E:
         return False
     return bool((_tuned_entry(N, D, Fd, device.index or 0) or {}).get("beats_cutlass", False))
@@ -388,9 +301,8 @@ def _launch_gemm(a: torch.Tensor, tok: torch.Tensor | None, offsets_E: torch.Ten
                 PRECISION=_precision(a.dtype), GROUP_M=cfg.get("GROUP_M", 1), GATED=tok is not None)
     a_desc = w_desc = None
     if cfg.get("TMA") and tma_supported(a, w):
-        # host-built descriptors (built on the device, in every program, they made the GEMMs slower:
-        # archive/experts-tune-20261130-13bd670.json.xz); their block shapes and data type follow from the
-        # constexprs and a's dtype, which the launcher's cache key holds
+        # host-built descriptors (faster than building them in every program); their block shapes and data type
+        # follow from the constexprs and a's dtype, which the launcher's cache key holds
         w_desc = TensorDescriptor.from_tensor(w.view(-1, KD), [bn, bk])
         a_desc = None if tok is not None else TensorDescriptor.from_tensor(a, [bm, bk])  # gathered rows: pointers
     args = (a, a if a_desc is None else a_desc, rows_from, offsets_E, w, w if w_desc is None else w_desc, out,
@@ -447,47 +359,31 @@ _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def _check(x_TD, layout, gate_up_EHD, down_EDF, plan) -> None:
-    """Clear errors for what the kernels assume: shapes, dtypes, contiguity, devices, a padded layout."""
-    if x_TD.dim() != 2:
-        raise ValueError(f"x shape {tuple(x_TD.shape)}: must be [T, D]")
-    T, D = x_TD.shape
+    """Beyond `check_experts`, what the kernels assume: dtypes, contiguity, devices, at most MAX_EXPERTS experts,
+    a padded layout."""
+    check_experts(x_TD, plan, gate_up_EHD, down_EDF)
+    (T, _), E = x_TD.shape, gate_up_EHD.shape[0]
     if x_TD.dtype not in _DTYPES:
         raise ValueError(f"x dtype={x_TD.dtype}: must be one of {_DTYPES}")
     if x_TD.dtype == torch.bfloat16 and not x_TD.is_cuda and _INTERPRET:
         raise ValueError("x dtype=torch.bfloat16 under TRITON_INTERPRET: the interpreter's bf16 tl.dot returns wrong "
                          "sums, so these GEMMs need float32 or float16 on the CPU (or a GPU)")
-    for name, w in (("gate_up", gate_up_EHD), ("down", down_EDF)):
-        if w.dim() != 3:
-            raise ValueError(f"{name} shape {tuple(w.shape)}: must be 3-D ([E, 2F, D] / [E, D, F])")
-        if w.dtype != x_TD.dtype:
-            raise ValueError(f"{name} dtype={w.dtype} but x dtype={x_TD.dtype}: must be the same")
-        if not w.is_contiguous():
-            raise ValueError(f"{name} weights are not contiguous (strides {w.stride()}): need contiguous")
-        if w.device != x_TD.device:
-            raise ValueError(f"{name} on {w.device} but x on {x_TD.device}: must be on the same device")
-    E, H, Dw = gate_up_EHD.shape
-    if H % 2 or Dw != D:
-        raise ValueError(f"gate_up shape {tuple(gate_up_EHD.shape)}: must be [E, 2F, D] with D={D}")
-    if tuple(down_EDF.shape) != (E, D, H // 2):
-        raise ValueError(f"down shape {tuple(down_EDF.shape)}: must be [E, D, F] = {(E, D, H // 2)}")
     if not 1 <= E <= MAX_EXPERTS:
         raise ValueError(f"E={E} experts: must be 1..{MAX_EXPERTS}")
-    if plan.num_tokens != T or plan.num_experts != E:
-        raise ValueError(f"plan has {plan.num_tokens} tokens / {plan.num_experts} experts but x has T={T} and "
-                         f"the weights E={E}: must match")
+    if tuple(layout.offsets.shape) != (E,) or layout.offsets.dtype != torch.int32:
+        raise ValueError(f"layout.offsets {tuple(layout.offsets.shape)} {layout.offsets.dtype}: must be [E={E}] int32")
     if layout.slot_row is None:
         raise ValueError("layout has no slot_row: need a padded layout (moelab.kernels.layout.pair_layout_padded)")
     if tuple(layout.slot_row.shape) != (T, plan.k_max) or layout.slot_row.dtype != torch.int32:
         raise ValueError(f"layout.slot_row {tuple(layout.slot_row.shape)} {layout.slot_row.dtype}: must be "
                          f"[T, k_max] = {(T, plan.k_max)} int32")
-    if tuple(layout.offsets.shape) != (E,) or layout.offsets.dtype != torch.int32:
-        raise ValueError(f"layout.offsets {tuple(layout.offsets.shape)} {layout.offsets.dtype}: must be [E={E}] int32")
     if layout.token_idx.dim() != 1 or layout.token_idx.dtype != torch.int64:
         raise ValueError(f"layout.token_idx {tuple(layout.token_idx.shape)} {layout.token_idx.dtype}: must be [N] "
                          "int64")
-    for name, t in (("offsets", layout.offsets), ("token_idx", layout.token_idx), ("slot_row", layout.slot_row)):
+    for name, t in (("gate_up", gate_up_EHD), ("down", down_EDF), ("layout.offsets", layout.offsets),
+                    ("layout.token_idx", layout.token_idx), ("layout.slot_row", layout.slot_row)):
         if t.device != x_TD.device or not t.is_contiguous():
-            raise ValueError(f"layout.{name} on {t.device}, contiguous={t.is_contiguous()}: must be contiguous on "
+            raise ValueError(f"{name} on {t.device}, contiguous={t.is_contiguous()}: must be contiguous on "
                              f"{x_TD.device}")
 
 

@@ -15,9 +15,7 @@ each block's count of earlier pairs per expert, and each expert's total; (3) eac
 (expert, slot) keys (tl.sort, Q elements), so a pair's row is its expert's start (a cumsum of the totals,
 which the first program also stores as `offsets`) + the earlier blocks' pairs of that expert + its place
 in the sorted block less the place of the expert's first pair there; stores in sorted order land in runs
-of consecutive rows. The version before built dense [tokens, experts] tiles in (1) and (3), work that grew
-with E: 67 / 132 / 172 us at T = 65536 for E = 64 / 128 / 256 on the H200, 17 us at T = 4096, E = 64
-(data/results/archive/pair-layout-20261130-65de188.json.xz); the sort does the same at any E.
+of consecutive rows. The sort does the same work at any E.
 """
 
 from __future__ import annotations
@@ -26,9 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from moelab.experts import PairLayout
 from moelab.kernels import cdiv, launch, on_device_of, pow2
-from moelab.routing import RoutingPlan
+from moelab.plan import PairLayout, RoutingPlan
 
 __all__ = ["pair_layout_padded", "launch_config", "LAUNCH"]
 
@@ -107,9 +104,7 @@ LAUNCH = {"block_slots": None, "warps": None, "scan_cells": None}
 
 def _block_slots(N: int, E: int) -> int:
     """Plan slots per block Q (sorted by one program of Q / 128 warps): 128 for E <= 16 or up to 2^14 slots,
-    512 above 2^18 slots, else 256. From the H200 sweep of Q = 128-1024 and 1-8 warps at E = 8-256,
-    T = 16-65536 (`benchmarks/pair_layout.py --sweep`, topic pair-layout-sweep, which gives each point's
-    time over its fastest configuration)."""
+    512 above 2^18 slots, else 256 (`benchmarks/pair_layout.py --sweep` measures the rule against the others)."""
     q = 128 if E <= 16 or N <= 1 << 14 else (512 if N > 1 << 18 else 256)
     return max(2, min(q, pow2(N)))  # a sort of one element is not compiled
 

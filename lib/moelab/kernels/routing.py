@@ -1,29 +1,24 @@
 """Fused routing kernel: router logits [T, E] -> RoutingPlan in one Triton launch, no host sync.
 
-One program routes BLOCK_T tokens: fp32 softmax (as log-softmax then exp, the reference's formula),
-entropy, the k_max largest probabilities with the lowest index first on ties (the reference's stable
-descending sort), the policy's per-token k, the mask and the model's normalisation. Four compiled
-selections find the k_max largest: on tiles of tokens x experts, k_max rounds of an int64 max over
-(probability bits, reversed index) keys, a bitonic tl.topk of those keys, or k_max rounds of an fp32
-max and the lowest index holding it; or with rows in threads ('rowwise'), each key inserted into k_max
-sorted registers (bf16 / fp16 logits: 32-bit (logit, reversed index) keys, one pass, a row split over
-up to 16 threads; 'rowsort': chunks of eight keys sorted and merged, also for 8 < k_max <= 16 into a
-best eight and a next eight). Which is fastest depends on E,
-k_max and T (TUNED, per device). k_max and the launch shape are compile-time constants; so is the policy
-kind, except in the fp32 row kernel ('rowwise' / 'rowsort' with fp32 logits, k_max <= 8, BLOCK_E <= 64: on
-the H200 the embedded fp32 models' path, but for E <= 8 at T <= 16), where one compiled kernel serves every kind.
-Optional running statistics (k histogram, entropy sum, tokens) are
-added to device tensors with atomics, so the call can be captured in a CUDA graph.
-`moelab.routing.route` dispatches here on CUDA (or when the backend is forced to 'triton'; on a CPU
-that needs TRITON_INTERPRET=1).
+One program routes a block of tokens: fp32 softmax (as log-softmax then exp, the reference's formula), entropy,
+the k_max largest probabilities with the lowest index first on ties (the reference's stable descending sort), the
+policy's per-token k, the mask and the model's normalisation. Two ways find the k_max largest (`_rows_select`):
+- 'rounds': on tiles of tokens x experts, k_max rounds of an int64 max over (probability bits, reversed index)
+  keys (`_route_kernel`);
+- 'rowwise' / 'rowsort': each thread owns whole rows and inserts each key into k_max sorted registers
+  (`_route_rows_kernel`, int64 keys, fp32 logits, k_max <= 8, BLOCK_E <= 64); bf16 / fp16 logits take 32-bit
+  (logit, reversed index) keys in one pass, a row split over up to 16 threads (`_route_rows16_kernel`; 'rowsort':
+  chunks of eight keys sorted and merged, which also takes 8 < k_max <= 16).
+Which is fastest depends on E, k_max and T: the per-device tuned table (TUNED, from kernels/configs/*.json). k_max
+and the launch shape are compile-time constants; so is the policy kind, except in the fp32 row kernel, where one
+compiled kernel serves every kind. Optional running statistics (k histogram, entropy sum, tokens) are added to
+device tensors with atomics, so a call can be captured in a CUDA graph.
 
-Exactness: ids, k and the tie order match `route_torch` whenever the fp32 probabilities are either
-equal (ties, broken by the lower index) or apart by more than the last-bit differences of two exp
-implementations; weights agree within 1e-6. One exception: the 16-bit row kernels rank by logit, so
-where two different bf16 / fp16 logits round to the same fp32 probability (x - max equal in fp32, or
-both underflowing to 0) they put the larger logit first, the true softmax order, where the reference
-puts the lower index; equal logits go to the lower index in both. Entropy is summed in another order
-(about 1e-6 apart; the 16-bit row kernel sums it online as log s - sum p (x - m)).
+Exactness: ids, k and the tie order match `route_torch` whenever the fp32 probabilities are equal (ties, broken by
+the lower index) or apart by more than the last-bit differences of two exp implementations; weights agree within
+1e-6. One exception: the 16-bit row kernels rank by logit, so where two different bf16 / fp16 logits round to the
+same fp32 probability they put the larger logit first (the true softmax order) where the reference puts the lower
+index. Entropy is summed in another order (about 1e-6 apart).
 """
 
 from __future__ import annotations
@@ -35,8 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-from moelab.kernels import Launcher, cdiv, device_table, on_device_of, pow2
-from moelab.routing import (
+from moelab.kernels import Launcher, cdiv, device_table, load_tables, on_device_of, pow2
+from moelab.plan import (
     KERNEL_MAX_EXPERTS,
     KERNEL_MAX_K,
     KERNEL_MAX_K_VALUES,
@@ -46,60 +41,18 @@ from moelab.routing import (
     RoutingPlan,
     TopK,
     TopP,
+    check_int,
 )
 
-__all__ = ["route_triton", "RoutingStats", "launch_config", "MAX_K_VALUES", "MAX_EXPERTS"]
-
-MAX_EXPERTS = KERNEL_MAX_EXPERTS  # one tile row holds all of a token's logits
-MAX_K_VALUES = KERNEL_MAX_K_VALUES  # EntropyAdaptiveK levels passed as scalars (no device tensor built per call)
+__all__ = ["route_triton", "RoutingStats", "launch_config", "clear_launch_caches", "TUNED", "DEFAULT", "LAUNCH"]
 
 _TOPK, _ADAPTIVE, _TOPP, _RATIO = 0, 1, 2, 3
-# Launch configuration per device, (BLOCK_E, BLOCK_K) and token count: (T up to, {select, warps, tile,
-# split}), tile = logits per program (rowwise: rows per program x BLOCK_E), split = threads per row (the
-# 16-bit row kernel). Measured by `benchmarks/moe_kernels.py --parts tune` (data/results/routing-tune-*.json);
-# a (BLOCK_E, BLOCK_K) not listed takes the entry of the same BLOCK_E with the nearest BLOCK_K; a device not
-# listed, or a shape its table lacks, takes a same-SM device's entries (kernels.device_table), else DEFAULT.
-# LAUNCH overrides any of the four (benchmarks and tests set it).
+# Launch per device, (BLOCK_E, BLOCK_K) and token count: [(T up to, {select, warps, tile, split})], tile = logits per
+# program (rows: rows per program x BLOCK_E), split = threads per row (the 16-bit row kernel). A (BLOCK_E, BLOCK_K)
+# not listed takes the entry of the same BLOCK_E with the nearest BLOCK_K; a device or shape not listed, a same-SM
+# device's entries (kernels.device_table), else DEFAULT. LAUNCH overrides any of the four (benchmarks and tests).
 DEFAULT = {"select": "rounds", "warps": None, "tile": 1024, "split": 1}  # warps None: 8 for E <= 16, else 4
-_R4 = {"select": "rounds", "warps": 4, "tile": 1024, "split": 1}
-
-
-def _rows(warps: int, tile: int, split: int, select: str = "rowwise") -> dict:
-    return {"select": select, "warps": warps, "tile": tile, "split": split}
-
-
-TUNED: dict[str, dict[tuple[int, int], list]] = {
-    # benchmarks/moe_kernels.py tuned_table() on the rows of data/results/routing-tune-20261130.json.xz (H200,
-    # torch 2.11, triton 3.6, measured at 7a973f4: the row kernels against the table's previous picks;
-    # bf16 logits take the 32-bit-key row kernel at every E listed, fp32 the int64 one up to BLOCK_E 64)
-    "NVIDIA H200": {
-        (8, 2): [(16, _R4), (512, _rows(4, 1024, 1)), (4096, _rows(2, 512, 1)), (2**62, _rows(4, 1024, 1))],
-        (64, 4): [(512, _rows(4, 1024, 8)), (2**62, _rows(2, 1024, 4))],
-        (64, 8): [(16, _rows(4, 1024, 8)), (512, _rows(4, 1024, 8, "rowsort")), (4096, _rows(4, 2048, 4, "rowsort")),
-                  (2**62, _rows(2, 2048, 2, "rowsort"))],
-        (128, 8): [(512, _rows(4, 2048, 8)), (4096, _rows(4, 2048, 8, "rowsort")),
-                   (2**62, _rows(4, 8192, 2, "rowsort"))],
-        # wider routers: tuned_table() on data/results/routing-tune-wide-20261203.json (at f646a4f, `--parts
-        # tune,routing-wide --tune-routing-shapes 256:8,512:10`): Qwen3.5's 256 experts, top-8, and Qwen3-Next's
-        # 512, top-10 (the row kernel's best eight and next eight, 8 < k <= 16)
-        (256, 8): [(16, _rows(4, 4096, 8, "rowsort")), (512, _rows(2, 2048, 8, "rowsort")),
-                   (4096, _rows(4, 4096, 8, "rowsort")), (2**62, _rows(4, 16384, 2, "rowsort"))],
-        (512, 16): [(512, _rows(4, 4096, 16, "rowsort")), (2**62, _rows(2, 4096, 8, "rowsort"))],
-    },
-    # tuned_table() on data/results/archive/routing-tune-20261205-h100.json.xz (H100 SXM, torch 2.11, triton 3.6,
-    # at 4d6b4df, `.ci/gpu tune-routing`: every selection). The H200's picks were within 3% of these there
-    # (E = 128, T = 65536: 14.15 against 14.14 us, 50.5% of the H100's HBM bound); the wide routers take the
-    # H200's entries (kernels.device_table)
-    "NVIDIA H100 80GB HBM3": {
-        (8, 2): [(16, _R4), (512, _rows(4, 1024, 1)), (4096, _rows(4, 1024, 1)), (2**62, _rows(2, 512, 1))],
-        (64, 4): [(16, _rows(4, 1024, 8)), (512, _rows(4, 1024, 8)), (4096, _rows(4, 2048, 4)),
-                  (2**62, _rows(2, 1024, 4))],
-        (64, 8): [(16, _rows(2, 512, 8)), (512, _rows(4, 1024, 8, "rowsort")), (4096, _rows(4, 2048, 4, "rowsort")),
-                  (2**62, _rows(2, 2048, 2, "rowsort"))],
-        (128, 8): [(16, _rows(4, 2048, 8, "rowsort")), (512, _rows(4, 2048, 8, "rowsort")),
-                   (4096, _rows(2, 1024, 8, "rowsort")), (2**62, _rows(2, 4096, 2, "rowsort"))],
-    },
-}
+TUNED: dict[str, dict[tuple[int, int], list]] = load_tables("routing")
 LAUNCH = {"select": None, "warps": None, "tile": None, "split": None}
 
 
@@ -124,8 +77,7 @@ def _launch_config(T: int, E: int, K: int, cuda: int, overrides: tuple) -> dict:
     block_e = pow2(max(E, 2))
     cfg = dict(DEFAULT)
     if cuda >= 0:
-        table = device_table(TUNED, cuda)  # its own entries, else a same-SM device's
-        for t_max, tuned in _tuned_entries(table, block_e, pow2(K)):
+        for t_max, tuned in _tuned_entries(device_table(TUNED, cuda), block_e, pow2(K)):
             if T <= t_max:
                 cfg.update(tuned)
                 break
@@ -140,47 +92,31 @@ STATS_SLOTS = 64  # programs add their statistics into slot pid % 64: less conte
 
 @dataclass
 class RoutingStats:
-    """Running routing statistics kept on the device; read them with `summary()` (one host sync).
-
-    Each row is one slot: kernel programs spread their atomic adds over the slots, summary() adds them up."""
+    """Running routing statistics kept on the device; read them with `summary()` (one host sync). Each row is one
+    slot: kernel programs spread their atomic adds over the slots, summary() adds them up."""
 
     k_hist: torch.Tensor  # [slots, k_max + 1] int64, tokens that kept j experts
     entropy_sum: torch.Tensor  # [slots] float64, nats
     tokens: torch.Tensor  # [slots] int64
 
     @classmethod
-    def zeros(cls, k_max: int, device, slots: int = STATS_SLOTS) -> "RoutingStats":
-        if isinstance(k_max, bool) or not isinstance(k_max, int) or k_max < 1:
-            raise ValueError(f"k_max={k_max!r}: must be an int >= 1")
-        if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
-            raise ValueError(f"slots={slots!r}: must be an int >= 1")
-        return cls(
-            torch.zeros(slots, k_max + 1, dtype=torch.int64, device=device),
-            torch.zeros(slots, dtype=torch.float64, device=device),
-            torch.zeros(slots, dtype=torch.int64, device=device),
-        )
+    def zeros(cls, k_max: int, device, slots: int = STATS_SLOTS) -> RoutingStats:
+        k_max, slots = check_int("k_max", k_max), check_int("slots", slots)
+        return cls(torch.zeros(slots, k_max + 1, dtype=torch.int64, device=device),
+                   torch.zeros(slots, dtype=torch.float64, device=device),
+                   torch.zeros(slots, dtype=torch.int64, device=device))
 
     def reset(self) -> None:
         self.k_hist.zero_()
         self.entropy_sum.zero_()
         self.tokens.zero_()
 
-    def add_torch(self, plan: RoutingPlan) -> None:
-        """The reference update in torch ops (no host sync either: scatter_add, not bincount)."""
-        self.k_hist[0].scatter_add_(0, plan.k.long(), torch.ones_like(plan.k, dtype=torch.int64))
-        self.entropy_sum[0] += plan.entropy.double().sum()
-        self.tokens[0] += plan.num_tokens
-
     def summary(self) -> dict:
         hist = self.k_hist.sum(0).tolist()
         tokens = int(self.tokens.sum().item())
         kept = sum(j * n for j, n in enumerate(hist))
-        return {
-            "tokens": tokens,
-            "k_hist": hist,
-            "mean_k": kept / tokens if tokens else float("nan"),
-            "mean_entropy": float(self.entropy_sum.sum().item()) / tokens if tokens else float("nan"),
-        }
+        return {"tokens": tokens, "k_hist": hist, "mean_k": kept / tokens if tokens else float("nan"),
+                "mean_entropy": float(self.entropy_sum.sum().item()) / tokens if tokens else float("nan")}
 
 
 @triton.jit
@@ -271,7 +207,7 @@ def _route_kernel(
     KMIN, NSLOT,
     POLICY: tl.constexpr, NTH: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, RENORM: tl.constexpr, STATS: tl.constexpr,
-    BLOCK_K1: tl.constexpr, SELECT: tl.constexpr,
+    BLOCK_K1: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -297,38 +233,23 @@ def _route_kernel(
 
     slots = tl.arange(0, BLOCK_K)[None, :]
     top = tl.max(p, axis=1)  # the first-ranked probability (RatioSkip)
-    if SELECT == 1:
-        # bitonic top-k of the keys (sorted, largest first); keys are distinct, so no tie is left open
-        tk = tl.topk(key, BLOCK_K, dim=1)
-        ids_tile = tl.where(slots < K, (BLOCK_E - 1) - (tk & 0xFFFFFFFF).to(tl.int32), -1)
-        w_tile = tl.where(slots < K, (tk >> 32).to(tl.int32).to(tl.float32, bitcast=True), 0.0)
-        cnt = _count(w_tile, top, slots, fpar, POLICY, K, BLOCK_T)
-    else:
-        # K rounds of "take the largest remaining probability, lowest index on ties", either as one
-        # int64 max of the keys (SELECT 0) or as an fp32 max and then the lowest column holding it
-        # (SELECT 2: two 32-bit reductions instead of one 64-bit one; taken/padding columns hold -1)
-        pm = tl.where(col_ok[None, :], p, -1.0)
-        ids_tile = tl.full((BLOCK_T, BLOCK_K), -1, tl.int32)
-        w_tile = tl.zeros((BLOCK_T, BLOCK_K), tl.float32)
-        cnt = tl.zeros((BLOCK_T,), tl.int32)
-        csum = tl.zeros((BLOCK_T,), tl.float32)
-        for j in range(K):
-            if SELECT == 2:
-                v = tl.max(pm, axis=1)
-                i = tl.min(tl.where(pm == v[:, None], cols[None, :], BLOCK_E), axis=1)
-                pm = tl.where(cols[None, :] == i[:, None], -1.0, pm)
-            else:
-                kmax = tl.max(key, axis=1)
-                key = tl.where(key == kmax[:, None], -1, key)
-                i = (BLOCK_E - 1) - (kmax & 0xFFFFFFFF).to(tl.int32)
-                v = (kmax >> 32).to(tl.int32).to(tl.float32, bitcast=True)
-            ids_tile = tl.where(slots == j, i[:, None].to(tl.int32), ids_tile)
-            w_tile = tl.where(slots == j, v[:, None], w_tile)
-            if POLICY == 2:
-                cnt += (csum < fpar).to(tl.int32)  # mass of the better-ranked experts < p (summed, not csum - v)
-                csum = csum + v
-            if POLICY == 3:
-                cnt += (v >= fpar * top).to(tl.int32)
+    # K rounds of "take the largest remaining key": the largest probability, lowest index on ties
+    ids_tile = tl.full((BLOCK_T, BLOCK_K), -1, tl.int32)
+    w_tile = tl.zeros((BLOCK_T, BLOCK_K), tl.float32)
+    cnt = tl.zeros((BLOCK_T,), tl.int32)
+    csum = tl.zeros((BLOCK_T,), tl.float32)
+    for j in range(K):
+        kmax = tl.max(key, axis=1)
+        key = tl.where(key == kmax[:, None], -1, key)
+        i = (BLOCK_E - 1) - (kmax & 0xFFFFFFFF).to(tl.int32)
+        v = (kmax >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+        ids_tile = tl.where(slots == j, i[:, None].to(tl.int32), ids_tile)
+        w_tile = tl.where(slots == j, v[:, None], w_tile)
+        if POLICY == 2:
+            cnt += (csum < fpar).to(tl.int32)  # mass of the better-ranked experts < p (summed, not csum - v)
+            csum = csum + v
+        if POLICY == 3:
+            cnt += (v >= fpar * top).to(tl.int32)
 
     _finish(ids_tile, w_tile, cnt, ent, rows, row_ok, slots, pid, ids_ptr, w_ptr, k_ptr, ent_ptr,
             hist_ptr, entsum_ptr, tok_ptr, th0, th1, th2, th3, th4, th5, th6, kv_packed, KMIN, NSLOT,
@@ -336,29 +257,17 @@ def _route_kernel(
 
 
 # ------------------------------------------------------------------ one row per thread
-# The kernel above spreads a token's E logits over several threads, so every selection round is a
-# cross-thread reduction. Here each thread owns whole rows: the logits come in 16-byte chunks
-# [BLOCK_T, CH] (one vector load per row), tl.split takes a chunk apart into CH per-row values, and
-# each value's int64 key is inserted into the row's k_max best keys (kept sorted in registers) by a
-# max/min pass: 2 * K - 1 in-thread operations per logit, no shuffle, no shared memory. Its work grows
-# with E * K, so it wins for small E * K or many tokens (H200, T = 65536: E = 60, k = 4 in 13 us against
-# 40; E = 8 from T = 512; E = 64, k = 8 in 26 us against 20 for 'split'; measured with its chunk loops
-# unrolled, which made compile time grow with E: a minute per kernel at E = 128 on the H200 host). It is
-# used for K <= 8 and BLOCK_E <= 64. bf16 / fp16 logits take the 32-bit-key kernel further below.
+# The tile kernel spreads a token's E logits over several threads, so every selection round is a cross-thread
+# reduction. Here each thread owns whole rows: the logits come in 16-byte chunks [BLOCK_T, CH] (one vector load per
+# row), tl.split takes a chunk apart into CH per-row values, and each value's int64 key is inserted into the row's
+# k_max best keys (sorted in registers) by a max/min pass: 2 * K - 1 in-thread operations per logit, no shuffle, no
+# shared memory. Its work grows with E * K: it wins for small E * K or many tokens. bf16 / fp16 logits take the
+# 32-bit-key kernel further below.
 MAX_ROWWISE_K = 8
 MAX_ROWWISE_E = 64
 MAX_ROWSORT_K = 16  # 16-bit logits, 'rowsort': the best eight and the next eight in registers (`_top16`)
-# fp32 row kernel: chunk loops unrolled up to this T (and always for BLOCK_E <= 16): decode-sized batches,
-# which graphs replay and where a call lasts one row's chain of loads. H200, graph time per call, E = 60 / 64
-# at T = 1-64: unrolled 3.9-5.6 / 6.5-9.2 us, loops 7.5-11.3 / 10.0-12.7 us (data/results/trials/fp32_rows.py,
-# logs/fp32-rows-5e46683.txt.xz, with BLOCK_T shrunk to pow2(T); in the whole tile since adb43f6, T = 1-2 take 0.8-0.9
-# us more: logs/fp32-rows-decode-adb43f6.txt.xz). Above it loops: at T = 512 they are slower in a graph (11.8 / 13.0
-# us against 6.0 / 9.7), but the notebooks route their 512-token batches eagerly (28-38 us per call in every
-# form), and an unrolled E = 60 / 64 kernel takes 3.7-12.1 s to compile on the H200 host against 0.4-1.0 s as
-# loops, once per k_max and launch (trials/first_route.py, logs/first-route-0459b4e.txt.xz,
-# first-route-main-job-1ba0eae.txt.xz, first-route-decode-adb43f6.txt.xz): at 512 the main job's routing shapes cost
-# 53.4 s of first calls against 9.4 s at 0 (logs/first-route-main-job-1ba0eae.txt.xz). At T = 4096 / 65536 loops
-# are faster at E = 64 (9.2 / 45.5 us against 10.7 / 76.9) and 4-6% slower at E = 60
+# fp32 row kernel: chunk loops unrolled up to this T (and always for BLOCK_E <= 16): at decode sizes a call lasts one
+# row's chain of loads, which unrolling issues up front; above, loops, which compile in a fraction of the time.
 ROWS_UNROLL_T = 64
 
 
@@ -434,7 +343,7 @@ def _key_chunk(base, c0, cc, row_ok, m, lse, ent, v0, v1, v2, v3, v4, v5, v6, v7
                FULL: tl.constexpr, K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, CH: tl.constexpr):
     """Pass 2 over one chunk: probabilities (log-softmax then exp), entropy, and the chunk's keys inserted.
     A key holds the probability's bits above the reversed column (distinct keys: the larger probability,
-    then the lower index, wins). Keys compared as the float64 of the same bits were slower on the H200."""
+    then the lower index, wins)."""
     ok = (c0 + cc) < EC
     x = _load_chunk(base + c0 + cc, row_ok, ok, FULL)
     logp = (x - m[:, None]) - lse[:, None]
@@ -456,15 +365,10 @@ def _route_rows_kernel(
     BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, RENORM: tl.constexpr, STATS: tl.constexpr,
     BLOCK_K1: tl.constexpr, CH: tl.constexpr, EC: tl.constexpr, SC: tl.constexpr, UNROLL: tl.constexpr,
 ):
-    # EC, SC: E and the row stride as constants (E and stride_t unused): whole chunks load unmasked
-    # across columns (unrolled: every chunk but a partial last one; a loop: all, when FULL, E a multiple of
-    # CH), and the known row alignment lets a chunk be one vector load.
-    # The policy's scalars and T are not specialised on (kv_packed always 64-bit), and BLOCK_T is the whole
-    # tile at every T: one compiled kernel serves every policy and batch size of a k_max and launch (fp32
-    # logits are the fp32 models' path in the notebooks, where each compile cost seconds on the H200 host).
-    # UNROLL: the chunk loops unrolled, every load of a row issued up front (few rows: the time is the row's
-    # latency), or a loop (many rows: about as fast, and compile time does not grow with E); `_shape_launch`
-    # picks it from T (ROWS_UNROLL_T)
+    # EC, SC: E and the row stride as constants (E and stride_t unused): whole chunks load unmasked across
+    # columns, and the known row alignment makes a chunk one vector load. The policy's scalars and T are not
+    # specialised on and BLOCK_T is the whole tile at every T: one compiled kernel serves every policy and batch
+    # size of a k_max and launch. UNROLL: the chunk loops unrolled (few rows) or a loop (ROWS_UNROLL_T)
     FULL: tl.constexpr = EC % CH == 0
     pid = tl.program_id(0)
     rows = pid * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -484,13 +388,7 @@ def _route_rows_kernel(
     # pass 2: entropy and the k_max best keys, kept sorted in v0 >= v1 >= ...
     ent = tl.zeros((BLOCK_T,), tl.float32)
     v0 = tl.full((BLOCK_T,), -1, tl.int64)
-    v1 = v0
-    v2 = v0
-    v3 = v0
-    v4 = v0
-    v5 = v0
-    v6 = v0
-    v7 = v0
+    v1, v2, v3, v4, v5, v6, v7 = v0, v0, v0, v0, v0, v0, v0
     if UNROLL:
         for c0 in tl.static_range(0, EC, CH):
             ent, v0, v1, v2, v3, v4, v5, v6, v7 = _key_chunk(
@@ -561,9 +459,8 @@ def _keys_tile_next(keys, l0, l1, l2, l3, l4, l5, l6, l7, slots, K: tl.constexpr
 # max / min is one instruction (int64: four), so the insertion costs 2 K - 1 instructions per logit, and
 # the keys need no probability: max, sum of exp and the entropy's sum are kept online in the same pass
 # (one read of the logits). Only the K winners are turned into probabilities.
-# A row is cut into SPLIT column ranges, each scanned by its own thread (more threads in flight hide the
-# latency of the insertion chains); the SPLIT partial states (online sums and sorted keys) are then
-# merged with tl.reduce: a bitonic merge of two sorted lists keeps the best eight.
+# A row is cut into SPLIT column ranges, each scanned by its own thread; the SPLIT partial states (online sums
+# and sorted keys) are merged with tl.reduce: a bitonic merge of two sorted lists keeps the best eight.
 @triton.jit
 def _key16(x16, x, rev, BF16: tl.constexpr):
     """int32 keys: above the reversed column rev (< 2^16), 16 bits in the float order of the logit, -0 = +0.
@@ -593,12 +490,10 @@ def _chunk16(
     K: tl.constexpr, R: tl.constexpr, CH: tl.constexpr, FIRST: tl.constexpr, MASKED: tl.constexpr,
     SORT: tl.constexpr, BF16: tl.constexpr,
 ):
-    """One chunk [R, CH] of 16-bit logits (R row pieces): keys inserted (SORT, CH = 8: the chunk's eight
-    keys sorted and merged, 19 + 20 compare-exchanges instead of 8 insertions of 2 K - 1 min/max each;
-    for 8 < K <= 16 merged into the best eight v and the next eight l, `_top16`);
-    online max m, sum s of e^d and t
-    of d e^d with d = x - m, relative to the running max (all columns masked: m = -inf, s = t = 0).
-    d is formed before scaling (x log2(e) - m log2(e) rounds m log2(e): weights 1e-6 off at |m| ~ 20)."""
+    """One chunk [R, CH] of 16-bit logits (R row pieces): keys inserted (SORT, CH = 8: the chunk's eight keys
+    sorted and merged; for 8 < K <= 16 into the best eight v and the next eight l, `_top16`); online max m, sum s
+    of e^d and t of d e^d with d = x - m (all columns masked: m = -inf, s = t = 0). d is formed before scaling
+    by log2(e), which keeps the weights exact at large |m|."""
     LOG2E: tl.constexpr = 1.4426950408889634
     x = x16.to(tl.float32)
     key = _key16(x16, x, rev, BF16)
@@ -663,8 +558,7 @@ def _top8(a0, a1, a2, a3, a4, a5, a6, a7, b0, b1, b2, b3, b4, b5, b6, b7):
 
 @triton.jit
 def _bitonic8(c0, c1, c2, c3, c4, c5, c6, c7):
-    """A bitonic sequence of eight keys in descending order (12 compare-exchanges; `_top8`'s stages, which
-    keep their own interleaving with the pairwise max: the k <= 8 kernels compile as before)."""
+    """A bitonic sequence of eight keys in descending order (12 compare-exchanges, the stages of `_top8`)."""
     c0, c4 = _cx(c0, c4)
     c1, c5 = _cx(c1, c5)
     c2, c6 = _cx(c2, c6)
@@ -863,11 +757,9 @@ def _route_rows16_kernel(
     SORT: tl.constexpr,
 ):
     # as _route_rows_kernel (EC, SC: E and the row stride as constants), for bf16 / fp16 logits. T, kv_packed
-    # and KMIN are not specialised on (batch sizes that share a token tile share one compile: 0.5-0.8 s each on
-    # the H200 host; graph time within 0.11 us of the specialised kernel, logs/first-route-bf16-e98dbe3.txt.xz and
-    # rows16-decode-e98dbe3.txt.xz); its tile still shrinks to pow2(T) at decode sizes, where a call is 1.9-2.9 us. The
-    # program's R = BLOCK_T * SPLIT row pieces are rows-major (a row's pieces in neighbouring threads: the
-    # merge is a warp shuffle); piece s of a row scans columns [s * CPS, (s + 1) * CPS), CPC chunks of CH
+    # and KMIN are not specialised on: batch sizes that share a token tile share one compile. The program's
+    # R = BLOCK_T * SPLIT row pieces are rows-major (a row's pieces in neighbouring threads: the merge is a warp
+    # shuffle); piece s of a row scans columns [s * CPS, (s + 1) * CPS), CPC chunks of CH
     R: tl.constexpr = BLOCK_T * SPLIT
     CPC: tl.constexpr = (EC + CH * SPLIT - 1) // (CH * SPLIT)
     CPS: tl.constexpr = CPC * CH
@@ -884,25 +776,10 @@ def _route_rows16_kernel(
     s = tl.zeros((R,), tl.float32)
     t = tl.zeros((R,), tl.float32)
     v0 = tl.full((R,), -2147483648, tl.int32)  # below every key
-    v1 = v0
-    v2 = v0
-    v3 = v0
-    v4 = v0
-    v5 = v0
-    v6 = v0
-    v7 = v0
-    l0 = v0  # the next eight keys (8 < K <= 16); for K <= 8 carried through unchanged, and compiled away
-    l1 = v0
-    l2 = v0
-    l3 = v0
-    l4 = v0
-    l5 = v0
-    l6 = v0
-    l7 = v0
-    # the first chunk starts the online sums; the others go through a loop that is not unrolled
-    # (unrolled, compile time grew with E: 15 s at E = 128 and 90 s at 256 with Triton 3.6). Loading one or
-    # two chunks ahead was measured too (routing-tune-20261130.json.xz, 'pre'): no faster, the integer
-    # pipe is the limit (min/max and key bit operations issue at half the fp32 rate).
+    v1, v2, v3, v4, v5, v6, v7 = v0, v0, v0, v0, v0, v0, v0
+    # the next eight keys (8 < K <= 16); for K <= 8 carried through unchanged, and compiled away
+    l0, l1, l2, l3, l4, l5, l6, l7 = v0, v0, v0, v0, v0, v0, v0, v0
+    # the first chunk starts the online sums; the others go through a loop, not unrolled (compile time)
     ok = col0 < EC
     x16 = _load16(ptrs, rmask, ok, MASKED)
     m, s, t, v0, v1, v2, v3, v4, v5, v6, v7, l0, l1, l2, l3, l4, l5, l6, l7 = _chunk16(
@@ -950,7 +827,7 @@ def _route_rows16_kernel(
     if K > 8:
         keys = _keys_tile_next(keys, l0, l1, l2, l3, l4, l5, l6, l7, slots, K)
     x_tile = _unkey16(keys, logits_ptr.dtype.element_ty, BF16)
-    p_tile = tl.exp((x_tile.to(tl.float32) - m[:, None]) - lse[:, None])  # the other selections' formula
+    p_tile = tl.exp((x_tile.to(tl.float32) - m[:, None]) - lse[:, None])  # the tile kernel's formula
     ids_tile = tl.where(slots < K, RB - (keys & 0xFFFF), -1)
     w_tile = tl.where(slots < K, p_tile, 0.0)
     top = tl.max(w_tile, axis=1)
@@ -966,33 +843,19 @@ def _pack(k_values: list[int]) -> int:
     return v - (1 << 64) if v >= 1 << 63 else v
 
 
-@functools.lru_cache(maxsize=1024)
-def _policy_args(policy: Policy):
-    """(POLICY code, fpar, thresholds[7], packed k values, NTH, KMIN): the kernel's scalar arguments,
-    derived once per policy (policies are frozen dataclasses; one with unhashable fields is derived anew)."""
-    try:
-        return _policy_args_cached(policy)
-    except TypeError:
-        return _derive_policy_args(policy)
-
-
 @functools.lru_cache(maxsize=256)
-def _policy_args_cached(policy: Policy):
-    return _derive_policy_args(policy)
-
-
-def _derive_policy_args(policy: Policy):
-    th = (0.0,) * (MAX_K_VALUES - 1)
-    kv = [policy.k_max] * MAX_K_VALUES
+def _policy_args(policy: Policy):
+    """(POLICY code, fpar, thresholds[7], packed k values, NTH, KMIN): the kernel's scalar arguments, derived once
+    per policy (policies are frozen, hashable dataclasses)."""
+    th = (0.0,) * (KERNEL_MAX_K_VALUES - 1)
+    kv = [policy.k_max] * KERNEL_MAX_K_VALUES
     if isinstance(policy, TopK):
         return _TOPK, 0.0, th, _pack(kv), 0, policy.k
     if isinstance(policy, EntropyAdaptiveK):
         n = len(policy.k_values)
-        if n > MAX_K_VALUES:
-            raise ValueError(
-                f"k_values={list(policy.k_values)}: the Triton kernel takes at most {MAX_K_VALUES} k values; "
-                "use moelab.routing.set_backend('torch') for more"
-            )
+        if n > KERNEL_MAX_K_VALUES:
+            raise ValueError(f"k_values={list(policy.k_values)}: the Triton kernel takes at most {KERNEL_MAX_K_VALUES} "
+                             "k values; use moelab.routing.set_backend('torch') for more")
         th = tuple(policy.thresholds) + th[n - 1:]
         kv[:n] = policy.k_values
         return _ADAPTIVE, 0.0, th, _pack(kv), n - 1, policy.k_min
@@ -1003,25 +866,18 @@ def _derive_policy_args(policy: Policy):
     raise ValueError(f"policy={policy!r}: must be TopK, EntropyAdaptiveK, TopP or RatioSkip")
 
 
-SELECTS = ("rounds", "bitonic", "split", "rowwise", "rowsort")
+SELECTS = ("rounds", "rowwise", "rowsort")
 
 
-def _select(K: int, sel: str, block_e: int = 0, elsize: int = 4) -> int:
-    """0 'rounds': K rounds of an int64 key max; 1 'bitonic': tl.topk of the keys (K >= 2: Triton's topk
-    of one is a plain max); 2 'split': K rounds of an fp32 max, then the lowest index holding it;
-    3 'rowwise': one row per thread, keys inserted into K sorted registers (K <= 8, and for fp32 logits
-    BLOCK_E <= 64; else 'rounds'); 'rowsort': the same kernel, and for 16-bit logits in 8-key chunks
-    with 5 <= K <= 8 each chunk's keys are sorted and merged instead of inserted one by one, which also
-    takes 8 < K <= 16 (MAX_ROWSORT_K; the chunks need 16-byte aligned rows, else 'rounds')."""
+def _rows_select(K: int, sel: str, block_e: int = 0, elsize: int = 4) -> bool:
+    """Whether the selection `sel` runs a row kernel here (else 'rounds'): 'rowwise' for K <= 8 and, for fp32
+    logits, BLOCK_E <= 64; 'rowsort' the same, and for 16-bit logits also 8 < K <= 16 (chunks of eight keys sorted
+    and merged)."""
     if sel not in SELECTS:
         raise ValueError(f"select={sel!r}: must be one of {SELECTS}")
-    if sel == "bitonic" and K >= 2 and hasattr(tl, "topk"):
-        return 1
     if sel == "rowsort" and elsize == 2 and MAX_ROWWISE_K < K <= MAX_ROWSORT_K:
-        return 3
-    if sel in ("rowwise", "rowsort"):
-        return 3 if K <= MAX_ROWWISE_K and (elsize == 2 or block_e <= MAX_ROWWISE_E) else 0
-    return 2 if sel == "split" else 0
+        return True
+    return sel != "rounds" and K <= MAX_ROWWISE_K and (elsize == 2 or block_e <= MAX_ROWWISE_E)
 
 
 def block_tokens(T: int | None, E: int, tile: int = 1024) -> tuple[int, int]:
@@ -1034,7 +890,10 @@ def block_tokens(T: int | None, E: int, tile: int = 1024) -> tuple[int, int]:
 def route_triton(
     logits: torch.Tensor, policy: Policy, renormalize: bool, stats: RoutingStats | None = None
 ) -> RoutingPlan:
-    """The routing plan of `route_torch`, in one launch (no validation beyond shapes; see `route`)."""
+    """The routing plan of `route_torch`, in one launch (no validation beyond shapes and limits; see `route`).
+
+    Host time: a call's launch is derived once per key (dtype, alignment, shape, policy, overrides; `_prepare`);
+    from a key's third call on, a call only allocates the plan and launches the bound kernel (`Launcher.bind`)."""
     if logits.dim() != 2:
         raise ValueError(f"logits.shape={tuple(logits.shape)}: must have rank 2 [T, E]")
     T, E = logits.shape
@@ -1042,15 +901,9 @@ def route_triton(
     if stats is None and T:
         if logits.stride(1) != 1:
             logits = logits.contiguous()
-        # everything the launch derives from (shape, dtype, alignment, policy, overrides) is the key of a
-        # prepared call; from a key's third call on, the checks below have passed for it and a call only
-        # allocates the plan and launches the bound kernel (host time: the eager target of issue 5)
         key = (logits.dtype, logits.data_ptr() % 16 == 0, T, E, logits.stride(0), logits.get_device(), policy,
                renormalize, tuple(LAUNCH.values()))
-        try:
-            prep = _PREPARED.get(key)
-        except TypeError:  # a policy with unhashable fields: prepared anew each call
-            key = None
+        prep = _PREPARED.get(key)
         if prep is not None and prep.direct is not None and not prep.launch.disabled:
             ids, w, k, ent = _plan_buffers(T, prep.K, logits.device)
             kp, ep = k.data_ptr(), ent.data_ptr()
@@ -1058,8 +911,8 @@ def route_triton(
                 prep.direct(logits.data_ptr(), ids.data_ptr(), w.data_ptr(), kp, ep, kp, ep, kp)
             return RoutingPlan(ids, w, k, ent, E)
     K = policy.k_max
-    if E > MAX_EXPERTS:
-        raise ValueError(f"E={E}: the Triton routing kernel supports at most {MAX_EXPERTS} experts; "
+    if E > KERNEL_MAX_EXPERTS:
+        raise ValueError(f"E={E}: the Triton routing kernel supports at most {KERNEL_MAX_EXPERTS} experts; "
                          "route with moelab.routing.set_backend('torch')")
     if not 1 <= K <= E:
         raise ValueError(f"k_max={K}: must be in [1, E={E}]")
@@ -1088,13 +941,13 @@ def route_triton(
             T, E, logits.stride(0), *prep.scalars)
     launch = prep.launch
     with on_device_of(logits):
-        if prep.entry is not None:  # second call of a key: the direct path (it falls back if it does not fit)
+        if prep.entry is not None:  # a key's second call: the direct path, then bound for the calls after it
             launch.run(prep.entry, prep.grid, args, prep.meta, prep.warps)
             prep.direct = launch.bind(prep.entry, prep.grid, args)
         else:
-            launch(prep.grid, args, prep.meta, prep.warps, _VARYING_STATS if st else _VARYING)
-            if key is not None:  # the compiled kernel, launched directly by later calls of this key
-                prep.entry = launch.entry(args, prep.meta, prep.warps, _VARYING)
+            entry = launch(prep.grid, args, prep.meta, prep.warps, _VARYING_STATS if st else _VARYING)
+            if key is not None:
+                prep.entry = entry
     return RoutingPlan(ids, w, k, ent, E)
 
 
@@ -1140,46 +993,36 @@ def _shape_launch(T: int, E: int, K: int, cuda: int, overrides: tuple, elsize: i
     """(launcher, grid, the shape's constexprs, warps) for T tokens of E logits (elsize bytes, row stride)."""
     cfg = _launch_config(T, E, K, cuda, overrides)
     block_t, block_e = block_tokens(T, E, cfg["tile"])
-    select = _select(K, cfg["select"], block_e, elsize)
+    rows = _rows_select(K, cfg["select"], block_e, elsize)
     meta = dict(K=K, BLOCK_K=pow2(K), BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K1=pow2(K + 1))
-    launch = _launch
-    ch = min(block_e, 16 // elsize, (stride & -stride) or 16)
-    if select == 3 and K > MAX_ROWWISE_K and ch != 8:  # K > 8 merges whole 8-key chunks only
-        select = 0
-    if select == 3:  # one 16-byte load per row (and split) and chunk
-        meta.update(CH=ch, EC=E, SC=stride)
-        launch = _launch_rows
-        if elsize == 2:
-            launch = _launch_rows16
-            meta["SPLIT"] = max(1, min(cfg["split"], block_e // ch))
-            meta["SORT"] = cfg["select"] == "rowsort" and ch == 8 and pow2(K) in (8, 16)
-        else:  # the int64-key row kernel (fp32, and fp64 logits where a caller passes them)
-            meta["UNROLL"] = T <= ROWS_UNROLL_T or block_e <= 16
-            # its whole tile at every T (rows past T are masked; T not specialised on either): a decode
-            # loop's batch sizes share one compile per k_max and launch, not one per power of two below the
-            # tile and per Triton's T == 1 / T % 16 cases (an unrolled E = 60 / 64 kernel takes 3.7-12.1 s to
-            # compile on the H200 host); T = 1-2 take 0.8-0.9 us more in a graph
-            # (logs/fp32-rows-decode-adb43f6.txt.xz)
-            block_t = meta["BLOCK_T"] = block_tokens(None, E, cfg["tile"])[0]
-    else:
-        meta["SELECT"] = select
-    return launch, (cdiv(T, block_t),), meta, cfg["warps"]
+    ch = min(block_e, 16 // elsize, (stride & -stride) or 16)  # one 16-byte load per row (and split) and chunk
+    if not rows or (K > MAX_ROWWISE_K and ch != 8):  # K > 8 merges whole 8-key chunks only
+        return _launch, (cdiv(T, block_t),), meta, cfg["warps"]
+    meta.update(CH=ch, EC=E, SC=stride)
+    if elsize == 2:
+        meta["SPLIT"] = max(1, min(cfg["split"], block_e // ch))
+        meta["SORT"] = cfg["select"] == "rowsort" and ch == 8 and pow2(K) in (8, 16)
+        return _launch_rows16, (cdiv(T, block_t),), meta, cfg["warps"]
+    # the int64-key row kernel (fp32, and fp64 logits where a caller passes them): its whole tile at every T (rows
+    # past T are masked, T not specialised on), so a decode loop's batch sizes share one compile per k_max
+    meta["UNROLL"] = T <= ROWS_UNROLL_T or block_e <= 16
+    block_t = meta["BLOCK_T"] = block_tokens(None, E, cfg["tile"])[0]
+    return _launch_rows, (cdiv(T, block_t),), meta, cfg["warps"]
 
 
 _launch = Launcher(_route_kernel)
 _launch_rows = Launcher(_route_rows_kernel)
 _launch_rows16 = Launcher(_route_rows16_kernel)
-# arguments whose Triton specialisation can change between calls: logits (a view: any alignment), T,
-# E, the row stride, the packed k values and k_min; the plan buffers are fresh allocations (always aligned),
-# the policy's other scalars are floats or kept in the key through the constexprs, except the fp32 row
-# kernel's POLICY and NTH (arguments 22, 23): do_not_specialize there, as for its kv_packed (annotated int64)
-# and KMIN, and small ints, so always int32 (stats: check all)
+# arguments whose Triton specialisation can change between calls: logits (a view: any alignment), T, E, the row
+# stride, the packed k values and k_min; the plan buffers are fresh allocations (always aligned), the policy's other
+# scalars are floats or kept in the key through the constexprs, except the fp32 row kernel's POLICY and NTH
+# (arguments 22, 23), which it does not specialise on, as for kv_packed and KMIN (stats: check all)
 _VARYING = (0, 8, 9, 10, 19, 20)
 _VARYING_STATS = _VARYING + (5, 6, 7, 21)  # and the statistics tensors (a caller's own) and their slot count
 
 
 def _plan_buffers(T: int, K: int, device):
-    """ids [T, K] int32, weights [T, K] fp32, k [T] int32, entropy [T] fp32 (four allocations: on the
-    host that is cheaper than one allocation cut into four views)."""
+    """ids [T, K] int32, weights [T, K] fp32, k [T] int32, entropy [T] fp32 (four allocations: on the host that is
+    cheaper than one allocation cut into four views)."""
     return (torch.empty(T, K, dtype=torch.int32, device=device), torch.empty(T, K, dtype=torch.float32, device=device),
             torch.empty(T, dtype=torch.int32, device=device), torch.empty(T, dtype=torch.float32, device=device))

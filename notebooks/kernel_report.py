@@ -1,31 +1,23 @@
-"""The issue-5 targets checked against benchmark results (`routing-kernel`, `moe-layer` documents), the
-layer's time step by step (`layer-stages` documents), the expert GEMMs' tuning (`experts-tune`) and the
-pair layout's launch choices (`pair-layout-sweep`).
+"""The kernel study's targets checked against benchmark results, and the tables notebook 04 shows.
 
-Each check is a row: target, shape, T, what was measured, the limit it must meet, and whether it
-does. Nothing is measured here: the numbers come from the results files written on the GPU by
-benchmarks/moe_kernels.py (layer-stages: layer_stages.py; pair-layout-sweep: pair_layout.py), and the
-machine they came from travels with them. `layer_runs` compares several runs of a topic; `power_trace`
-sums up an nvidia-smi log recorded beside a run.
+Targets: routing time (`routing-kernel` documents) and the adaptive layer's time against its kept pairs
+(`moe-layer`); tables: the layer step by step (`layer-stages`), the expert GEMMs' tuning (`experts-tune`, and
+`least_regret`, the rule the tuning benchmark picks launches by) and the pair layout's launch rule
+(`pair-layout-sweep`). Nothing is measured here: the numbers come from results files written on a GPU by the
+benchmarks, and the machine they came from travels with them. Imported by notebook 04 (whose working folder is
+notebooks/) and by benchmarks/moe_kernels.py.
 """
 
 from __future__ import annotations
 
-import re
-
 import numpy as np
 import pandas as pd
-
-__all__ = ["routing_targets", "layer_targets", "batch_targets", "batch_summary", "decode_table", "machine_line",
-           "stage_table", "stage_time", "gemm_scaling", "least_regret", "expert_gemms", "layout_sweep", "layer_runs",
-           "power_trace", "stage_paths", "run_docs", "runs_line", "policy_k", "run_policies", "STAGES", "STAGE_TIMES",
-           "GEMM_KEYS", "DECODE_TOKENS"]
 
 GRAPH_LIMIT_US = 5.0  # routing in a CUDA graph, T <= 4096
 HBM_FRACTION = 0.5  # routing at T = 65536, E = 64 and 128: fraction of the HBM bound
 EAGER_SPEEDUP = 8.0  # eager call against the torch version's eager call
 LAYER_SLACK = 1.1  # adaptive layer time <= slack * kept/native * native layer time (T = 4096)
-DECODE_TOKENS = (1, 16, 64)  # the issue's decode sizes, where weight reads dominate
+DECODE_TOKENS = (1, 16, 64)  # decode sizes, where weight reads dominate
 
 
 def _rows(doc: dict, topic: str, *cols: str) -> pd.DataFrame:
@@ -47,8 +39,8 @@ def _rows(doc: dict, topic: str, *cols: str) -> pd.DataFrame:
 
 def machine_line(doc: dict) -> str:
     """'NVIDIA H200 · torch 2.11 · triton 3.6 · transformers 5.17 · commit abc1234 · 2026-11-29', and e.g.
-    ' · routing launches tuned on NVIDIA H200' (or '... untuned') where the run records (`tuned_on`, since
-    bb8ca2d) that a part ran with another device's tuned table or with none."""
+    ' · routing launches tuned on NVIDIA H200' (or '... untuned') where the run records (`tuned_on`) that a part
+    ran with another device's tuned table or with none."""
     missing = [k for k in ("machine", "commit", "created") if k not in doc]
     if missing:
         raise ValueError(f"doc (keys {list(doc)}): lacks {missing}, not a results document")
@@ -79,8 +71,7 @@ def routing_targets(doc: dict) -> pd.DataFrame:
                 out.append(_row(f"graph time {method}", shape, T, us, GRAPH_LIMIT_US, us <= GRAPH_LIMIT_US, "us"))
             elif E >= 64:
                 frac = by.loc[method, "hbm_bound_us"] / us
-                # the memory-only reference kernel (results from 2026-11-30 on): what a kernel that does
-                # no work reaches at this size, launch and ramp included
+                # the memory-only reference kernel: what a kernel that does no work reaches at this size
                 floor = ""
                 if "memory_floor" in by.index:
                     ref = by.loc["memory_floor"]
@@ -172,9 +163,9 @@ def decode_table(doc: dict, tokens=DECODE_TOKENS) -> pd.DataFrame:
 
 def _row_tile(var: str, row, tuned: dict | None) -> int:
     """Rows per GEMM tile on the variant's expert path, whose tile share the report shows beside the ratio:
-    128 for CUTLASS (and for results from before the Triton GEMMs, which have no gemm_tiles_64); on the Triton
-    path (pinned, or 'auto' where the run's tuned entry beats CUTLASS) the tuned gate_up BLOCK_M (gate_up does
-    two thirds of the FLOPs), 64 where the run recorded no table."""
+    128 for CUTLASS (and rows without 64-row tile counts); on the Triton path (pinned, or 'auto' where the run's
+    tuned entry beats CUTLASS) the tuned gate_up BLOCK_M (gate_up does two thirds of the FLOPs), 64 where the run
+    recorded no table."""
     if var.endswith("cutlass") or pd.isna(row.get("gemm_tiles_64")):
         return 128
     entry = (tuned or {}).get(f"({int(row['D'])}, {int(row['F'])})") if "D" in row and "F" in row else None
@@ -186,8 +177,8 @@ def _row_tile(var: str, row, tuned: dict | None) -> int:
 
 def batch_targets(doc: dict, tokens: int = 4096) -> pd.DataFrame:
     """The adaptive-layer rows of `layer_targets` per input batch: batch 0 from the document's rows (only the
-    variants that the further batches time too), batches 1.. from doc["batches"] (moe-layer runs from
-    2026-12-01 on); a `batch` column. Empty where the run timed no further batch."""
+    variants that the further batches time too), batches 1.. from doc["batches"]; a `batch` column. Empty where
+    the run timed no further batch."""
     extra = doc.get("batches") or []
     if not extra:
         return pd.DataFrame()
@@ -219,71 +210,6 @@ def batch_summary(doc: dict, tokens: int = 4096) -> pd.DataFrame:
     }).reset_index()
 
 
-def layer_runs(docs: list[dict], tokens: int = 4096, like: int | None = -1) -> pd.DataFrame:
-    """The adaptive-layer ratios of several `moe-layer` runs side by side (a column per run, labelled by
-    commit, in the order given) beside the limit of the last run kept: how far a ratio moves between runs.
-    Only runs that routed the same pairs as docs[like] at `tokens` (same kept pairs per shape and variant:
-    the same input batch and policies) are kept, so every column times the same work; like=None: the pairs
-    that the most runs routed (the newest such group on a tie)."""
-    if not docs:
-        raise ValueError("docs=[]: need at least one moe-layer run")
-    if like is not None and not -len(docs) <= like < len(docs):
-        raise ValueError(f"like={like}: must index the {len(docs)} runs given")
-
-    def kept(doc):
-        df = _rows(doc, "moe-layer", "shape", "T", "variant", "kept_pairs")
-        df = df[df["T"] == tokens]
-        return dict(zip(zip(df["shape"], df["variant"]), df["kept_pairs"]))
-
-    if like is None:
-        pairs = [tuple(sorted(kept(doc).items())) for doc in docs]
-        like = max(range(len(docs)), key=lambda i: (pairs.count(pairs[i]), i))
-    newest = kept(docs[like])
-    frames, labels, shown = [], [], []
-    for doc in docs:
-        if kept(doc) != newest:
-            continue
-        shown.append(doc)
-        t = layer_targets(doc, tokens)
-        t = t[(t["T"] == tokens) & ~t["target"].str.startswith("native")]
-        label = doc["commit"][:7]
-        label = label if label not in labels else f"{label} {doc['created'][:16]}"
-        labels.append(label)
-        frames.append(t.assign(run=label))
-    df = pd.concat(frames)
-    # one row per (shape, variant, timer), named by its newest run's target text: the text carries the run's
-    # tile share, which older runs (before the tuned tile table was recorded) give for other tiles
-    key = ["shape", "variant", "timer"]
-    out = df.pivot_table(index=key, columns="run", values="measured", sort=False)[labels]
-    newest_row = df.groupby(key, sort=False)[["target", "limit"]].last()
-    out.insert(0, "limit", newest_row["limit"])
-    out.index = pd.MultiIndex.from_arrays([out.index.get_level_values("shape"), newest_row.loc[out.index, "target"]],
-                                          names=["shape", "target"])
-    out.attrs["runs"] = shown  # the runs behind the columns, in their order (run_docs)
-    return out
-
-
-POWER_CAP = 0x4  # nvidia-smi clocks_event_reasons bit: software power cap
-
-
-def power_trace(path) -> dict:
-    """Summary of an `nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu,
-    clocks_throttle_reasons.active --format=csv -lms N` log: the samples, the share at the software power
-    cap, and the SM clock and power there and elsewhere (idle samples, reason 0x1, left out of 'other')."""
-    df = pd.read_csv(path, skipinitialspace=True)
-    mhz = df.iloc[:, 1].astype(str).str.replace(" MHz", "").astype(float)
-    watts = df.iloc[:, 2].astype(str).str.replace(" W", "").astype(float)
-    reason = df.iloc[:, 4].astype(str).map(lambda v: int(v, 16))
-    capped = (reason & POWER_CAP) > 0
-    other = (reason == 0)
-
-    def spread(x):  # (min, median, max)
-        return tuple(float(v) for v in (x.min(), x.median(), x.max()))
-
-    return {"samples": len(df), "capped_share": float(capped.mean()), "capped_mhz": spread(mhz[capped]),
-            "capped_watts_median": float(watts[capped].median()), "other_mhz": spread(mhz[other])}
-
-
 def _round_ratios(ada: pd.Series, base: pd.Series, col: str) -> dict:
     """Lowest, median and highest ratio of the same round's times (runs with interleaved rounds: `*_rounds_us`)."""
     a, b = ada.get(col), base.get(col)
@@ -298,8 +224,8 @@ PLANS = ("native", "adaptive_q50", "adaptive")
 
 
 def stage_paths(doc: dict) -> list[str]:
-    """The expert paths a `layer-stages` document times: 'grouped' (torch._grouped_mm), 'triton' (runs before
-    2026-11-30 13:00 have no `gemm` field: 'grouped' alone)."""
+    """The expert paths a `layer-stages` document times: 'grouped' (torch._grouped_mm, also rows without a `gemm`
+    field) and 'triton'."""
     _rows(doc, "layer-stages", "shape", "T", "plan", "stage")
     return list(dict.fromkeys(r.get("gemm") or "grouped" for r in doc["rows"]))
 
@@ -319,9 +245,8 @@ STAGE_TIMES = ("graph_us", "time_us")
 
 
 def stage_time(doc: dict, gemm: str = "grouped") -> str:
-    """The time column the stage tables use: `graph_us` (GPU time in a CUDA graph; runs since 2026-11-30
-    14:00) where every row of the path has it, else `time_us` (the eager call, CUDA events: a short stage
-    shows its host launch time there)."""
+    """The time column the stage tables use: `graph_us` (GPU time in a CUDA graph) where every row of the path
+    has it, else `time_us` (the eager call, CUDA events: a short stage shows its host launch time there)."""
     return _stage_col(_stage_rows(doc, gemm), None)
 
 
@@ -391,14 +316,11 @@ def least_regret(rows: list[dict], keys: tuple = GEMM_KEYS, over: str = "plan") 
 
 def expert_gemms(doc: dict) -> pd.DataFrame:
     """us per expert GEMM of an `experts-tune` document, one row per (shape, plan, kernel): CUTLASS (gate_up
-    with its gather and SwiGLU passes), the fastest Triton configuration with pointer loads, with TMA
-    loads, in persistent programs and in persistent programs with the tile and K loops flattened (NaN in
-    runs that did not time them), and the tuned pick
-    (`least_regret` over the plans, as the tuning run chose it)."""
-    df = _rows(doc, "experts-tune", "shape", "kernel", "time_us")
-    if "plan" not in df:
-        df["plan"] = "native"  # runs before 2026-11-30 11:00 tuned on the native plan only
-    for k in ("TMA", "PERSISTENT", "FLATTEN", "cutlass"):  # PERSISTENT since 2026-11-30 12:00, FLATTEN 1154eea
+    with its gather and SwiGLU passes), the fastest Triton configuration with pointer loads, with TMA loads, in
+    persistent programs and in persistent programs with the tile and K loops flattened (NaN where the run did
+    not time them), and the tuned pick (`least_regret` over the plans, as the tuning run chose it)."""
+    df = _rows(doc, "experts-tune", "shape", "plan", "kernel", "time_us")
+    for k in ("TMA", "PERSISTENT", "FLATTEN", "cutlass"):  # off where a row leaves them out (CUTLASS rows)
         df[k] = df[k].fillna(False).astype(bool) if k in df else False
     out = []
     for (shape, kernel), g in df.groupby(["shape", "kernel"], sort=False):
@@ -436,48 +358,3 @@ def layout_sweep(doc: dict) -> pd.DataFrame:
                     "fastest": f"{int(best['block_slots_used'])} w{int(best['warps'])}", "fastest_us": best["graph_us"],
                     "rule_over_fastest": r["graph_us"] / best["graph_us"] if r is not None else float("nan")})
     return pd.DataFrame(out)
-
-
-def run_docs(table: pd.DataFrame) -> list[dict]:
-    """The runs behind the run columns of a `layer_runs` table, in its column order (recorded by layer_runs)."""
-    if "runs" not in table.attrs:
-        raise ValueError("table has no attrs['runs']: pass layer_runs' own table, not a copy pandas rebuilt")
-    return list(table.attrs["runs"])
-
-
-def runs_line(docs: list[dict]) -> str:
-    """`machine_line` for several runs: each machine field's distinct values, the runs' commits and dates."""
-    if not docs:
-        raise ValueError("docs=[]: need at least one run")
-
-    def field(key):
-        return " / ".join(dict.fromkeys(str(d["machine"][key]) for d in docs))
-
-    commits = list(dict.fromkeys(str(d["commit"])[:7] for d in docs))
-    dates = sorted(d["created"][:10] for d in docs)
-    span = dates[0] if dates[0] == dates[-1] else f"{dates[0]} to {dates[-1]}"
-    which = commits[0] if len(commits) == 1 else f"{len(commits)} commits, {commits[0]} to {commits[-1]}"
-    return (f"{field('device')} · torch {field('torch')} · triton {field('triton')} · transformers "
-            f"{field('transformers')} · {len(docs)} runs, {which} · {span}")
-
-
-def policy_k(policy: str) -> str:
-    """The k values of a results row's `policy` text: 'k=(1, 2)' for 'EntropyAdaptiveK(k_values=(1, 2), ...)',
-    'k=2' for 'TopK(k=2, ...)'."""
-    m = re.search(r"k_values=\(([^)]*)\)", str(policy))
-    if m:
-        return f"k=({m.group(1)})"
-    m = re.search(r"\bk=(\d+)", str(policy))
-    if m is None:
-        raise ValueError(f"policy={policy!r}: no k_values=(...) or k=N in it")
-    return f"k={m.group(1)}"
-
-
-def run_policies(docs: list[dict], tokens: int = 4096) -> pd.Series:
-    """`policy_k` of each (shape, variant) at `tokens` in the runs given (runs that disagree: joined by ' / ')."""
-    df = pd.concat([pd.DataFrame(d["rows"]) for d in docs], ignore_index=True)
-    if "policy" not in df:
-        return pd.Series(dtype=object)
-    df = df[(df["T"] == tokens) & df["policy"].notna()]
-    return df.groupby(["shape", "variant"], sort=False)["policy"].agg(
-        lambda p: " / ".join(dict.fromkeys(map(policy_k, p))))
