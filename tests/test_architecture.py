@@ -1,5 +1,5 @@
-"""The one-way data flow of docs/ARCHITECTURE.md, checked on the source: every moelab import goes to an earlier
-layer, except the dispatchers' lazy imports of their own kernels."""
+"""The one-way flow of docs/ARCHITECTURE.md, checked on the source: every moelab import, lazy ones inside
+functions included, goes to a lower layer, so no module imports one that imports it back."""
 
 from __future__ import annotations
 
@@ -13,25 +13,20 @@ import moelab
 
 LIB = Path(moelab.__file__).resolve().parents[1]  # the library these tests import (PYTHONPATH's, as run)
 
-# layer of each module: a module imports only modules of lower layers (ARCHITECTURE.md's flow, bottom up)
+# a module imports only modules of lower layers (docs/ARCHITECTURE.md, bottom up)
 LAYER = {
-    # utilities and the contract: import no later stage
-    "moelab": 0, "moelab.data": 0, "moelab.results": 0, "moelab.scratch": 0, "moelab.kernels": 0, "moelab.params": 0,
-    "moelab.plan": 0,
-    "moelab.routing": 1, "moelab.tokenizer": 1, "moelab.plots": 1, "moelab.graphs": 1,
-    # kernels and the steps that speak the plan
-    "moelab.compute": 2, "moelab.experts": 2, "moelab.models": 2, "moelab.kernels.routing": 2,
-    "moelab.kernels.experts": 2, "moelab.sweep": 2,
-    "moelab.kernels.layout": 3, "moelab.kernels.grouped": 3, "moelab.hf": 3, "moelab.perplexity": 3,
-    # evaluation on top, and the trainer that makes the embedded models
-    "moelab.evaluate": 4, "moelab.train": 4,
-    "moelab.calibrate": 5, "moelab.paper": 6,
-}
-# dispatchers import the kernels they dispatch to lazily, inside the call that takes them
-LAZY_DISPATCH = {
-    ("moelab.routing", "moelab.kernels"), ("moelab.routing", "moelab.kernels.routing"),
-    ("moelab.experts", "moelab.kernels"), ("moelab.experts", "moelab.kernels.experts"),
-    ("moelab.experts", "moelab.kernels.grouped"), ("moelab.experts", "moelab.kernels.layout"),
+    # contract and utilities: no moelab import beyond each other
+    "moelab.plan": 0, "moelab.params": 0, "moelab.results": 0, "moelab.data": 0,
+    "moelab.plots": 1, "moelab.scratch": 1, "moelab.sweep": 2,
+    # kernels: the contract and their own launch helpers only
+    "moelab.kernels": 1, "moelab.kernels.experts": 2, "moelab.kernels.routing": 2, "moelab.kernels.layout": 2,
+    "moelab.kernels.grouped": 3,
+    # dispatch, then models, then measurement
+    "moelab.routing": 4, "moelab.experts": 4,
+    "moelab.compute": 5, "moelab.models": 5, "moelab.graphs": 5,
+    "moelab.hf": 6,
+    "moelab.evaluate": 7, "moelab.calibrate": 8, "moelab.paper": 9,
+    "moelab": 10,  # the package's lazy re-exports
 }
 
 
@@ -40,20 +35,32 @@ def _module(path: Path) -> str:
 
 
 def _imports(path: Path):
-    """(imported moelab module, at module level?) for every import statement of one file. At module level: run
-    on import, i.e. not inside a function's body (an import in a module-level `if` / `try` block runs on import)."""
+    """(imported moelab module, at module level?) for every import statement of one file, and the targets of
+    `importlib.import_module("moelab...")` calls with a literal name."""
     tree = ast.parse(path.read_text())
     lazy = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
             for n in ast.walk(f) if n is not f}
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "moelab":
-            names = [f"moelab.{a.name}" for a in node.names] if node.module == "moelab" else [node.module]
+            base = node.module
+            names = [base + "." + a.name if base + "." + a.name in LAYER else base for a in node.names]
         elif isinstance(node, ast.Import):
             names = [a.name for a in node.names if a.name.split(".")[0] == "moelab"]
+        elif (isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "import_module" and node.args
+              and isinstance(node.args[0], ast.Constant) and str(node.args[0].value).startswith("moelab")):
+            names = [node.args[0].value]
         else:
             continue
         for name in names:
             yield name, id(node) not in lazy
+
+
+def _edges() -> dict[str, set[str]]:
+    out: dict[str, set[str]] = {}
+    for path in (LIB / "moelab").rglob("*.py"):
+        mod = _module(path)
+        out[mod] = {n for n, _ in _imports(path) if n != mod}
+    return out
 
 
 def test_every_module_has_a_layer():
@@ -61,30 +68,38 @@ def test_every_module_has_a_layer():
     assert found == set(LAYER), f"place new modules in LAYER: {sorted(found ^ set(LAYER))}"
 
 
-def test_imports_go_to_earlier_layers_only():
-    bad = []
-    for path in (LIB / "moelab").rglob("*.py"):
-        mod = _module(path)
-        for name, top in _imports(path):
-            if name not in LAYER:  # `from moelab.x import y` of a function y names module x
-                continue
-            if (mod, name) in LAZY_DISPATCH and not top:
-                continue
-            if LAYER[name] >= LAYER[mod] and name != mod:
-                bad.append(f"{mod} (layer {LAYER[mod]}) imports {name} (layer {LAYER[name]})")
-    assert not bad, "imports against the one-way flow:\n" + "\n".join(bad)
+def test_imports_go_to_lower_layers_only_lazy_ones_included():
+    bad = [f"{mod} (layer {LAYER[mod]}) imports {name} (layer {LAYER.get(name)})"
+           for mod, names in _edges().items() for name in names if LAYER.get(name, 99) >= LAYER[mod]]
+    assert not bad, "imports against the one-way flow:\n" + "\n".join(sorted(bad))
 
 
-def test_dispatch_imports_are_lazy():
-    """`import moelab.routing` / `moelab.experts` must not need Triton: their kernel imports sit inside calls."""
-    for mod in ("routing", "experts"):
-        tops = [n for n, top in _imports(LIB / "moelab" / f"{mod}.py") if top and n.startswith("moelab.kernels")]
-        assert not tops, f"moelab.{mod} imports {tops} at module level"
+def test_no_import_cycles():
+    edges = _edges()
+    state: dict[str, int] = {}
+
+    def visit(m, stack):
+        state[m] = 1
+        for n in edges.get(m, ()):
+            if state.get(n) == 1:
+                raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(n):] + [n]))
+            if n not in state:
+                visit(n, stack + [n])
+        state[m] = 2
+
+    for m in edges:
+        if m not in state:
+            visit(m, [m])
+
+
+def test_kernels_import_only_the_contract():
+    for path in (LIB / "moelab" / "kernels").rglob("*.py"):
+        bad = [n for n, _ in _imports(path) if n != "moelab.plan" and not n.startswith("moelab.kernels")]
+        assert not bad, f"{_module(path)} imports {bad}: kernels import only moelab.plan and moelab.kernels"
 
 
 def test_importing_the_dispatchers_loads_no_kernel_module():
-    """The same, by importing them in a fresh interpreter: neither Triton nor any moelab.kernels module is loaded
-    (also not by an import that hides from the source check, e.g. in a module-level block or another module)."""
+    """`import moelab.routing, moelab.experts` must not need Triton: their kernel imports sit inside calls."""
     code = ("import sys, moelab.routing, moelab.experts; "
             "print(sorted(m for m in sys.modules if m == 'triton' or m.startswith(('triton.', 'moelab.kernels'))))")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(LIB), os.environ.get("PYTHONPATH"))))}

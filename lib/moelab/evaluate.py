@@ -34,7 +34,7 @@ from moelab.compute import ModelShapes, check_context, expert_reduction
 from moelab.hf import moe_layers, native_policy, patched, record_router
 from moelab.models import as_ids, check_ids, input_device, model_context
 from moelab.params import check_int, is_real
-from moelab.routing import EntropyAdaptiveK, Policy, RatioSkip, TopK, TopP, check_policy, quantile
+from moelab.routing import EntropyAdaptiveK, Policy, RatioSkip, TopK, TopP, check_policy, choose_k, quantile
 
 __all__ = ["token_ids", "windows", "perplexity", "Evaluation", "evaluate", "reference_ppl", "RouterSample",
            "router_sample", "confirm_estimates", "policy_label", "policy_params", "model_dtype", "SIXTEEN_BIT",
@@ -347,7 +347,7 @@ class RouterSample:
         if policy.k_max > self.k_cap:
             raise ValueError(f"k_max={policy.k_max} exceeds the sample's k_cap={self.k_cap}: "
                              "record with a larger k_cap")
-        return policy.choose_k(self.top_probs[layer][:, : policy.k_max], self.entropy[layer]).to(torch.int32)
+        return choose_k(policy, self.top_probs[layer][:, : policy.k_max], self.entropy[layer]).to(torch.int32)
 
     def expert_load(self, policy: Policy | None = None) -> np.ndarray:
         """[layers, E] counts of kept (token, expert) pairs under a policy (None: native top-k)."""
