@@ -2,6 +2,7 @@
 
 import pickle
 
+import numpy as np
 import pytest
 
 from moelab import data
@@ -216,3 +217,24 @@ def test_check_file_hashes_a_listed_file_once_per_version_and_record_hashes_upda
     data.record_hashes(["models/m/config.json"])
     assert data.check_file("models/m/config.json") == f
     assert (d / "SHA256SUMS").read_text().count("models/m/config.json") == 1
+
+
+def test_unseen_texts_share_no_block_with_the_training_texts():
+    """The other-domain texts (two books, Python source) were never trained on: none of their 200-character blocks
+    occurs in any training text, held-out slices included; the books carry no Project Gutenberg header or footer."""
+    unseen = data.unseen_texts()
+    assert set(unseen) == set(data.UNSEEN_TEXTS) and not set(unseen) & {*data.TRAIN_TEXTS, data.EVAL_TEXT}
+    corpus = "\n".join(data.load_text(n) for n in data.TRAIN_TEXTS)  # whole files: training parts and held-out slices
+    for name, text in unseen.items():
+        assert len(text) > 200_000 and data.block_repeats(text, corpus) == 0.0, name
+        assert "gutenberg" not in text.lower(), name
+
+
+def test_block_repeats_finds_a_block_at_any_offset():
+    rng = np.random.default_rng(0)
+    noise = lambda n: "".join(rng.choice(list("abcdefghij"), n))  # noqa: E731
+    text = noise(1000)
+    for offset in (0, 1, 57, 99, 100, 101, 333):
+        corpus = noise(offset) + text[200:400] + noise(50)
+        assert data.block_repeats(text, corpus) == 1 / 5, offset
+    assert data.block_repeats(text, noise(5000)) == 0.0 and data.block_repeats("short", text) == 0.0

@@ -2,7 +2,8 @@
 
 WikiText-2 test is the evaluation set (`eval_text()`): `training_texts()` never includes it, and
 `split_heldout(text)` cuts a text into its training part and held-out slice (the last 5%); `heldout_texts()`
-gives the held-out slices that share no text with their training part (validation, calibration).
+gives the held-out slices that share no text with their training part (validation, calibration); `unseen_texts()`
+the texts of other domains (two books, Python source) that no model trained on, for evaluation only.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ TRAIN_TEXTS = ("tinyshakespeare", "olmoe_arxiv", "olmoe_b3g", "olmoe_c4", "olmoe
 DOMAINS = {"arxiv": "olmoe_arxiv", "book": "olmoe_b3g", "c4": "olmoe_c4",  # AllenAI's routing-count domain ->
            "github": "olmoe_github_oss_with_stack", "wikipedia": "olmoe_wikipedia"}  # the text that was routed
 HELDOUT_FRACTION = 0.05
+UNSEEN_TEXTS = ("war_and_peace", "poe_works", "requests_src.py")  # other domains no model trained on: evaluation only
 
 
 def data_dir() -> Path:
@@ -165,14 +167,30 @@ def heldout_repeats(name: str) -> float:
 @lru_cache(maxsize=16)
 def _heldout_repeats(d: Path, name: str) -> float:  # d: cached per data folder, as `_load_text`
     train, held = split_heldout(load_text(name))
-    blocks = [held[i : i + REPEAT_BLOCK] for i in range(0, len(held) - REPEAT_BLOCK + 1, REPEAT_BLOCK)]
-    return sum(b in train for b in blocks) / len(blocks) if blocks else 0.0
+    return block_repeats(held, train)
+
+
+def block_repeats(text: str, corpus: str, block: int = REPEAT_BLOCK) -> float:
+    """Share of the text's `block`-character blocks that occur verbatim in corpus. Fast on megabytes: a block that
+    occurs anywhere holds one of the corpus's half-block pieces at multiples of half a block, so only blocks
+    holding such a piece are searched for."""
+    half = block // 2
+    pieces = {corpus[q : q + half] for q in range(0, len(corpus) - half + 1, half)}
+    blocks = [text[i : i + block] for i in range(0, len(text) - block + 1, block)]
+    hits = sum(any(b[o : o + half] in pieces for o in range(half + 1)) and b in corpus for b in blocks)
+    return hits / len(blocks) if blocks else 0.0
 
 
 def heldout_texts(unseen_only: bool = True) -> dict[str, str]:
     """Held-out part of the training corpora (calibration, validation). unseen_only: only the slices none of
     whose text occurs in their training part (`heldout_repeats` == 0); False: all of them."""
     return {n: split_heldout(load_text(n))[1] for n in TRAIN_TEXTS if not unseen_only or heldout_repeats(n) == 0}
+
+
+def unseen_texts() -> dict[str, str]:
+    """The texts of other domains (Tolstoy and Poe in English, the requests library's Python source), hash-checked:
+    no model here trained on them (`block_repeats` against `training_texts()` is 0, tests/test_data.py)."""
+    return {n: load_text(n) for n in UNSEEN_TEXTS}
 
 
 class _CountsUnpickler(pickle.Unpickler):
