@@ -12,7 +12,18 @@ import torch.nn.functional as F
 from transformers import MixtralConfig, MixtralForCausalLM
 
 from moelab.compute import expert_reduction
-from moelab.evaluate import confirm_estimates, evaluate, perplexity, policy_label, router_sample, token_ids, windows
+from moelab.evaluate import (
+    bootstrap_ppl,
+    confirm_estimates,
+    evaluate,
+    evaluate_many,
+    perplexity,
+    policy_label,
+    ppl_change_ci,
+    router_sample,
+    token_ids,
+    windows,
+)
 from moelab.hf import moe_layers, patched, record_router
 from moelab.models import tiny_random
 from moelab.routing import EntropyAdaptiveK, RatioSkip, TopK, TopP, route_torch
@@ -403,3 +414,69 @@ def test_ids_of_a_wrong_type_and_numpy_ints(lm):
     got = perplexity(lm, None, ids, context=np.int64(16), stride=np.int32(8), max_tokens=np.int64(30),
                      batch_size=np.int64(2), progress=False)
     assert got == want and type(got["context"]) is int
+
+
+def test_evaluate_many_is_evaluate_in_one_pass_with_kl_against_the_unchanged_model(model, ids):
+    """Several policies in one pass give each one's own evaluation; with kl each batch runs unchanged once (the
+    unchanged policy reuses it), and KL and top-1 agreement are against that forward."""
+    forwards = []
+    handle = model.register_forward_pre_hook(lambda *a: forwards.append(1))
+    try:
+        evs = evaluate_many(model, [None, TopK(2), TopK(1)], ids, context=CTX, stride=CTX, batch_size=2,
+                            progress=False)
+    finally:
+        handle.remove()
+    assert len(forwards) == 3 * 3  # 5 windows in batches of 2, 2, 1: three runs each (not four)
+    alone = evaluate(model, TopK(1), ids, context=CTX, stride=CTX, batch_size=2, progress=False)
+    assert evs[2].summary["ppl"] == alone.summary["ppl"] and evs[2].window_nll == alone.window_nll
+    assert evs[2].summary["mean_k"] == alone.summary["mean_k"] == 1 and "kl" not in alone.summary
+    none, native, one = (ev.summary for ev in evs)
+    assert none["kl"] == 0 and none["top1_agree"] == 1 and native["kl"] < 1e-9 and native["top1_agree"] == 1
+    assert one["kl"] > 1e-6 and one["top1_agree"] <= 1
+    # KL and agreement by hand on the whole text, window by window
+    kl, agree = 0.0, 0
+    for b, e, scored in windows(len(ids), CTX, CTX):
+        with torch.no_grad():
+            ref = F.log_softmax(model(input_ids=ids[None, b:e]).logits[0, -scored - 1 : -1].float(), -1)
+            with patched(model, TopK(1)):
+                got = F.log_softmax(model(input_ids=ids[None, b:e]).logits[0, -scored - 1 : -1].float(), -1)
+        kl += float((ref.exp() * (ref - got)).sum())
+        agree += int((ref.argmax(-1) == got.argmax(-1)).sum())
+    assert one["kl"] == pytest.approx(kl / one["scored_tokens"], rel=1e-3)  # fp32 sums of tiny terms
+    assert one["top1_agree"] == agree / one["scored_tokens"]
+    assert sum(evs[2].window_nll) == pytest.approx(one["nll"] * one["scored_tokens"], rel=1e-12)
+    assert evs[2].window_tokens == [w[2] for w in windows(len(ids), CTX, CTX)]
+
+
+def test_paired_bootstrap_known_answers():
+    """Identical policies give an interval holding 0; a clearly worse one (TopK 1 on the top-8 tiny-olmoe) one
+    that excludes it; a constant shift per window gives exactly that shift."""
+    from moelab.data import eval_text
+    from moelab.models import load
+
+    net, tok = load("tiny-olmoe")
+    text_ids = torch.tensor(tok(eval_text()[:20000], add_special_tokens=False)["input_ids"][:2048])
+    same_a, same_b, worse = evaluate_many(net, [TopK(8), TopK(8), TopK(1)], text_ids, context=128, stride=128,
+                                          kl=False, progress=False)
+    ci = ppl_change_ci(same_a.window_nll, same_b.window_nll, same_a.window_tokens, resamples=500, seed=1)
+    assert ci["ci_lo"] <= 0 <= ci["ci_hi"] and ci["windows"] == 16 and ci["resamples"] == 500
+    ci = ppl_change_ci(worse.window_nll, same_a.window_nll, same_a.window_tokens, resamples=500, seed=1)
+    assert ci["ci_lo"] > 0 and ci["ci_lo"] <= ci["ppl_change"] <= ci["ci_hi"]
+    assert ci["ppl_change"] == pytest.approx(worse.summary["ppl"] / same_a.summary["ppl"] - 1, rel=1e-9)
+    tokens = [100] * 50
+    b = np.random.default_rng(0).normal(500, 30, 50)
+    ci = ppl_change_ci(b + 1.0, b, tokens, resamples=200)  # +0.01 nats per token in every window
+    assert ci["ci_lo"] == pytest.approx(math.exp(0.01) - 1, rel=1e-9) == ci["ci_hi"]
+
+
+def test_bootstrap_ppl_draws_the_same_windows_for_every_row_from_its_seed():
+    nll = np.random.default_rng(1).normal(300, 20, (3, 40))
+    a = bootstrap_ppl(nll, [64] * 40, resamples=100, seed=3)
+    assert a.shape == (100, 3) and np.array_equal(a, bootstrap_ppl(nll, [64] * 40, resamples=100, seed=3))
+    assert not np.array_equal(a, bootstrap_ppl(nll, [64] * 40, resamples=100, seed=4))
+    twice = bootstrap_ppl(np.stack([nll[0], nll[0]]), [64] * 40, resamples=100, seed=3)
+    assert np.array_equal(twice[:, 0], twice[:, 1]) and np.allclose(twice[:, 0], a[:, 0])
+    with pytest.raises(ValueError, match=r"window_nll of shape \(3, 40\), window_tokens of shape \(39,\)"):
+        bootstrap_ppl(nll, [64] * 39)
+    with pytest.raises(ValueError, match=r"resamples=0: must be an int >= 1"):
+        bootstrap_ppl(nll, [64] * 40, resamples=0)

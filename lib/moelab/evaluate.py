@@ -19,6 +19,7 @@ the model's max_position_embeddings and the stride to the clipped context.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import math
@@ -31,12 +32,13 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from moelab.compute import ModelShapes, check_context, expert_reduction
-from moelab.hf import moe_layers, native_policy, patched, record_router
+from moelab.hf import RoutingRecord, moe_layers, native_policy, patched, record_router
 from moelab.models import as_ids, check_ids, input_device, model_context
 from moelab.params import check_int, is_real
 from moelab.routing import EntropyAdaptiveK, Policy, RatioSkip, TopK, TopP, check_policy, choose_k, quantile
 
-__all__ = ["token_ids", "windows", "perplexity", "Evaluation", "evaluate", "reference_ppl", "RouterSample",
+__all__ = ["token_ids", "windows", "perplexity", "bootstrap_ppl", "interval", "ppl_change_ci", "Evaluation", "evaluate",
+           "evaluate_many", "reference_ppl", "RouterSample",
            "router_sample", "confirm_estimates", "policy_label", "policy_params", "model_dtype", "SIXTEEN_BIT",
            "entropy_quantiles"]
 
@@ -86,17 +88,8 @@ def _takes_logits_to_keep(model) -> bool:
     return "logits_to_keep" in inspect.signature(model.forward).parameters
 
 
-@torch.no_grad()
-def perplexity(model, tokenizer, text_or_ids, context: int = 2048, stride: int = 512, max_tokens: int | None = None,
-               batch_size: int = 1, progress: bool = True) -> dict:
-    """Perplexity of a causal LM on one token stream in sliding windows (the module docstring).
-
-    Returns dict(ppl, nll [nats/token], scored_tokens, context and stride after clipping, windows, and for compute
-    counts forwarded_tokens, attended_mean (a forwarded token's mean attended length) and longest_window).
-    max_tokens: only the first max_tokens tokens (None: all). batch_size: windows of equal shape run together
-    (no padding, so the result does not depend on it). Losses are computed in fp32 and summed in fp64: an fp32
-    sum of 10^4-10^5 losses rounds by about 1e-6 of the perplexity, more than a routing change can move it.
-    """
+def _prepare(model, tokenizer, text_or_ids, context, stride, max_tokens, batch_size):
+    """Checked ids, windows and batches (consecutive windows of one shape), context and stride after clipping."""
     context = check_int("context", context, 2)
     stride = check_int("stride", stride, 1)
     batch_size = check_int("batch_size", batch_size, 1)
@@ -111,41 +104,116 @@ def perplexity(model, tokenizer, text_or_ids, context: int = 2048, stride: int =
     context = min(context, model_context(model) or context)
     stride = min(stride, context)
     wins = windows(ids.numel(), context, stride)
-    device = input_device(model)
-    keep = _takes_logits_to_keep(model)
-    groups: list[list[tuple[int, int, int]]] = []  # consecutive windows of one shape form a batch
+    groups: list[list[tuple[int, int, int]]] = []
     for w in wins:
         g = groups[-1] if groups else None
         if g and len(g) < batch_size and (g[0][1] - g[0][0], g[0][2]) == (w[1] - w[0], w[2]):
             g.append(w)
         else:
             groups.append([w])
+    return ids, wins, groups, context, stride
 
-    nll_sum, scored_total = 0.0, 0
-    bar = tqdm(total=len(wins), desc="perplexity", unit="win", disable=not progress)
+
+def _score(model, ids, groups, runs, kl: bool, progress: bool) -> list[dict]:
+    """Each batch of windows forwarded once per run (a context factory: a patch, a recorder or nothing), in order;
+    per run the NLL sum of each window's scored tokens, and with kl the KL divergence of its next-token
+    distribution from run 0's and the top-1 agreement with it (run 0's log-probs of one batch are all it holds)."""
+    device, keep = input_device(model), _takes_logits_to_keep(model)
+    out = [{"window_nll": [], "kl": 0.0, "agree": 0} for _ in runs]
+    bar = tqdm(total=sum(map(len, groups)) * len(runs), desc="perplexity", unit="win", disable=not progress)
     for g in groups:
         length, scored = g[0][1] - g[0][0], g[0][2]
         x_BL = torch.stack([ids[b:e] for b, e, _ in g]).to(device)
         kwargs = {"logits_to_keep": scored + 1} if keep else {}
-        logits_BSV = model(input_ids=x_BL, use_cache=False, **kwargs).logits[:, -(scored + 1) : -1]
-        target_BS = x_BL[:, length - scored :].to(logits_BSV.device)
-        nll = float(F.cross_entropy(logits_BSV.float().flatten(0, 1), target_BS.flatten(), reduction="none")
-                    .double().sum())
-        if not math.isfinite(nll):  # at the first bad window, as the patched path's router check
-            bar.close()
-            bad = (~torch.isfinite(logits_BSV)).nonzero()
-            i = bad[0].tolist() if len(bad) else [0]
-            at = f"logits[{i[0]}, {i[1]}, {i[2]}]={logits_BSV[tuple(i)].item()}" if len(bad) else f"nll={nll}"
-            raise ValueError(f"{at} in the window ids[{g[i[0]][0]}:{g[i[0]][1]}]: logits must be finite "
-                             "(NaN or inf in the model's weights or activations?)")
-        nll_sum += nll
-        scored_total += scored * len(g)
-        bar.update(len(g))
+        ref_BSV = None
+        for j, run in enumerate(runs):
+            with run():
+                logits_BSV = model(input_ids=x_BL, use_cache=False, **kwargs).logits[:, -(scored + 1) : -1]
+            logp_BSV = torch.log_softmax(logits_BSV.float(), dim=-1)
+            target_BS = x_BL[:, length - scored :].to(logp_BSV.device)
+            nll_B = -logp_BSV.gather(-1, target_BS[..., None])[..., 0].double().sum(1)
+            if not torch.isfinite(nll_B).all():  # at the first bad window, as the patched path's router check
+                bar.close()
+                bad = (~torch.isfinite(logits_BSV)).nonzero()
+                i = bad[0].tolist() if len(bad) else [int((~torch.isfinite(nll_B)).nonzero()[0]), 0, 0]
+                at = f"logits[{i[0]}, {i[1]}, {i[2]}]={logits_BSV[tuple(i)].item()}" if len(bad) else "nll=nan"
+                raise ValueError(f"{at} in the window ids[{g[i[0]][0]}:{g[i[0]][1]}]: logits must be finite "
+                                 "(NaN or inf in the model's weights or activations?)")
+            out[j]["window_nll"] += nll_B.tolist()
+            if kl and j == 0:  # the reference: KL 0, every token agrees
+                ref_BSV = logp_BSV
+                out[j]["agree"] += target_BS.numel()
+            elif kl:
+                kl_BS = F.kl_div(logp_BSV, ref_BSV, reduction="none", log_target=True).sum(-1)
+                out[j]["kl"] += float(kl_BS.double().sum())
+                out[j]["agree"] += int((logp_BSV.argmax(-1) == ref_BSV.argmax(-1)).sum())
+            bar.update(len(g))
     bar.close()
+    return out
+
+
+def _totals(res: dict, wins, context: int, stride: int, kl: bool) -> dict:
+    tokens = [w[2] for w in wins]
+    nll_sum, scored_total = math.fsum(res["window_nll"]), sum(tokens)
     lengths = [e - b for b, e, _ in wins]
-    return {"ppl": math.exp(nll_sum / scored_total), "nll": nll_sum / scored_total, "scored_tokens": scored_total,
-            "context": context, "stride": stride, "windows": len(wins), "forwarded_tokens": sum(lengths),
-            "attended_mean": sum(n * (n + 1) / 2 for n in lengths) / sum(lengths), "longest_window": max(lengths)}
+    out = {"ppl": math.exp(nll_sum / scored_total), "nll": nll_sum / scored_total, "scored_tokens": scored_total,
+           "context": context, "stride": stride, "windows": len(wins), "forwarded_tokens": sum(lengths),
+           "attended_mean": sum(n * (n + 1) / 2 for n in lengths) / sum(lengths), "longest_window": max(lengths),
+           "window_nll": res["window_nll"], "window_tokens": tokens}
+    if kl:
+        out.update(kl=res["kl"] / scored_total, top1_agree=res["agree"] / scored_total)
+    return out
+
+
+@torch.no_grad()
+def perplexity(model, tokenizer, text_or_ids, context: int = 2048, stride: int = 512, max_tokens: int | None = None,
+               batch_size: int = 1, progress: bool = True) -> dict:
+    """Perplexity of a causal LM on one token stream in sliding windows (the module docstring).
+
+    Returns dict(ppl, nll [nats/token], scored_tokens, context and stride after clipping, windows, window_nll and
+    window_tokens (each window's NLL sum and scored tokens: the units of `bootstrap_ppl`), and for compute counts
+    forwarded_tokens, attended_mean (a forwarded token's mean attended length) and longest_window).
+    max_tokens: only the first max_tokens tokens (None: all). batch_size: windows of equal shape run together
+    (no padding, so the result does not depend on it). Losses are computed in fp32 and summed in fp64: an fp32
+    sum of 10^4-10^5 losses rounds by about 1e-6 of the perplexity, more than a routing change can move it.
+    """
+    ids, wins, groups, context, stride = _prepare(model, tokenizer, text_or_ids, context, stride, max_tokens,
+                                                  batch_size)
+    (res,) = _score(model, ids, groups, [contextlib.nullcontext], kl=False, progress=progress)
+    return _totals(res, wins, context, stride, kl=False)
+
+
+# ---- paired bootstrap over windows ------------------------------------------------------------------------------
+
+def bootstrap_ppl(window_nll, window_tokens, resamples: int = 2000, seed: int = 0) -> np.ndarray:
+    """[resamples, rows] perplexities of rows (window_nll [rows, W] or [W], NLL sums per window) on windows drawn
+    with replacement: the same draws for every row (paired), from a seeded generator."""
+    nll_RW = np.atleast_2d(np.asarray(window_nll, dtype=np.float64))
+    tok_W = np.asarray(window_tokens, dtype=np.float64)
+    if nll_RW.shape[1] != tok_W.shape[0] or tok_W.ndim != 1 or tok_W.size < 2:
+        raise ValueError(f"window_nll of shape {nll_RW.shape}, window_tokens of shape {tok_W.shape}: need one NLL "
+                         "sum per window for each row, the same windows for all, at least 2")
+    W = tok_W.size
+    counts_BW = np.random.default_rng(check_int("seed", seed, 0)).multinomial(
+        W, np.full(W, 1.0 / W), size=check_int("resamples", resamples, 1)).astype(np.float64)
+    return np.exp((counts_BW @ nll_RW.T) / (counts_BW @ tok_W)[:, None])
+
+
+def interval(ppl_a_B, ppl_b_B, a: float, b: float, level: float = 0.95) -> tuple[float, float, float]:
+    """(a / b - 1, and its percentile interval at `level` from paired resampled perplexities)."""
+    lo, hi = np.quantile(np.asarray(ppl_a_B) / np.asarray(ppl_b_B) - 1.0, [(1 - level) / 2, (1 + level) / 2])
+    return a / b - 1.0, float(lo), float(hi)
+
+
+def ppl_change_ci(nll_a, nll_b, window_tokens, resamples: int = 2000, seed: int = 0, level: float = 0.95) -> dict:
+    """The relative perplexity change of A against B on the same windows with its 95% paired bootstrap interval:
+    dict(ppl_change, ci_lo, ci_hi, windows, resamples, bootstrap_seed)."""
+    ppl_BR = bootstrap_ppl([nll_a, nll_b], window_tokens, resamples, seed)
+    tok = float(np.sum(window_tokens))
+    ppl_a, ppl_b = (math.exp(math.fsum(x) / tok) for x in (nll_a, nll_b))
+    change, lo, hi = interval(ppl_BR[:, 0], ppl_BR[:, 1], ppl_a, ppl_b, level)
+    return {"ppl_change": change, "ci_lo": lo, "ci_hi": hi, "windows": len(window_tokens), "resamples": resamples,
+            "bootstrap_seed": seed}
 
 
 # ---- labels and columns ----------------------------------------------------------------------------------------
@@ -218,12 +286,14 @@ def _compute_cols(shapes: ModelShapes, mean_k_layers: list[float], attended: flo
 
 @dataclass
 class Evaluation:
-    """One measured evaluation: a summary row, per-layer statistics and per-layer k histograms
-    (layer, k, tokens, fraction)."""
+    """One measured evaluation: a summary row, per-layer statistics, per-layer k histograms (layer, k, tokens,
+    fraction), and each window's NLL sum and scored tokens (for `bootstrap_ppl`)."""
 
     summary: dict
     layers: pd.DataFrame
     k_hist: pd.DataFrame
+    window_nll: list[float] | None = None
+    window_tokens: list[int] | None = None
 
 
 def _warn_unchanged(policies: dict[int, Policy], layers, k_by_layer: dict, rec) -> None:
@@ -243,10 +313,24 @@ def _warn_unchanged(policies: dict[int, Policy], layers, k_by_layer: dict, rec) 
                 "entropy %.3f nats, %.0f%% of log E%s)", labels, len(ran), med, pct, flat)
 
 
+def _recording(model, policy, into: RoutingRecord, state: dict):
+    """A context factory: forwards unchanged (policy None) or patched, their k and entropy added to `into`."""
+    @contextlib.contextmanager
+    def run():
+        with record_router(model, logits=False) if policy is None else patched(model, policy, record=True) as live:
+            yield
+        rec = live if policy is None else live.record
+        state["policies"] = {} if policy is None else live.policies
+        for name in ("k_chunks", "entropy_chunks"):
+            for i, chunks in getattr(rec, name).items():
+                getattr(into, name).setdefault(i, []).extend(chunks)
+    return run
+
+
 @torch.no_grad()
 def evaluate(model, policy, text_or_ids, tokenizer=None, context: int = 2048, stride: int = 512,
              max_tokens: int | None = None, batch_size: int = 8, baseline_ppl: float | None = None,
-             progress: bool = True, warn_unchanged: bool = True) -> Evaluation:
+             progress: bool = True, warn_unchanged: bool = True, kl: bool = False) -> Evaluation:
     """Perplexity with routing changed by `policy` (None: the model unchanged) and its compute.
 
     policy: one policy, a list (one per MoE layer) or a dict {moe layer: policy} (see moelab.hf.patched).
@@ -255,50 +339,78 @@ def evaluate(model, policy, text_or_ids, tokenizer=None, context: int = 2048, st
     says which ran.
     warn_unchanged: False where an adaptive policy keeping k_max for every token is the intent; otherwise that is
     logged as a warning.
+    kl: also the mean KL divergence (nats/token) of the next-token distribution from the unchanged model's and the
+    top-1 agreement with it (`evaluate_many`: an unchanged forward of each batch beside the patched one).
     """
+    return evaluate_many(model, [policy], text_or_ids, tokenizer, context, stride, max_tokens, batch_size,
+                         baseline_ppl, progress, warn_unchanged, kl)[0]
+
+
+@torch.no_grad()
+def evaluate_many(model, policies, text_or_ids, tokenizer=None, context: int = 2048, stride: int = 512,
+                  max_tokens: int | None = None, batch_size: int = 8, baseline_ppl: float | None = None,
+                  progress: bool = True, warn_unchanged: bool = True, kl: bool = True) -> list[Evaluation]:
+    """`evaluate` for several policies (None: the unchanged model) in one pass over the text: each batch of
+    windows is forwarded once per policy, and with kl once unchanged first (the reference of kl and top1_agree;
+    only that batch's log-probs are held). The same windows for every policy: a paired comparison."""
     if baseline_ppl is not None and not (is_real(baseline_ppl) and math.isfinite(baseline_ppl) and baseline_ppl > 0):
         raise ValueError(f"baseline_ppl={baseline_ppl!r}: must be a finite perplexity > 0 (or None)")
-    ids = token_ids(tokenizer, text_or_ids)
+    policies = list(policies)
+    if not policies:
+        raise ValueError("policies=[]: nothing to evaluate")
     layers = moe_layers(model)
     shapes = _shapes(model)
     if shapes.moe_layers != len(layers):
         raise ValueError(f"config says {shapes.moe_layers} MoE layers but the model has {len(layers)} MoE blocks")
-    ctx = record_router(model, logits=False) if policy is None else patched(model, policy, record=True)
-    with ctx as live:
-        res = perplexity(model, None, ids, context=context, stride=stride, max_tokens=max_tokens,
-                         batch_size=batch_size, progress=progress)
-    rec = live if policy is None else live.record
-    k_by_layer = {i: rec.k(i) for i in range(len(layers)) if i in rec.k_chunks}
-    if policy is not None and warn_unchanged:
-        _warn_unchanged(live.policies, layers, k_by_layer, rec)
-    mean_k_layers, layer_rows, hist_rows = [], [], []
-    k_max = max((int(k.max()) for k in k_by_layer.values() if k.numel()), default=0)
-    for layer in layers:
-        i = layer.index
-        if i not in k_by_layer:  # a layer a per-layer dict left unpatched: native routing, not recorded
-            mean_k_layers.append(float(layer.native_k))
-            continue
-        k_T = k_by_layer[i]
-        mk = float(k_T.float().mean())
-        mean_k_layers.append(mk)
-        layer_rows.append({"layer": i, "tokens": int(k_T.numel()), "mean_k": mk,
-                           "expert_reduction": expert_reduction(mk, layer.native_k),
-                           **entropy_quantiles(rec.entropy(i))})
-        n = max(int(k_T.numel()), 1)
-        hist_rows += [{"layer": i, "k": k, "tokens": c, "fraction": c / n}
-                      for k, c in enumerate(torch.bincount(k_T.long(), minlength=k_max + 1).tolist())]
-    summary = {
-        **policy_params(policy), "estimated": False,
-        "dtype": model_dtype(model),  # bf16 / fp16 perplexities differ from fp32 ones
-        **{key: res[key] for key in ("ppl", "nll", "scored_tokens", "context", "stride")},
-        "routed_tokens": int(sum(r["tokens"] for r in layer_rows) / max(len(layer_rows), 1)),
-        # attended length over the windows run: a text shorter than the context is one short window
-        **_compute_cols(shapes, mean_k_layers, res["attended_mean"], res["longest_window"]),
-    }
-    if baseline_ppl is not None:
-        summary["ppl_base"] = baseline_ppl
-        summary["ppl_change"] = res["ppl"] / baseline_ppl - 1.0
-    return Evaluation(summary, pd.DataFrame(layer_rows), pd.DataFrame(hist_rows))
+    for p in policies:  # each policy checked (by patching and restoring the model) before the first forward
+        if p is not None:
+            with patched(model, p):
+                pass
+    ids, wins, groups, context, stride = _prepare(model, tokenizer, text_or_ids, context, stride, max_tokens,
+                                                  batch_size)
+    runs = [None, *(p for p in policies if p is not None)] if kl else policies  # kl: the unchanged run first
+    at = iter(range(1, len(runs))) if kl else iter(range(len(runs)))
+    which = [0 if kl and p is None else next(at) for p in policies]  # each policy's run
+    recs, states = [RoutingRecord() for _ in runs], [{} for _ in runs]
+    res = _score(model, ids, groups, [_recording(model, p, r, st) for p, r, st in zip(runs, recs, states)], kl,
+                 progress)
+    out = []
+    for policy, r in zip(policies, which):
+        tot, rec = _totals(res[r], wins, context, stride, kl), recs[r]
+        k_by_layer = {i: rec.k(i) for i in range(len(layers)) if i in rec.k_chunks}
+        if policy is not None and warn_unchanged:
+            _warn_unchanged(states[r]["policies"], layers, k_by_layer, rec)
+        mean_k_layers, layer_rows, hist_rows = [], [], []
+        k_max = max((int(k.max()) for k in k_by_layer.values() if k.numel()), default=0)
+        for layer in layers:
+            i = layer.index
+            if i not in k_by_layer:  # a layer a per-layer dict left unpatched: native routing, not recorded
+                mean_k_layers.append(float(layer.native_k))
+                continue
+            k_T = k_by_layer[i]
+            mk = float(k_T.float().mean())
+            mean_k_layers.append(mk)
+            layer_rows.append({"layer": i, "tokens": int(k_T.numel()), "mean_k": mk,
+                               "expert_reduction": expert_reduction(mk, layer.native_k),
+                               **entropy_quantiles(rec.entropy(i))})
+            n = max(int(k_T.numel()), 1)
+            hist_rows += [{"layer": i, "k": k, "tokens": c, "fraction": c / n}
+                          for k, c in enumerate(torch.bincount(k_T.long(), minlength=k_max + 1).tolist())]
+        summary = {
+            **policy_params(policy), "estimated": False,
+            "dtype": model_dtype(model),  # bf16 / fp16 perplexities differ from fp32 ones
+            **{key: tot[key] for key in ("ppl", "nll", "scored_tokens", "context", "stride")},
+            **({"kl": tot["kl"], "top1_agree": tot["top1_agree"]} if kl else {}),
+            "routed_tokens": int(sum(r["tokens"] for r in layer_rows) / max(len(layer_rows), 1)),
+            # attended length over the windows run: a text shorter than the context is one short window
+            **_compute_cols(shapes, mean_k_layers, tot["attended_mean"], tot["longest_window"]),
+        }
+        if baseline_ppl is not None:
+            summary["ppl_base"] = baseline_ppl
+            summary["ppl_change"] = tot["ppl"] / baseline_ppl - 1.0
+        out.append(Evaluation(summary, pd.DataFrame(layer_rows), pd.DataFrame(hist_rows), tot["window_nll"],
+                              tot["window_tokens"]))
+    return out
 
 
 def reference_ppl(model, ids, progress: bool = False, **eval_kw) -> dict:
