@@ -6,12 +6,20 @@ import pytest
 import torch
 
 from moelab.calibrate import (
+    MATCHED_KINDS,
     budget_search,
     calibrate_thresholds,
     calibration_ids,
     compare_at_matched_compute,
+    compare_rules,
+    layer_budget,
+    layer_sensitivity,
+    lu_median,
     match_policy,
+    matched_policies,
     pareto_mask,
+    ser,
+    ser_label,
     thresholds_at,
     verdict,
 )
@@ -357,3 +365,91 @@ def test_compare_at_matched_compute_takes_one_kind_as_a_string(model, sample):
     assert f["kind"].tolist() == ["TopP"]
 
 
+
+
+def test_ser_and_lu_median_are_ratio_skip_with_a_floor_and_median_betas(sample):
+    pol = ser(2, 0.3, 4)
+    assert pol == RatioSkip(0.3, 4, 2) and ser_label(pol) == "SER(2, 0.3)"
+    lu = lu_median(sample)
+    assert len(lu) == sample.num_layers and all(p.k_min == 1 and p.k_max == sample.native_k for p in lu)
+    for p, probs in zip(lu, sample.top_probs):
+        ratio = (probs[:, 1] / probs[:, 0]).double()
+        assert p.beta == pytest.approx(float(ratio.median()), abs=2e-3)
+    # on a top-2 model the median ratio drops the second expert of about half the tokens: a quarter saved
+    assert sample.estimate(lu)["expert_reduction"] == pytest.approx(0.25, abs=0.01)
+
+
+def test_layer_budgets_keep_one_total_spread_evenly_or_by_sensitivity(sample):
+    even = layer_budget(sample, 0.3, 1, 2)
+    reds = [1 - float(sample.k(p, i).float().mean()) / 2 for i, p in enumerate(even)]
+    assert reds == pytest.approx([0.3, 0.3], abs=2e-3)
+    spread = layer_budget(sample, 0.3, 1, 2, sensitivity=[1.0, 3.0])  # layer 1 three times as sensitive
+    reds = [1 - float(sample.k(p, i).float().mean()) / 2 for i, p in enumerate(spread)]
+    assert np.mean(reds) == pytest.approx(0.3, abs=2e-3) and reds[0] == pytest.approx(3 * reds[1], rel=0.02)
+    clipped = layer_budget(sample, 0.3, 1, 2, sensitivity=[1.0, 100.0])  # layer 0 takes all it can: 50%
+    reds = [1 - float(sample.k(p, i).float().mean()) / 2 for i, p in enumerate(clipped)]
+    assert reds == pytest.approx([0.5, 0.1], abs=3e-3)
+    with pytest.raises(ValueError, match=r"sensitivity of shape \(3,\): need one value per MoE layer \(2\)"):
+        layer_budget(sample, 0.3, 1, 2, sensitivity=[1, 2, 3])
+
+
+def test_layer_sensitivity_is_the_change_per_reduction_of_one_layer_alone(model, sample):
+    ids = torch.randint(0, 256, (256,), generator=torch.Generator().manual_seed(5))
+    kw = dict(context=CTX, stride=CTX)
+    sens = layer_sensitivity(model, sample, ids, 1, 2, probe=0.25, **kw)
+    base = evaluate(model, None, ids, progress=False, **kw).summary["ppl"]
+    for layer, s in enumerate(sens):
+        pol = {layer: layer_budget(sample, 0.25, 1, 2)[layer]}
+        ev = evaluate(model, pol, ids, baseline_ppl=base, progress=False, **kw)
+        assert s == pytest.approx(ev.summary["ppl_change"] / ev.layers["expert_reduction"].iloc[0], rel=1e-9)
+
+
+def test_matched_policies_name_their_kinds_and_reach_their_targets():
+    net = tiny_random("mixtral", num_experts_per_tok=4, num_hidden_layers=2)
+    for layer in moe_layers(net):
+        torch.nn.init.normal_(layer.block.gate.weight, std=0.4)
+    smp = router_sample(net, torch.randint(0, 256, (1024,), generator=torch.Generator().manual_seed(0)),
+                        context=CTX, progress=False)
+    jobs = matched_policies(smp, [0.25, 0.6], (1, 2, 4), MATCHED_KINDS, sensitivity=[1.0, 2.0])
+    assert [(t, k) for t, k, _ in jobs] == [(0.25, k) for k in MATCHED_KINDS] + [
+        (0.6, k) for k in MATCHED_KINDS if k != "SER"]  # SER keeps at least 2 of 4: 50% at most
+    for t, kind, pol in jobs:
+        assert smp.estimate(pol)["expert_reduction"] == pytest.approx(t, abs=0.01), kind
+    assert jobs[3][2].k_min == 2 and jobs[3][2].k_max == 4
+    assert not [k for _, k, _ in matched_policies(smp, [0.25], (2, 4), ["SER"])]  # its floor is the range's own
+    with pytest.raises(ValueError, match=r"kinds \['Nope'\]: must be among"):
+        matched_policies(smp, [0.25], (1, 2, 4), ["Nope"])
+    with pytest.raises(ValueError, match=r"kind 'AllocBudget' needs sensitivity"):
+        matched_policies(smp, [0.25], (1, 2, 4), ["AllocBudget"])
+
+
+def _windows_frame(shifts, reductions=(0.1, 0.3), windows=40, seed=0):
+    """Matched rows whose window NLLs are a common base plus a per-kind shift (nats per window) and small noise."""
+    rng = np.random.default_rng(seed)
+    base, tokens, rows = rng.normal(400, 40, windows), [80] * windows, []
+    for kind, shift in shifts.items():
+        for t in reductions:
+            nll = base + shift * (1 + 10 * t) + rng.normal(0, 0.01, windows)
+            rows.append({"kind": kind, "label": f"{kind} x", "target_reduction": t, "expert_reduction": t,
+                         "ppl": float(np.exp(nll.sum() / sum(tokens))), "window_nll": nll.tolist(),
+                         "window_tokens": tokens})
+    return rows
+
+
+def test_compare_rules_counts_a_win_only_where_the_interval_excludes_zero():
+    rows = _windows_frame({"RatioSkip": 0.0, "EntropyAdaptiveK": 2.0, "TopP": 0.0})
+    topk = _windows_frame({"TopK": 1.0}, reductions=(0.2,))[0]
+    f = compare_rules(pd.DataFrame([*rows, {**topk, "label": "TopK k=1"}]), resamples=300, seed=2)
+    at = f.set_index(["level", "a", "b"])
+    win = at.loc[(0.3, "RatioSkip", "EntropyAdaptiveK")]
+    assert win["win"] and win["ci_hi"] < 0 and win["diff"] == pytest.approx(np.exp(-2 * 4 / 80) - 1, rel=1e-3)
+    assert win["verdict"].startswith("RatioSkip lower than EntropyAdaptiveK at 30%: -9.5")
+    tie = f[(f["level"] == 0.3) & (f[["a", "b"]].apply(set, axis=1) == {"RatioSkip", "TopP"})].iloc[0]
+    assert not tie["win"] and tie["ci_lo"] < 0 < tie["ci_hi"] and tie["verdict"].startswith("no difference between")
+    # a point meets each curve at its own reduction: EntropyAdaptiveK interpolated halfway, +3 nats a window
+    pt = f[(f["level"] == 0.2) & (f["a"] == "TopK k=1") & (f["b"] == "EntropyAdaptiveK")].iloc[0]
+    assert pt["win"] and pt["diff"] == pytest.approx(np.exp(-3 / 80) - 1, rel=1e-2)
+    assert set(f["level"]) == set(f["target"]) == {0.1, 0.2, 0.3}
+    assert (f["resamples"] == 300).all() and (f["windows"] == 40).all()
+    with pytest.raises(ValueError, match="frame without window_nll"):
+        compare_rules(pd.DataFrame(rows).drop(columns="window_nll"))

@@ -22,7 +22,7 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from moelab.evaluate import RouterSample, evaluate, reference_ppl
+from moelab.evaluate import RouterSample, bootstrap_ppl, evaluate, evaluate_many, interval, reference_ppl
 from moelab.params import check_int, is_int, is_real
 from moelab.routing import EntropyAdaptiveK, Policy, RatioSkip, TopK, TopP, quantile
 
@@ -146,7 +146,10 @@ def _bisect(f, lo: float, hi: float, target: float, increasing: bool, iters: int
     there by more than tol (f jumps over it: ties), whichever of the middle and the bracket's ends is closest."""
     for _ in range(iters):
         mid = (lo + hi) / 2
-        if (f(mid) < target) == increasing:
+        fm = f(mid)
+        if tol and abs(fm - target) <= tol:  # within one token's worth: bisecting further changes nothing counted
+            return mid
+        if (fm < target) == increasing:
             lo = mid
         else:
             hi = mid
@@ -247,33 +250,175 @@ def budget_search(model, sample: RouterSample, cal_ids: torch.Tensor, k_values, 
             "trace": pd.DataFrame(trace)}
 
 
-def compare_at_matched_compute(model, sample: RouterSample, eval_ids: torch.Tensor, targets, k_values,
-                               baseline_ppl: float, kinds=("EntropyAdaptiveK", "TopP", "RatioSkip"), fixed_ks=None,
-                               per_layer: bool = False, progress: bool = True, **eval_kw) -> pd.DataFrame:
-    """Measured perplexity vs compute for each policy kind matched (on the sample) to each target reduction.
+MATCHED_KINDS = ("EntropyAdaptiveK", "TopP", "RatioSkip", "SER", "EvenBudget", "AllocBudget")
+POINT_KINDS = ("TopK", "LuMedian")  # rules with one compute level of their own, compared at it
 
-    TopP and RatioSkip get the same k range as the entropy policy's k_values; lower fixed k (TopK with k
-    below native) gives points of its own. Rows: measured evaluations plus target and matched-on columns.
-    kinds: kind names, or one name.
-    """
-    kv = check_k_values(k_values, sample.k_cap)  # checked before any measured evaluation runs
-    kinds = (kinds,) if isinstance(kinds, str) else kinds
-    k_min, k_max = kv[0], kv[-1]
-    if fixed_ks is None:
-        fixed_ks = list(range(max(1, k_min), sample.native_k))
-    fixed_ks = check_fixed_ks(fixed_ks, sample.k_cap)
+
+def ser(k_min: int, t: float, k_max: int) -> RatioSkip:
+    """ik_llama.cpp's smart expert reduction `-ser Kmin,t`: the top Kmin experts, the others only while p > t p_top.
+    That is RatioSkip (beta = t) with a k floor; t = 1 keeps Kmin experts: a lower fixed k."""
+    return RatioSkip(float(t), k_max, k_min)
+
+
+def ser_label(policy: RatioSkip) -> str:
+    return f"SER({policy.k_min}, {policy.beta:.4g})"
+
+
+def lu_median(sample: RouterSample, k_min: int = 1, k_max: int | None = None, q: float = 0.5) -> list[RatioSkip]:
+    """Lu et al. (2024), "Not all experts are equal": per layer, RatioSkip with beta the median (quantile q) of
+    w1 / w0, the second over the first routing probability, on the sample (calibration text)."""
+    k_max = sample.native_k if k_max is None else k_max
+    qs = torch.tensor([float(q)], dtype=torch.float32)
+    return [RatioSkip(float(quantile((p[:, 1] / p[:, 0]).float(), qs)[0]), k_max, k_min) for p in sample.top_probs]
+
+
+def _layer_ratio(sample: RouterSample, layer: int, target: float, k_min: int, k_max: int) -> RatioSkip:
+    """RatioSkip whose estimated reduction in one layer hits target."""
+    red = lambda b: 1 - float(sample.k(RatioSkip(b, k_max, k_min), layer).float().mean()) / sample.native_k  # noqa
+    return RatioSkip(float(_bisect(red, 0.0, 1.0, target, increasing=True, tol=1.5 / sample.num_tokens)), k_max, k_min)
+
+
+def layer_budget(sample: RouterSample, target: float, k_min: int, k_max: int, sensitivity=None) -> list[RatioSkip]:
+    """Per-layer RatioSkip whose reductions average `target`, i.e. one fixed total of kept pairs: the same reduction
+    in every layer (sensitivity None), or spread by sensitivity (perplexity change per pair dropped in a layer
+    alone, `layer_sensitivity`): r_l = c / s_l clipped to the reachable range, c set so that they average target."""
+    lo, hi = max(0.0, 1 - k_max / sample.native_k), 1 - k_min / sample.native_k
+    _check_target(target, k_min, k_max, sample.native_k, f"k in [{k_min}, {k_max}]")
+    rs = np.full(sample.num_layers, float(target))
+    if sensitivity is not None:
+        s = np.maximum(np.asarray(sensitivity, dtype=float), 1e-12)
+        if s.shape != (sample.num_layers,):
+            raise ValueError(f"sensitivity of shape {s.shape}: need one value per MoE layer ({sample.num_layers})")
+        c = _bisect(lambda c: float(np.clip(c / s, lo, hi).mean()), 0.0, hi * s.max(), target, increasing=True)
+        rs = np.clip(c / s, lo, hi)
+    return [_layer_ratio(sample, i, float(r), k_min, k_max) for i, r in enumerate(rs)]
+
+
+def layer_sensitivity(model, sample: RouterSample, cal_ids: torch.Tensor, k_min: int, k_max: int, probe: float = 0.25,
+                      baseline_ppl: float | None = None, **eval_kw) -> list[float]:
+    """Per MoE layer, the perplexity change per unit of that layer's routed-expert reduction when it alone routes
+    with RatioSkip at `probe` reduction (clipped to the reachable range; the other layers native), measured on
+    calibration text: one patched evaluation per layer, in one pass."""
+    if baseline_ppl is None:
+        baseline_ppl = reference_ppl(model, cal_ids, **eval_kw)["ppl"]
+    probe = min(max(probe, 1 - k_max / sample.native_k), 1 - k_min / sample.native_k)
+    pols = [{i: _layer_ratio(sample, i, probe, k_min, k_max)} for i in range(sample.num_layers)]
+    evs = evaluate_many(model, pols, cal_ids, baseline_ppl=baseline_ppl, kl=False, progress=False, **eval_kw)
+    return [ev.summary["ppl_change"] / max(float(ev.layers["expert_reduction"].iloc[0]), 1e-9) for ev in evs]
+
+
+def matched_policies(sample: RouterSample, targets, k_values, kinds=MATCHED_KINDS[:3], per_layer: bool = False,
+                     sensitivity=None) -> list[tuple[float, str, object]]:
+    """(target, kind, policy) for each target and kind, matched on the sample. TopP, RatioSkip and the per-layer
+    budgets (EvenBudget, AllocBudget: `layer_budget`; AllocBudget needs `sensitivity`) take the k range of the
+    entropy policy's k_values; SER (`ser`) keeps at least native k / 2 (left out where that is k_values' own floor:
+    it would be RatioSkip again) and only targets it can reach."""
+    kv = check_k_values(k_values, sample.k_cap)
+    kinds, targets = ((kinds,) if isinstance(kinds, str) else tuple(kinds)), [float(t) for t in targets]
+    bad = [k for k in kinds if k not in MATCHED_KINDS]
+    if bad:
+        raise ValueError(f"kinds {bad}: must be among {list(MATCHED_KINDS)}")
+    if "AllocBudget" in kinds and sensitivity is None and targets:
+        raise ValueError("kind 'AllocBudget' needs sensitivity (layer_sensitivity on calibration text)")
+    k_min, k_max, ser_min = kv[0], kv[-1], max(1, sample.native_k // 2)
     jobs = []
     for t in targets:
         for kind in kinds:
-            pol = match_policy(sample, kind, float(t), k_min=k_min, k_max=k_max, k_values=kv, per_layer=per_layer)
-            jobs.append((float(t), kind, pol))
-    for k in fixed_ks:
-        jobs.append((1 - k / sample.native_k, "TopK", TopK(int(k))))
+            if kind == "SER":
+                if ser_min > k_min and t <= 1 - ser_min / sample.native_k:
+                    jobs.append((t, kind, match_policy(sample, "RatioSkip", t, k_min=ser_min, k_max=k_max)))
+            elif kind in ("EvenBudget", "AllocBudget"):
+                jobs.append((t, kind, layer_budget(sample, t, k_min, k_max,
+                                                   sensitivity if kind == "AllocBudget" else None)))
+            else:
+                jobs.append((t, kind, match_policy(sample, kind, t, k_min=k_min, k_max=k_max, k_values=kv,
+                                                   per_layer=per_layer)))
+    return jobs
+
+
+def compare_at_matched_compute(model, sample: RouterSample, eval_ids: torch.Tensor, targets, k_values,
+                               baseline_ppl: float, kinds=("EntropyAdaptiveK", "TopP", "RatioSkip"), fixed_ks=None,
+                               per_layer: bool = False, progress: bool = True, sensitivity=None, lu: bool = False,
+                               kl: bool = False, **eval_kw) -> pd.DataFrame:
+    """Measured perplexity vs compute for each policy kind matched (on the sample) to each target reduction, in
+    one pass over eval_ids (`evaluate_many`; kl: also KL and top-1 agreement against the unchanged model).
+
+    TopP, RatioSkip and the other kinds get the k range of the entropy policy's k_values (`matched_policies`);
+    lower fixed k (TopK with k below native) and, with lu, Lu et al.'s median rule give points of their own. Rows:
+    measured evaluations plus kind, target and matched-on columns, and window_nll / window_tokens (for
+    `compare_rules`). kinds: kind names, or one name.
+    """
+    kv = check_k_values(k_values, sample.k_cap)  # checked before any measured evaluation runs
+    if fixed_ks is None:
+        fixed_ks = list(range(max(1, kv[0]), sample.native_k))
+    fixed_ks = check_fixed_ks(fixed_ks, sample.k_cap)
+    jobs = matched_policies(sample, targets, kv, kinds, per_layer, sensitivity)
+    jobs += [(1 - k / sample.native_k, "TopK", TopK(int(k))) for k in fixed_ks]
+    if lu:
+        pol = lu_median(sample, kv[0], kv[-1])
+        jobs.append((sample.estimate(pol)["expert_reduction"], "LuMedian", pol))
+    evs = evaluate_many(model, [p for *_, p in jobs], eval_ids, baseline_ppl=baseline_ppl, kl=kl, progress=progress,
+                        **eval_kw)
+    return pd.DataFrame([{**ev.summary, "kind": kind, "target_reduction": t,
+                          "est_expert_reduction": sample.estimate(pol)["expert_reduction"],
+                          "window_nll": ev.window_nll, "window_tokens": ev.window_tokens}
+                         for (t, kind, pol), ev in zip(jobs, evs)])
+
+
+def _weights(g: pd.DataFrame, n: int, t: float) -> np.ndarray:
+    """Weights over the n rows whose product with their perplexities interpolates curve g (sorted) at t."""
+    w = np.zeros(n)
+    x = g["expert_reduction"].to_numpy(float)
+    for j, i in enumerate(g.index):
+        w[i] = np.interp(t, x, np.eye(len(x))[j])
+    return w
+
+
+def compare_rules(frame: pd.DataFrame, resamples: int = 2000, seed: int = 0, tol: float = 0.03,
+                  level: float = 0.95) -> pd.DataFrame:
+    """Every pair of rules at each matched level with the paired bootstrap interval of their difference.
+
+    frame: one model's matched rows on one text with window_nll and window_tokens (`compare_at_matched_compute`).
+    Curves (kinds matched to targets) are interpolated linearly in the measured reduction, at the targets moved into
+    the range all curves cover (as `verdict`; a curve's end point stands in up to tol beyond it); a point (a lower
+    fixed k, LuMedian) meets each curve at its own measured reduction. Each resample draws the same windows for
+    every row. Rows: level, target (what the level stands for), a (the lower), b, ppl_a, ppl_b, diff (ppl_a / ppl_b
+    - 1), ci_lo, ci_hi, win (the interval excludes 0) and verdict ("RatioSkip lower than EntropyAdaptiveK at 25%:
+    -0.31% [-0.45, -0.18]" or "no difference ...").
+    """
+    f = frame.reset_index(drop=True)
+    if not {"window_nll", "window_tokens", "kind", "expert_reduction"} <= set(f.columns):
+        raise ValueError("frame without window_nll / window_tokens: pass compare_at_matched_compute's rows")
+    ppl_BR = bootstrap_ppl(np.stack(f["window_nll"].to_numpy()), f["window_tokens"].iloc[0], resamples, seed)
+    ppl_R = f["ppl"].to_numpy(float)
+    curves = {k: g.sort_values("expert_reduction") for k, g in f.groupby("kind", sort=False) if k not in POINT_KINDS}
+    spans = {k: (g["expert_reduction"].min(), g["expert_reduction"].max()) for k, g in curves.items()}
+    lo, hi = max((a for a, _ in spans.values()), default=0), min((b for _, b in spans.values()), default=0)
+    levels = {}  # level -> the target it stands for
+    for t in sorted(f.loc[f["kind"].isin(list(curves)), "target_reduction"].unique()):
+        levels.setdefault(round(float(np.clip(t, lo, hi) if lo < hi else t), 4), float(t))
+    pairs = [(t, target, {k: _weights(g, len(f), t) for k, g in curves.items()
+                          if spans[k][0] - tol <= t <= spans[k][1] + tol}) for t, target in levels.items()]
+    for i, r in f[f["kind"].isin(POINT_KINDS)].iterrows():
+        t = float(r["expert_reduction"])
+        here = {k: _weights(g, len(f), t) for k, g in curves.items() if spans[k][0] - tol <= t <= spans[k][1] + tol}
+        name = r["label"] if r["kind"] == "TopK" else r["kind"]
+        pairs += [(t, float(r["target_reduction"]), {name: np.eye(len(f))[i], k: w}) for k, w in here.items()]
     rows = []
-    for t, kind, pol in tqdm(jobs, desc="matched compute", disable=not progress):
-        est = sample.estimate(pol)
-        s = evaluate(model, pol, eval_ids, baseline_ppl=baseline_ppl, progress=False, **eval_kw).summary
-        rows.append({**s, "kind": kind, "target_reduction": t, "est_expert_reduction": est["expert_reduction"]})
+    for t, target, ws in pairs:
+        names = list(ws)
+        for x in range(len(names)):
+            for y in range(x + 1, len(names)):
+                a, b = sorted((names[x], names[y]), key=lambda n: float(ppl_R @ ws[n]))
+                pa, pb = float(ppl_R @ ws[a]), float(ppl_R @ ws[b])
+                diff, c_lo, c_hi = interval(ppl_BR @ ws[a], ppl_BR @ ws[b], pa, pb, level)
+                win = c_hi < 0 or c_lo > 0
+                ci, at = f"{100 * diff:+.2f}% [{100 * c_lo:+.2f}, {100 * c_hi:+.2f}]", f"{100 * t:.3g}%"
+                rows.append({"level": t, "target": target, "a": a, "b": b, "ppl_a": pa, "ppl_b": pb, "diff": diff,
+                             "ci_lo": c_lo, "ci_hi": c_hi, "win": win, "windows": len(f["window_tokens"].iloc[0]),
+                             "resamples": resamples, "bootstrap_seed": seed,
+                             "verdict": (f"{a} lower than {b} at {at}: {ci}" if win
+                                         else f"no difference between {a} and {b} at {at}: {ci}")})
     return pd.DataFrame(rows)
 
 
