@@ -2,18 +2,25 @@
 
 For each model: the unchanged baseline, the model's own TopK through moelab (noise floor), the published
 configurations, thresholds calibrated (on held-out text) to the PR's claimed reduction, thresholds
-calibrated to a +0.5% perplexity budget (shared and per-layer), and EntropyAdaptiveK / TopP / RatioSkip /
-lower fixed k at matched compute. Writes the results topic paper-tables (moelab.results).
+calibrated to a +0.5% perplexity budget (shared and per-layer, and to a tighter budget as a margin), and the
+rules at matched compute (EntropyAdaptiveK, TopP, RatioSkip, SER, per-layer budgets spread evenly or by
+sensitivity, Lu et al.'s median ratio, lower fixed k), each row with KL and top-1 agreement against the unchanged
+model, its windows' NLLs and a paired bootstrap interval; with --domains the same (but the published
+configurations and the budget points) on texts of other domains. Writes the results topic paper-tables
+(moelab.results) with the matched comparisons between every pair of rules (extra `comparisons`).
 
-GPU (the full protocol; a run cut short is finished with --resume):
-    PYTHONPATH=lib PYTHONUNBUFFERED=1 python benchmarks/paper_tables.py
+GPU (the full protocol, about 5-6 minutes on one H100; a run cut short is finished with --resume):
+    PYTHONPATH=lib PYTHONUNBUFFERED=1 python benchmarks/paper_tables.py --targets 0.1,0.25,0.4 --budget-steps 5 \
+        --domains all --domain-tokens 131072
 CPU smoke run (end to end on slices; writes topic paper-tables-smoke):
-    python benchmarks/paper_tables.py --max-tokens 512 --cal-tokens 512 --budget-steps 2 --targets 0.25
+    python benchmarks/paper_tables.py --max-tokens 512 --cal-tokens 512 --budget-steps 2 --targets 0.25 \
+        --domains all --domain-tokens 512 --resamples 200
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import tempfile
 import time
@@ -23,8 +30,8 @@ import pandas as pd
 import torch
 
 from moelab.calibrate import calibration_ids
-from moelab.data import eval_text
-from moelab.models import NAMES, reference_experts
+from moelab.data import UNSEEN_TEXTS, eval_text, unseen_texts
+from moelab.models import NAMES, reference_experts, resolve
 from moelab.paper import paper_rows, paper_table
 from moelab.results import _check_stem, commit, read_file, results_dir, write_results
 
@@ -81,6 +88,28 @@ def reductions(s: str) -> tuple[float, ...]:
     if not out:
         raise argparse.ArgumentTypeError(f"{s!r}: no reduction given (comma list of numbers in (0, 1))")
     return tuple(out)
+
+
+def domain_names(s: str) -> tuple[str, ...]:
+    """--domains: 'all', '' (none) or a comma list of moelab.data.UNSEEN_TEXTS."""
+    names = UNSEEN_TEXTS if s.strip() == "all" else tuple(n.strip() for n in s.split(",") if n.strip())
+    bad = [n for n in names if n not in UNSEEN_TEXTS]
+    if bad:
+        raise argparse.ArgumentTypeError(f"{s!r}: {bad} unknown; 'all' or a comma list of {list(UNSEEN_TEXTS)}")
+    return names
+
+
+def fractions(s: str) -> tuple[float, ...]:
+    """--margins: a comma list of numbers in (0, 1), or '' for none."""
+    return reductions(s) if s.strip() else ()
+
+
+def train_seed(name: str, random_init: bool) -> int | None:
+    """The training seed in the checkpoint's train_log.json (None: none recorded, or an untrained model)."""
+    log_file = None if random_init else resolve(name) / "train_log.json"
+    if log_file is None or not log_file.exists():
+        return None
+    return json.loads(log_file.read_text()).get("config", {}).get("seed")
 
 
 def check_models(ap, names: list[str], random_init: bool) -> None:
@@ -140,10 +169,11 @@ def resume_from(path: Path, topic: str, protocol: dict, names: list[str]):
     rows = [r for r in doc["rows"] if r.get("model") in done]
     traces = [t for t in doc.get("traces", []) if t.get("model") in done]
     verdicts = {m: doc["verdicts"][m] for m in done}
+    comparisons = [c for c in doc.get("comparisons", []) if c.get("model") in done]
     weights = {m: w for m, w in doc.get("weights", {}).items() if m in done}
     prior = [*doc.get("resumed_from", []),
              {k: doc.get(k) for k in ("created", "commit", "command", "machine", "wall_s", "models_done")}]
-    return rows, traces, verdicts, weights, prior
+    return rows, traces, verdicts, weights, prior, comparisons
 
 
 def main(argv=None) -> None:
@@ -162,6 +192,14 @@ def main(argv=None) -> None:
     ap.add_argument("--targets", type=reductions, default="0.1,0.2,0.3,0.4",
                     help="matched-compute routed-expert reductions, each in (0, 1)")
     ap.add_argument("--no-per-layer", action="store_true", help="skip per-layer threshold calibration")
+    ap.add_argument("--margins", type=fractions, default="0.5",
+                    help="also calibrate to budget x each of these (a margin for other domains; '' for none)")
+    ap.add_argument("--domains", type=domain_names, default="",
+                    help=f"texts of other domains to evaluate on too: 'all' or a comma list of {list(UNSEEN_TEXTS)}")
+    ap.add_argument("--domain-tokens", type=int_at_least(2), default=None,
+                    help="only the first N tokens of each domain text (default: all)")
+    ap.add_argument("--resamples", type=int_at_least(1), default=2000, help="paired bootstrap resamples")
+    ap.add_argument("--bootstrap-seed", type=int_at_least(0), default=0)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                     help="float32 keeps the patched native TopK within 1e-5 of the unchanged model; in 16-bit the "
@@ -185,7 +223,8 @@ def main(argv=None) -> None:
     check_models(ap, names, args.random_init)
     check_output(ap, topic)
     text = eval_text()
-    rows, traces, verdicts, t_all = [], [], {}, time.perf_counter()
+    rows, traces, verdicts, comparisons, t_all = [], [], {}, [], time.perf_counter()
+    domain_text = unseen_texts() if args.domains else {}
     notes = (
         f"WikiText-2 test with LF line ends (moelab.data.eval_text; "
         f"{'first ' + str(args.max_tokens) + ' tokens' if args.max_tokens else 'all tokens'}), "
@@ -198,7 +237,15 @@ def main(argv=None) -> None:
         "forward_reduction from moelab.compute.ModelShapes. Thresholds are calibrated on held-out slices of the "
         f"training corpora ({args.cal_tokens} tokens, equal shares), never on the evaluation text; "
         "est_expert_reduction is the estimate from recorded router outputs on that calibration text. "
-        f"Budget {args.budget:+.2%} relative perplexity, {args.budget_steps} bisection steps. "
+        f"Budget {args.budget:+.2%} relative perplexity, {args.budget_steps} bisection steps, margins "
+        f"{list(args.margins)} (calibrated again to budget x margin). "
+        f"Other domains: {list(args.domains) or 'none'}"
+        + (f" (first {args.domain_tokens} tokens of each)" if args.domain_tokens else "") + " (text column). "
+        "kl (nats/token) and top1_agree are against the unchanged model's next-token distribution, on the same "
+        "tokens; window_nll (rounded to 0.01 nats) and window_tokens give each window's NLL sum and scored tokens; "
+        f"ci_lo / ci_hi: 95% paired bootstrap intervals over windows ({args.resamples} resamples, seed "
+        f"{args.bootstrap_seed}); extra comparisons: every pair of rules at each matched level "
+        "(moelab.calibrate.compare_rules). train_seed: the checkpoint's training seed. "
         + ("RANDOM-INIT MODELS: plumbing check, not a result. " if args.random_init else "")
         + "Claimed numbers (pr_*, paper_*) are copied from the claims under test, not measured."
     )
@@ -206,16 +253,18 @@ def main(argv=None) -> None:
     # the settings as used (not as typed), so the same run spelled differently still resumes
     protocol = {k: v for k, v in vars(args).items() if k not in ("models", "device", "device_map", "resume")}
     protocol.update(batch_size=batch, topic=topic, targets=list(targets), max_tokens=args.max_tokens or None,
-                    line_ends="LF")  # runs before eval_text() (no line_ends) read the shipped copy's CRLF
+                    line_ends="LF",  # runs before eval_text() (no line_ends) read the shipped copy's CRLF
+                    margins=list(args.margins), domains=list(args.domains))
     weights = {}  # model -> moelab.models.fingerprint of the weights its rows came from
     resumed = []
     if args.resume is not None:
-        rows, traces, verdicts, weights, resumed = resume_from(args.resume, topic, protocol, names)
+        rows, traces, verdicts, weights, resumed, comparisons = resume_from(args.resume, topic, protocol, names)
         log.info("resuming %s: keeping %s", args.resume, ", ".join(verdicts) or "nothing")
 
     def save(done: list[str]):
         # rewritten after every model, so a run cut short keeps the models it finished
         extra = {"protocol": protocol, "weights": weights, "traces": traces, "verdicts": verdicts,
+                 "comparisons": comparisons,
                  "wall_s": time.perf_counter() - t_all,
                  "models_done": done, "complete": set(done) >= set(names)}
         if resumed:
@@ -237,9 +286,14 @@ def main(argv=None) -> None:
         if args.max_tokens:
             eval_ids = eval_ids[: args.max_tokens]
         cal_ids = calibration_ids(tok, args.cal_tokens)
+        domains = {d: torch.tensor(tok(domain_text[d], add_special_tokens=False)["input_ids"][: args.domain_tokens],
+                                   dtype=torch.long) for d in args.domains}
         out = paper_rows(model, name, eval_ids, cal_ids, context=args.context, stride=args.stride, batch_size=batch,
                          budget=args.budget, budget_steps=args.budget_steps, targets=targets,
-                         per_layer=not args.no_per_layer, progress=True)
+                         per_layer=not args.no_per_layer, progress=True, domains=domains, margins=args.margins,
+                         resamples=args.resamples, bootstrap_seed=args.bootstrap_seed,
+                         train_seed=train_seed(name, args.random_init))
+        comparisons += out["comparisons"].to_dict("records")
         for r in out["rows"]:
             r["model_wall_s"] = None
         out["rows"][0]["model_wall_s"] = time.perf_counter() - t0
