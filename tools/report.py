@@ -33,12 +33,26 @@ ROOT = "@/"  # a link's repository root, made relative to each document
 SPEC_TBS = {"NVIDIA H200": 4.8, "NVIDIA H100 80GB HBM3": 3.35}  # HBM bandwidth on the vendors' data sheets
 MODELS = ("tiny-mixtral", "tiny-qwen-moe", "tiny-olmoe")
 KINDS = ("RatioSkip", "TopP", "EntropyAdaptiveK")
+CURVES = (*KINDS, "SER", "EvenBudget", "AllocBudget")  # rules matched to targets (moelab.calibrate.MATCHED_KINDS)
+TEXT = "wikitext2"  # moelab.paper.EVAL_NAME: WikiText-2 test
+TEXTS = {TEXT: "WikiText-2 test", "war_and_peace": "War and Peace", "poe_works": "Poe", "requests_src.py": "requests"}
+PAPER_CMD = ("python benchmarks/paper_tables.py --targets 0.1,0.25,0.4 --budget-steps 5 --domains all "
+             "--domain-tokens 131072")
+PENDING = f"Not measured yet: the committed run predates it; `{PAPER_CMD}` measures it."
 SHAPES = {"mixtral": "Mixtral-like", "olmoe": "OLMoE-like", "qwen15": "Qwen-like", "e128": "E = 128"}
 
 
 @cache
 def load(topic: str) -> dict:
-    return results.load_results(topic)
+    """A results document: MOELAB_RESULTS_DIR's where set and present (a run to preview), else the committed one."""
+    return results.load_results(topic, results.results_dir(), fallback=True)
+
+
+def load_maybe(topic: str) -> dict | None:
+    try:
+        return load(topic)
+    except FileNotFoundError:
+        return None
 
 
 @cache
@@ -77,8 +91,11 @@ def device(topic: str) -> str:
 
 # ---- adaptive k -------------------------------------------------------------------------------------------------
 
-def paper(section: str | tuple, topic: str = "paper-tables") -> pd.DataFrame:
+def paper(section: str | tuple, topic: str = "paper-tables", text: str = TEXT) -> pd.DataFrame:
+    """Rows of some sections on one text (rows without a text column are on the evaluation text)."""
     df = rows(topic)
+    if "text" in df:
+        df = df[df["text"].fillna(TEXT) == text]
     return df[df["section"].isin([section] if isinstance(section, str) else section)]
 
 
@@ -124,7 +141,7 @@ def t_paper() -> str:
                 body.append([name, r.config, "", "", "", "", ""])
                 continue
             cfg = r.config if r.section != "published" else f"{r.config} {r.k_values} / {r.thresholds}"
-            body.append([name, cfg, f"{r.mean_k:.2f}", pct(r.compute_frac, 1), pct(1 - r.forward_reduction, 1),
+            body.append([name, cfg, f"{r.mean_k:.2f}", pct(1 - r.expert_reduction, 1), pct(1 - r.forward_reduction, 1),
                          f"{r.ppl:.2f}", "" if r.section == "baseline" else pct(r.ppl_change, 2, True)])
     return table(["model (native k)", "configuration", "mean k", "expert compute", "forward compute", "ppl",
                   "change"], body) + f"\n\nSource: {src('paper-tables')}."
@@ -138,17 +155,107 @@ def t_claims() -> str:
                   "claimed ppl change"], body) + "\n\nCopied from the claims (`moelab.paper.CLAIMS`), not measured."
 
 
+def budget_rows(text: str = TEXT, topic: str = "paper-tables") -> pd.DataFrame:
+    """The calibrated rows at the budget itself (margin rows left out) on one text."""
+    f = paper("calibrated", topic, text)
+    return f[f["margin"].fillna(1.0) == 1.0] if "margin" in f else f
+
+
+def change(r, suffix: str = "") -> str:
+    """A row's perplexity change, with its 95% interval where the row has one."""
+    lo, hi = getattr(r, f"ci_lo{suffix}", None), getattr(r, f"ci_hi{suffix}", None)
+    d = getattr(r, f"ppl_change{suffix}")
+    return ci(d, lo, hi) if lo is not None and pd.notna(lo) else pct(d, 2, True)
+
+
+def ci(d: float, lo: float, hi: float) -> str:
+    return f"{100 * d:+.2f}% [{100 * lo:+.2f}, {100 * hi:+.2f}]"
+
+
 def t_budget() -> str:
-    f = paper("calibrated")
+    f = budget_rows()
+    kl = "kl" in f
     body = [[r.model, "per layer" if "per-layer" in r.config else "shared", pct(r.target_reduction, 1),
-             pct(r.cal_ppl_change, 2, True), pct(r.ppl_change, 2, True), pct(r.expert_reduction, 1),
+             pct(r.cal_ppl_change, 2, True), change(r), *([f"{r.kl:.4f}"] if kl else []), pct(r.expert_reduction, 1),
              pct(r.forward_reduction, 2)] for r in f.itertuples()]
     return table(["model", "thresholds", "reduction picked", "change on calibration text",
-                  "change on WikiText-2 test", "expert compute saved", "forward compute saved"], body) + \
-        f"\n\nSource: {src('paper-tables')}."
+                  "change on WikiText-2 test" + (" [95% interval]" if kl else ""), *(["KL (nats/token)"] if kl else []),
+                  "expert compute saved", "forward compute saved"], body) + f"\n\nSource: {src('paper-tables')}."
+
+
+def comparisons(topic: str = "paper-tables", text: str = TEXT) -> pd.DataFrame:
+    """The run's comparisons between rules (`moelab.calibrate.compare_rules`) on one text; empty before them."""
+    doc = load_maybe(topic)
+    c = pd.DataFrame((doc or {}).get("comparisons", []) if topic != "seeds" else
+                     [r for r in (doc or {}).get("rows", []) if r.get("section") == "comparison"])
+    return c[c["text"] == text] if len(c) else c
+
+
+def pair(c: pd.DataFrame, x: str, y: str) -> tuple[float, float, float, bool] | None:
+    """x against y in one level's comparisons: (ppl_x / ppl_y - 1, its interval, whether it excludes 0)."""
+    m = c[((c["a"] == x) & (c["b"] == y)) | ((c["a"] == y) & (c["b"] == x))]
+    if m.empty:
+        return None
+    r = m.iloc[0]
+    if r["a"] == x:
+        return r["diff"], r["ci_lo"], r["ci_hi"], bool(r["win"])
+    inv = lambda v: 1 / (1 + v) - 1  # noqa: E731
+    return inv(r["diff"]), inv(r["ci_hi"]), inv(r["ci_lo"]), bool(r["win"])
+
+
+def cell(p) -> str:
+    return "" if p is None else ci(*p[:3])
+
+
+def curve_levels(c: pd.DataFrame) -> dict[float, pd.DataFrame]:
+    """Each matched level of one model's comparisons between curves (rules matched to targets), levels ascending."""
+    cc = c[c["a"].isin(CURVES) & c["b"].isin(CURVES)]
+    return {lvl: g for lvl, g in sorted(cc.groupby("level"), key=lambda kv: kv[0])}
+
+
+def level_ppl(g: pd.DataFrame, kind: str) -> float:
+    r = g[(g["a"] == kind) | (g["b"] == kind)].iloc[0]
+    return r["ppl_a"] if r["a"] == kind else r["ppl_b"]
+
+
+def ranking(c: pd.DataFrame) -> pd.DataFrame:
+    """Per level of one model's comparisons: the three signals' perplexities, the lowest, and each pair's interval."""
+    out = []
+    for lvl, g in curve_levels(c).items():
+        ppl = {k: level_ppl(g, k) for k in KINDS}
+        out.append({"level": lvl, "target": g["target"].iloc[0], **ppl, "lowest": min(ppl, key=ppl.get),
+                    "highest": max(ppl, key=ppl.get), "rs_topp": pair(g, "RatioSkip", "TopP"),
+                    "rs_ent": pair(g, "RatioSkip", "EntropyAdaptiveK"),
+                    "topp_ent": pair(g, "TopP", "EntropyAdaptiveK")})
+    return pd.DataFrame(out)
+
+
+def wins(p) -> bool:
+    """x lower than y with the interval excluding 0."""
+    return p is not None and p[3] and p[0] < 0
 
 
 def t_matched() -> str:
+    comp = comparisons()
+    if comp.empty:
+        return t_matched_points()
+    body, rk = [], []
+    for model in MODELS:
+        r = ranking(comp[comp["model"] == model]).assign(model=model)
+        rk.append(r)
+        body += [[model, pct(x.level, 1), f"{x.RatioSkip:.2f}", f"{x.TopP:.2f}", f"{x.EntropyAdaptiveK:.2f}",
+                  x.lowest, cell(x.rs_topp), cell(x.topp_ent)] for x in r.itertuples()]
+    r, n = pd.concat(rk), sum(map(len, rk))
+    note = (f"Lowest perplexity: RatioSkip at {(r['lowest'] == 'RatioSkip').sum()} of {n} levels, with the interval "
+            f"excluding 0 against TopP at {r['rs_topp'].map(wins).sum()} and against EntropyAdaptiveK at "
+            f"{r['rs_ent'].map(wins).sum()}; TopP lower than EntropyAdaptiveK with the interval excluding 0 at "
+            f"{r['topp_ent'].map(wins).sum()} of {n}. Differences: the first rule's perplexity over the second's, "
+            "with 95% paired bootstrap intervals over windows.")
+    return table(["model", "expert compute saved", "RatioSkip", "TopP", "EntropyAdaptiveK", "lowest",
+                  "RatioSkip vs TopP", "TopP vs EntropyAdaptiveK"], body) + f"\n\n{note} Source: {src('paper-tables')}."
+
+
+def t_matched_points() -> str:  # a run from before the comparisons: perplexities interpolated, no intervals
     body = []
     for model in MODELS:
         for r in matched_levels(model).itertuples():
@@ -161,12 +268,195 @@ def t_matched() -> str:
         f"\n\n{note} Source: {src('paper-tables')}."
 
 
+def fixed_k(c: pd.DataFrame) -> pd.DataFrame:
+    """Each lower fixed k (above 1) of one model's comparisons against the three signals at its own reduction."""
+    out = []
+    for name in sorted({n for n in pd.concat([c["a"], c["b"]]) if n.startswith("TopK")}):
+        g, k = c[(c["a"] == name) | (c["b"] == name)], int(name.split("=")[1])
+        if k > 1:
+            ps = {kind: pair(g, name, kind) for kind in KINDS}
+            r = g.iloc[0]
+            out.append({"k": k, "reduction": r["level"], "ppl": r["ppl_a"] if r["a"] == name else r["ppl_b"], **ps,
+                        "beats_all": all(wins(p) for p in ps.values()),
+                        "lowest": all(p is not None and p[0] < 0 for p in ps.values())})
+    return pd.DataFrame(out)
+
+
 def t_lower_k() -> str:
+    comp = comparisons()
+    if comp.empty:
+        return t_lower_k_points()
+    body = [[m, f"TopK {r.k}", pct(r.reduction), f"{r.ppl:.2f}", *(cell(getattr(r, k)) for k in KINDS),
+             "yes" if r.beats_all else ("lowest, within the noise" if r.lowest else "no")]
+            for m in MODELS for r in fixed_k(comp[comp["model"] == m]).itertuples()]
+    return table(["model", "fixed k", "expert compute saved", "ppl", *(f"vs {k}" for k in KINDS),
+                  "lower than all three (intervals excluding 0)"], body) + \
+        f"\n\nSource: {src('paper-tables')}."
+
+
+def t_lower_k_points() -> str:  # a run from before the comparisons
     body = [[r.model, f"TopK {r.k}", pct(r.reduction), f"{r.ppl:.2f}", f"{r.RatioSkip:.2f}", f"{r.TopP:.2f}",
              f"{r.EntropyAdaptiveK:.2f}", "yes" if r.beats_all else "no"]
             for m in MODELS for r in lower_k(m).itertuples()]
     return table(["model", "fixed k", "expert compute saved", "ppl", "RatioSkip", "TopP", "EntropyAdaptiveK",
                   "lowest of all"], body) + f"\n\nSource: {src('paper-tables')}."
+
+
+def t_field() -> str:
+    """The field's own rules at the matched levels: SER and the per-layer budgets against RatioSkip and each other."""
+    comp = comparisons()
+    if comp.empty:
+        return PENDING
+    pairs = [("SER", "RatioSkip"), ("EvenBudget", "RatioSkip"), ("AllocBudget", "RatioSkip"),
+             ("AllocBudget", "EvenBudget")]
+    body = [[m, pct(lvl, 1), *(cell(pair(g, x, y)) for x, y in pairs)]
+            for m in MODELS for lvl, g in curve_levels(comp[comp["model"] == m]).items()]
+    return table(["model", "expert compute saved", *(f"{x} vs {y}" for x, y in pairs)], body) + \
+        f"\n\nEmpty: SER keeps at least k / 2 experts, which on a top-2 model is RatioSkip itself, and reaches at " \
+        f"most a 50% saving. Source: {src('paper-tables')}."
+
+
+def t_lu() -> str:
+    comp = comparisons()
+    if comp.empty:
+        return PENDING
+    body = []
+    for m in MODELS:
+        g = comp[(comp["model"] == m) & ((comp["a"] == "LuMedian") | (comp["b"] == "LuMedian"))]
+        if len(g):
+            r = g.iloc[0]
+            body.append([m, pct(r["level"], 1), f"{r['ppl_a'] if r['a'] == 'LuMedian' else r['ppl_b']:.2f}",
+                         *(cell(pair(g, "LuMedian", k)) for k in KINDS)])
+    return table(["model", "expert compute saved", "ppl", *(f"vs {k}" for k in KINDS)], body) + \
+        f"\n\nSource: {src('paper-tables')}."
+
+
+def domain_budget() -> pd.DataFrame:
+    """Every calibrated row (budget and margin) on every text, with whether it keeps the budget it was set to."""
+    f = rows("paper-tables")
+    if "text" not in f:
+        return pd.DataFrame()
+    f = f[f["section"] == "calibrated"].copy()
+    f["thresholds"] = np.where(f["config"].str.startswith("per-layer"), "per layer", "shared")
+    f["target_budget"] = load("paper-tables")["protocol"]["budget"]
+    f["holds"] = f["ppl_change"] <= f["target_budget"]
+    return f
+
+
+def t_domains() -> str:
+    f = domain_budget()
+    if f.empty or f["text"].nunique() < 2:
+        return PENDING
+    texts = [t for t in TEXTS if t in set(f["text"])]
+    body = []
+    for (model, th, b), g in f.groupby(["model", "thresholds", "budget"], sort=False):
+        by = {r.text: r for r in g.itertuples()}
+        cells = [change(by[t]) + ("" if by[t].holds else f" **misses by "
+                                  f"{100 * (by[t].ppl_change - by[t].target_budget):.2f}**") for t in texts]
+        body.append([model, th, pct(b, 2, True), *cells, pct(by[TEXT].expert_reduction, 1)])
+    main = f[f["margin"] == 1.0]
+    miss = main[~main["holds"]]
+    worst = 100 * (miss["ppl_change"] - miss["target_budget"]).max() if len(miss) else 0.0
+    note = (f"At the {pct(main['target_budget'].iloc[0], 1, True)} budget the thresholds keep it in "
+            f"{int(main['holds'].sum())} of {len(main)} (model, thresholds, text) cases"
+            + (f"; they miss it in {len(miss)}, by up to {worst:.2f} points "
+               f"({', '.join(sorted({TEXTS[t] for t in miss['text']}))})" if len(miss) else "") + ".")
+    for m, g in f[f["margin"] < 1.0].groupby("margin"):
+        at_eval = lambda x: x[x["text"] == TEXT].set_index(["model", "thresholds"])["expert_reduction"]  # noqa
+        note += (f" Calibrated to {pct(g['budget'].iloc[0], 2, True)} (a margin of {m:g} of the budget), they keep "
+                 f"{pct(main['target_budget'].iloc[0], 1, True)} in {int(g['holds'].sum())} of {len(g)} cases and "
+                 f"save {span(at_eval(g), 1, 100, '%')} of the expert compute on WikiText-2 test instead of "
+                 f"{span(at_eval(main), 1, 100, '%')}.")
+    return table(["model", "thresholds", "calibrated to", *(TEXTS[t] for t in texts),
+                  "expert compute saved (WikiText-2)"], body) + f"\n\n{note} Source: {src('paper-tables')}."
+
+
+def domain_ranking() -> pd.DataFrame:
+    """Per model and text: how often RatioSkip is lowest, and the intervals behind each headline comparison."""
+    out = []
+    for text in TEXTS:
+        comp = comparisons(text=text)
+        for model in MODELS if len(comp) else ():
+            c = comp[comp["model"] == model]
+            r, fk = ranking(c), fixed_k(c)
+            quarter = fk[(fk["reduction"] - 0.25).abs() < 0.02] if len(fk) else fk
+            out.append({"model": model, "text": text, "levels": len(r),
+                        "rs_lowest": (r["lowest"] == "RatioSkip").sum() if len(r) else 0,
+                        "rs_beats_both": (r["rs_topp"].map(wins) & r["rs_ent"].map(wins)).sum() if len(r) else 0,
+                        "topp_beats_ent": r["topp_ent"].map(wins).sum() if len(r) else 0,
+                        "fixed_k": quarter["k"].iloc[0] if len(quarter) else None,
+                        "fixed_lowest": bool(quarter["lowest"].iloc[0]) if len(quarter) else None,
+                        "fixed_beats": bool(quarter["beats_all"].iloc[0]) if len(quarter) else None})
+    return pd.DataFrame(out)
+
+
+def t_domains_matched() -> str:
+    d = domain_ranking()
+    if d.empty or d["text"].nunique() < 2:
+        return PENDING
+    yes = lambda lowest, sig: "" if lowest is None else ("yes" if sig else ("lowest, within the noise" if lowest  # noqa
+                                                                            else "no"))
+    body = [[r.model, TEXTS[r.text], f"{r.rs_lowest} of {r.levels}", f"{r.rs_beats_both} of {r.levels}",
+             f"{r.topp_beats_ent} of {r.levels}", "" if r.fixed_k is None else f"TopK {r.fixed_k}: "
+             + yes(r.fixed_lowest, r.fixed_beats)] for r in d.itertuples()]
+    return table(["model", "text", "RatioSkip lowest", "RatioSkip below TopP and EntropyAdaptiveK (intervals)",
+                  "TopP below EntropyAdaptiveK (intervals)", "lower fixed k at 25% below all three (intervals)"],
+                 body) + f"\n\nSource: {src('paper-tables')}."
+
+
+def t_kl() -> str:
+    f = rows("paper-tables")
+    if "kl" not in f:
+        return PENDING
+    f = f[f["kl"].notna() & ~f["section"].isin(["baseline", "patched-native"])]
+    body = []
+    for (model, text), g in f.groupby(["model", "text"], sort=False):
+        body.append([model, TEXTS[text], len(g), f"{np.corrcoef(g['ppl_change'], g['kl'])[0, 1]:.3f}",
+                     f"{g['kl'].max():.4f}", span(g["top1_agree"], 1, 100, "%")])
+    return table(["model", "text", "configurations", "correlation of perplexity change and KL", "largest KL",
+                  "top-1 agreement"], body) + f"\n\nSource: {src('paper-tables')}."
+
+
+def seed_summary() -> pd.DataFrame:
+    """Per model and seed of the seeds run: the 25% verdicts and the budget result."""
+    doc = load_maybe("seeds")
+    if doc is None:
+        return pd.DataFrame()
+    f, out = pd.DataFrame(doc["rows"]), []
+    for (model, seed), g in f.groupby(["model", "seed"]):
+        c = g[g["section"] == "comparison"]
+        r, fk = ranking(c), fixed_k(c)
+        q = r[(r["target"] - 0.25).abs() < 1e-9]
+        fq = fk[(fk["reduction"] - 0.25).abs() < 0.02] if len(fk) else fk
+        cal = g[g["section"] == "calibrated"]
+        out.append({"model": model, "seed": seed, "shipped": bool(g["shipped"].iloc[0]),
+                    "rs_lowest": len(q) and q["lowest"].iloc[0] == "RatioSkip",
+                    "rs_sig": len(q) and wins(q["rs_topp"].iloc[0]) and wins(q["rs_ent"].iloc[0]),
+                    "topp_ent": len(q) and wins(q["topp_ent"].iloc[0]),
+                    "fixed": bool(fq["lowest"].iloc[0]) if len(fq) else None,
+                    "fixed_sig": bool(fq["beats_all"].iloc[0]) if len(fq) else None,
+                    "saved": cal["expert_reduction"].tolist(), "change": cal["ppl_change"].tolist()})
+    return pd.DataFrame(out)
+
+
+def t_seeds() -> str:
+    s = seed_summary()
+    if s.empty:
+        return "Not measured yet: `python benchmarks/seeds.py` measures it (data/results/seeds.json)."
+    doc = load("seeds")
+    body = []
+    for model, g in s.groupby("model", sort=False):
+        n = len(g)
+        fixed = g["fixed"].dropna()
+        body.append([model, n, f"{int(g['rs_lowest'].sum())} of {n} ({int(g['rs_sig'].sum())} with intervals)",
+                     f"{int(g['topp_ent'].sum())} of {n}",
+                     f"{int(fixed.sum())} of {len(fixed)} ({int(g['fixed_sig'].dropna().sum())} with intervals)"
+                     if len(fixed) else "", span(sum(g["saved"], []), 1, 100, "%"),
+                     f"{pct(min(sum(g['change'], [])), 2, True)} to {pct(max(sum(g['change'], [])), 2, True)}"])
+    return table(["model", "seeds", "RatioSkip lowest at 25%", "TopP below EntropyAdaptiveK at 25% (intervals)",
+                  "lower fixed k below all three at 25%", "saved within the budget", "change on WikiText-2 test"],
+                 body) + f"\n\nThe shipped checkpoint and {doc['protocol']['seeds']} more training seeds per model, " \
+        f"each on the first {doc['protocol']['eval_tokens']:,} tokens of WikiText-2 test. Source: {src('seeds')}."
 
 
 def t_noise() -> str:
@@ -194,6 +484,9 @@ def numbers(x) -> int:
 
 def t_repeat() -> str:
     a, b = load("paper-tables"), load("paper-tables-h100")
+    if a.get("protocol") != b.get("protocol"):
+        return (f"The {device('paper-tables-h100')} run ({src('paper-tables-h100')}) measured an earlier protocol than "
+                f"{src('paper-tables')}: run the same command on it again to compare them number by number.")
     d = results.diff(a, b)
     fields = ", ".join(sorted({r["field"] for r in d})) or "none"
     body = [[device("paper-tables"), device("paper-tables-h100"), numbers(a), len(d), fields]]
@@ -410,12 +703,91 @@ def t_pool_devices() -> str:
 
 # ---- the README's findings --------------------------------------------------------------------------------------
 
+def finding_budget() -> str:
+    cal, s = budget_rows(), seed_summary()
+    out = (f"{span(cal['expert_reduction'], 0, 100, '%')} of routed-expert compute, "
+           f"{span(cal['forward_reduction'], 1, 100, '%')} of the forward")
+    if len(s):
+        out += (f"; {span(sum(s['saved'], []), 0, 100, '%')} over {len(s)} checkpoints ({s['model'].nunique()} models "
+                f"x {len(s) // s['model'].nunique()} training seeds)")
+    return out
+
+
+def finding_transfer() -> str:
+    cal, d, s = budget_rows(), domain_budget(), seed_summary()
+    out = f"{pct(cal['ppl_change'].min(), 2, True)} to {pct(cal['ppl_change'].max(), 2, True)} perplexity"
+    if "ci_hi" in cal:
+        out += f" (95% upper bounds up to {pct(cal['ci_hi'].max(), 2, True)})"
+    other = d[(d["text"] != TEXT) & (d["margin"] == 1.0)] if len(d) else d
+    if len(other):
+        miss = other[~other["holds"]]
+        out += (f"; on the other domains it holds in all {len(other)} cases" if miss.empty else
+                f"; on the other domains it does not hold: it misses in {len(miss)} of {len(other)} cases, by up to "
+                f"{100 * (miss['ppl_change'] - miss['target_budget']).max():.2f} points")
+        for m, g in d[(d["margin"] < 1.0) & (d["text"] != TEXT)].groupby("margin"):
+            ev = d[(d["margin"] == m) & (d["text"] == TEXT)]["expert_reduction"]
+            out += (f"; calibrated to {pct(g['budget'].iloc[0], 2, True)} it holds in {int(g['holds'].sum())} of "
+                    f"{len(g)}, saving {span(ev, 0, 100, '%')} instead")
+    if len(s):
+        ch = sum(s["change"], [])
+        out += f"; within the budget in {sum(c <= 0.005 for c in ch)} of {len(ch)} seed calibrations"
+    return out
+
+
+def finding_matched() -> str:
+    comp = comparisons()
+    if comp.empty:
+        w = pd.concat([matched_levels(m) for m in MODELS])
+        return (f"RatioSkip at {(w['lowest'] == 'RatioSkip').sum()} of {len(w)} levels; EntropyAdaptiveK highest at "
+                f"{(w['highest'] == 'EntropyAdaptiveK').sum()} of {len(w)}")
+    r = pd.concat([ranking(comp[comp["model"] == m]).assign(model=m) for m in MODELS])
+    n, low = len(r), int((r["lowest"] == "RatioSkip").sum())
+    out = (("" if low == n else "does not hold everywhere: ") + f"RatioSkip at {low} of {n} levels; lower with the 95% "
+           f"interval excluding 0 than TopP at {r['rs_topp'].map(wins).sum()} and than EntropyAdaptiveK at "
+           f"{r['rs_ent'].map(wins).sum()}")
+    q = r[(r["target"] - 0.25).abs() < 1e-9]
+    if len(q):
+        x = q.iloc[-1]
+        out += f" ({x.model} at 25%: {cell(x.rs_ent)} against EntropyAdaptiveK)"
+    d = domain_ranking()
+    d = d[d["text"] != TEXT] if len(d) else d
+    if len(d):
+        out += f"; other domains: RatioSkip lowest at {d['rs_lowest'].sum()} of {d['levels'].sum()} levels"
+    s = seed_summary()
+    if len(s):
+        out += f"; at 25% on {int(s['rs_lowest'].sum())} of {len(s)} seed checkpoints ({int(s['rs_sig'].sum())} " \
+               "with intervals)"
+    return out
+
+
+def finding_lower_k() -> str:
+    comp = comparisons()
+    if comp.empty:
+        lk = pd.concat([lower_k(m) for m in MODELS])
+        lk = lk[lk["beats_all"]]
+        return "; ".join(f"TopK {r.k} on {r.model} ({pct(r.reduction)} saved)" for r in lk.itertuples())
+    parts = []
+    for m in MODELS:
+        for r in fixed_k(comp[comp["model"] == m]).itertuples():
+            if abs(r.reduction - 0.25) < 0.02:
+                worst = max((getattr(r, k) for k in KINDS), key=lambda p: p[2])  # the nearest rival's interval
+                parts.append(f"TopK {r.k} on {m} (25%): " + ("holds" if r.beats_all else "does not hold" if not
+                             r.lowest else "lowest but within the noise") + f", {cell(worst)} against the nearest")
+    out = "; ".join(parts)
+    d = domain_ranking()
+    d = d[(d["text"] != TEXT) & d["fixed_k"].notna()] if len(d) else d
+    if len(d):
+        out += f"; other domains: below all three in {int(d['fixed_beats'].sum())} of {len(d)} (with intervals)"
+    s = seed_summary()
+    f = s["fixed"].dropna() if len(s) else s
+    if len(f):
+        out += f"; seeds: lowest in {int(f.sum())} of {len(f)} ({int(s['fixed_sig'].dropna().sum())} with intervals)"
+    return out
+
+
 def t_findings() -> str:
-    cal, pub = paper("calibrated"), paper("published")
-    trt = pub[pub["config"] == "trtllm-default"].set_index("model")["compute_frac"]
-    wins = pd.concat([matched_levels(m) for m in MODELS])
-    lk = pd.concat([lower_k(m) for m in MODELS])
-    lk = lk[lk["beats_all"]]
+    pub = paper("published")
+    trt = 1 - pub[pub["config"] == "trtllm-default"].set_index("model")["expert_reduction"]
     rk, rh = routing("routing-kernel"), routing("routing-kernel-h100")
     s = layer_summary("moe-layer")
     met = lambda g: f"{g['met'].sum()} of {g['batches'].sum()}"  # noqa: E731
@@ -425,22 +797,16 @@ def t_findings() -> str:
     reuse = arms[arms["arm"] == "shared+reuse"]
     pt, rt, ml, gp = src("paper-tables"), src("routing-kernel"), src("moe-layer"), src("graph-pool")
     body = [
-        ["Expert compute saved within +0.5% perplexity (thresholds calibrated on held-out text)",
-         f"{span(cal['expert_reduction'], 0, 100, '%')} of routed-expert compute, "
-         f"{span(cal['forward_reduction'], 1, 100, '%')} of the forward", "claimed 25-52%", pt,
-         fig("adaptive-k-compute")],
-        ["The same thresholds on WikiText-2 test (never calibrated on)",
-         f"{pct(cal['ppl_change'].min(), 2, True)} to {pct(cal['ppl_change'].max(), 2, True)} perplexity", "+0.5%",
+        ["Expert compute saved within +0.5% perplexity (thresholds calibrated on held-out text)", finding_budget(),
+         "claimed 25-52%", pt + (f", {src('seeds')}" if load_maybe("seeds") else ""), fig("adaptive-k-compute")],
+        ["The same thresholds on WikiText-2 test and other domains (never calibrated on)", finding_transfer(), "+0.5%",
          pt, fig("adaptive-k-compute")],
         ["TensorRT-LLM's default configuration, expert compute against native k",
          " / ".join(pct(trt[m]) for m in MODELS) + " (" + " / ".join(MODELS) + ")", "a saving", pt,
          fig("adaptive-k-compute")],
-        ["Lowest perplexity at matched compute",
-         f"RatioSkip at {(wins['lowest'] == 'RatioSkip').sum()} of {len(wins)} levels; EntropyAdaptiveK highest at "
-         f"{(wins['highest'] == 'EntropyAdaptiveK').sum()} of {len(wins)}", "entropy the better signal", pt,
+        ["Lowest perplexity at matched compute", finding_matched(), "entropy the better signal", pt,
          fig("adaptive-k-matched")],
-        ["A lower fixed k beats all three policies at its compute",
-         "; ".join(f"TopK {r.k} on {r.model} ({pct(r.reduction)} saved)" for r in lk.itertuples()), "", pt,
+        ["A lower fixed k beats all three policies at its compute", finding_lower_k(), "", pt,
          fig("adaptive-k-matched")],
         ["Routing, one launch in a CUDA graph, T <= 4096", f"{rk['graph']} us ({rk['graph_stats']} with statistics)",
          "<= 5 us", rt, fig("routing-time")],
@@ -465,6 +831,8 @@ def t_findings() -> str:
 
 TABLES = {
     "findings": t_findings, "paper-table": t_paper, "claims": t_claims, "budget": t_budget, "matched": t_matched,
+    "field-rules": t_field, "lu-median": t_lu, "domains": t_domains, "domains-matched": t_domains_matched,
+    "kl": t_kl, "seeds": t_seeds,
     "lower-k": t_lower_k, "noise-floor": t_noise, "repeat": t_repeat, "split-gpus": t_split, "line-ends": t_line_ends,
     "routing-targets": t_routing_targets, "routing-large": t_routing_large, "routing-ablation": t_ablation,
     "layer-targets": t_layer_targets, "native-layer": t_native_layer,
@@ -476,16 +844,25 @@ TABLES = {
 
 # ---- figures ----------------------------------------------------------------------------------------------------
 
+STYLE = {"SER": ("C4", "--"), "EvenBudget": ("C7", ":"), "AllocBudget": ("C8", "-."), "LuMedian": ("C9", "s")}
+
+
 def f_matched(ax_row):
     m = paper("matched")
     for ax, model in zip(ax_row, MODELS):
         g = m[m["model"] == model]
-        for kind in KINDS:
+        for kind in [k for k in CURVES if k in set(g["kind"])]:
             k = g[g["kind"] == kind].sort_values("expert_reduction")
-            ax.plot(100 * k["expert_reduction"], 100 * k["ppl_change"], ".-", label=kind,
-                    color=plots.POLICY_COLORS[kind])
+            color, ls = (plots.POLICY_COLORS[kind], "-") if kind in KINDS else STYLE[kind]
+            if "ci_lo" in k:  # the 95% interval of each point
+                ax.fill_between(100 * k["expert_reduction"], 100 * k["ci_lo"], 100 * k["ci_hi"], color=color,
+                                alpha=0.15, lw=0)
+            ax.plot(100 * k["expert_reduction"], 100 * k["ppl_change"], marker=".", ls=ls, label=kind, color=color)
         fixed = g[(g["kind"] == "TopK") & (g["k_max"] > 1)]
         ax.plot(100 * fixed["expert_reduction"], 100 * fixed["ppl_change"], "ko", label="lower fixed k")
+        lu = g[g["kind"] == "LuMedian"]
+        ax.plot(100 * lu["expert_reduction"], 100 * lu["ppl_change"], "s", color=STYLE["LuMedian"][0],
+                label="Lu et al. median")
         ax.set(title=model, xlabel="expert compute saved (%)")
     ax_row[0].set_ylabel("perplexity change (%)")
     ax_row[0].legend(fontsize=7)
@@ -495,8 +872,8 @@ def f_compute(ax):
     f = pd.concat([paper("published"), paper("calibrated")])
     f = f[f["config"].isin(["trtllm-default", "shared thresholds, budget +0.5%"]) | f["config"].str.startswith("sdk")]
     labels = {"trtllm-default": "TensorRT-LLM default", "shared thresholds, budget +0.5%": "calibrated, +0.5%"}
-    f = f.assign(what=f["config"].map(lambda c: labels.get(c, "SDK preset")))
-    piv = f.pivot(index="model", columns="what", values="compute_frac").loc[list(MODELS)]
+    f = f.assign(what=f["config"].map(lambda c: labels.get(c, "SDK preset")), compute=1 - f["expert_reduction"])
+    piv = f.pivot(index="model", columns="what", values="compute").loc[list(MODELS)]
     (100 * piv).plot.bar(ax=ax, rot=0)
     ax.axhline(100, color="black", lw=0.8)
     ax.set(ylabel="expert compute (% of native k)", xlabel="")
@@ -538,7 +915,27 @@ def f_pool(ax):
     ax.set(ylabel="serving peak / max(graph pool, eager peak)", xlabel="")
 
 
+def f_kl(ax_row):
+    f = rows("paper-tables")
+    for ax, model in zip(ax_row, MODELS):
+        ax.set(title=model, xlabel="KL from the unchanged model (nats/token)")
+        if "kl" not in f:
+            ax.text(0.5, 0.5, "not measured yet", ha="center", va="center", transform=ax.transAxes)
+            continue
+        g = f[(f["model"] == model) & f["kl"].notna() & ~f["section"].isin(["baseline", "patched-native"])]
+        for text, marker in zip(TEXTS, "o^sv"):
+            t = g[g["text"] == text]
+            kind = t["kind"].where(t["section"] == "matched", t["section"]).fillna(t["section"])
+            colors = [plots.POLICY_COLORS.get(k, STYLE.get(k, ("grey",))[0]) for k in kind]
+            ax.scatter(t["kl"], 100 * t["ppl_change"], c=colors, marker=marker, s=10, lw=0,
+                       label=TEXTS[text] if len(t) else None)
+    ax_row[0].set_ylabel("perplexity change (%)")
+    if "kl" in f:
+        ax_row[0].legend(fontsize=6, title="text (colour: rule)", title_fontsize=6)
+
+
 FIGURES = {"adaptive-k-matched": (f_matched, 3, 2.6), "adaptive-k-compute": (f_compute, 1, 3.0),
+           "adaptive-k-kl": (f_kl, 3, 2.6),
            "routing-time": (f_routing, 2, 3.0), "layer-ratio": (f_layer, 1, 3.2), "graph-pool-memory": (f_pool, 1, 3.0)}
 
 
