@@ -164,7 +164,8 @@ class StaticKV:
             layers.append(lay)
         cache = _KV(layers=layers)
         cache.k, cache.v = ks, vs
-        cache.pos = torch.zeros(1, dtype=torch.long, device=p.device)
+        cache.pos = None  # set by each forward (kv_step)
+        cache.idle = torch.zeros((), dtype=torch.long, device=p.device)
         return cache
 
 
@@ -186,7 +187,12 @@ def kv_step(model, cache, output: str = "ids"):
         kw = {cache_kw: cache, "position_ids": pos_L[None].expand(B, L)}
         if takes_cache_position:
             kw["cache_position"] = pos_L
-        out = model(input_ids=ids_BL, use_cache=True, logits_to_keep=1, output_router_logits=False, **kw)
+        try:
+            out = model(input_ids=ids_BL, use_cache=True, logits_to_keep=1, output_router_logits=False, **kw)
+        finally:  # no tensor of this forward outlives it (an eager forward borrowing a graph pool must leave none)
+            cache.pos = None
+            for lay in cache.layers:
+                lay.cumulative_length = cache.idle
         logits = out.logits[:, -1]
         return logits.argmax(-1) if output == "ids" else logits
 
@@ -351,7 +357,7 @@ def decode_rows(name, model, arms, args, meta, stream) -> list[dict]:
     g = torch.Generator(device="cuda").manual_seed(3)
     rows = []
     for B in DECODE:
-        ids = torch.randint(0, vocab, (B, 1), device="cuda", generator=g)
+        ids = [torch.randint(0, vocab, (B, 1), device="cuda", generator=g) for _ in range(args.steps)]
         pos = [torch.full((B,), DECODE_START + i, dtype=torch.long, device="cuda") for i in range(args.steps)]
         base = {"model": name, "part": "decode", "batch": B, "cache_len": CACHE_LEN, "steps": args.steps, **meta}
         variants = [("hf", None, False), ("hf-graph", None, True)]
@@ -361,15 +367,15 @@ def decode_rows(name, model, arms, args, meta, stream) -> list[dict]:
             try:
                 with torch.no_grad(), arm_context(model, pols) as patch:
                     if graphs:
-                        runner = GraphRunner(step, functools.partial(first_rows, (ids, pos[0])), [B],
+                        runner = GraphRunner(step, functools.partial(first_rows, (ids[0], pos[0])), [B],
                                              stream=stream).capture()
                     loop = functools.partial(run_steps, runner if runner is not None else step, ids, pos)
 
                     ms = [m / len(pos) for m in cuda_ms(loop, args.reps)]
                     kept = None
-                    if patch is not None:  # the same inputs eagerly, counted
+                    if patch is not None:  # the same inputs eagerly, counted (replays are not)
                         patch.reset_counts()
-                        step(ids, pos[0])
+                        run_steps(step, ids, pos)
                         kept = kept_fraction(patch)
             except (torch.cuda.OutOfMemoryError, RuntimeError) as e:  # OOM, or a forward that cannot be captured
                 rows.append({**base, "arm": arm, "error": f"{type(e).__name__}: {str(e)[:300]}"})
@@ -398,8 +404,8 @@ def first_rows(inputs: tuple, b: int) -> tuple:
 
 
 def run_steps(fn, ids, positions) -> None:
-    for p in positions:
-        fn(ids, p)
+    for x, p in zip(ids, positions):
+        fn(x, p)
 
 
 # ------------------------------------------------------------------------------------------------- pool
@@ -482,7 +488,8 @@ def pool_rows(name, model, args, meta, stream) -> list[dict]:
                             "scratch_fraction_on_graph_blocks": proof["fraction_on_graph_blocks"],
                             "eager_fallbacks": runner.eager_fallbacks})
             if arm == "shared+reuse":
-                row.update(stress(runner, step, prompt, dec, buckets, args.stress))
+                short = (prompt[0][:1, :256], prompt[1][:1])
+                row.update(stress(runner, step, short, dec, buckets, args.stress))
         rows.append(row)
         log.info("%s pool %s: peak %.0f MiB, %.0f tok/s", name, arm, row["reserved_peak_mib"],
                  row["decode_tokens_per_s"])
