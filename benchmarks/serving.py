@@ -542,6 +542,8 @@ def main(argv=None):
     ap.add_argument("--pool-prefill", default="4x1024", help="pool: the eager prefill, BATCHxLENGTH")
     ap.add_argument("--pool-models", default="olmoe-1b-7b,qwen1.5-moe-a2.7b")
     ap.add_argument("--reserve-gib", type=float, default=14.0, help="working memory left free when fitting layers")
+    ap.add_argument("--budget-s", type=float, default=0.0,
+                    help="stop before a part that starts after this many seconds (0: no limit); the file says so")
     ap.add_argument("--topic", default="serving")
     ap.add_argument("--out-dir", default=None)
     args = ap.parse_args(argv)
@@ -566,6 +568,7 @@ def main(argv=None):
 
     rows, errors = [], []
     stream = torch.cuda.Stream()
+    t_start = time.perf_counter()
 
     def write():
         notes = ("Random-initialised bf16 models at full layer shapes; router logits std "
@@ -596,6 +599,9 @@ def main(argv=None):
                     for a, pols in arms.items() if pols)
         for part in ("prefill", "decode", "pool"):
             if part not in parts or (part == "pool" and name not in args.pool_models.split(",")):
+                continue
+            if args.budget_s and time.perf_counter() - t_start > args.budget_s:
+                errors.append(f"{name} {part}: not run (past --budget-s {args.budget_s:g})")
                 continue
             t0 = time.perf_counter()
             try:
