@@ -581,6 +581,9 @@ def main(argv=None):
         return write_results(args.topic, rows, notes=notes, out_dir=args.out_dir)
 
     for name in names:
+        if args.budget_s and time.perf_counter() - t_start > args.budget_s:
+            errors.append(f"{name}: not run (past --budget-s {args.budget_s:g})")
+            continue
         try:
             model, n, full = build(name, args.layers, args.router_std, args.reserve_gib)
         except (RuntimeError, ValueError) as e:
