@@ -21,6 +21,8 @@ from moelab.routing import (
     set_backend,
 )
 
+INF, NAN = float("inf"), float("nan")
+
 E_CHOICES = [2, 8, 60, 64]
 
 
@@ -292,6 +294,70 @@ def test_numpy_scalars_and_extreme_rows():
     plan = route_torch(x, EntropyAdaptiveK((1, 3), (0.5,)), True)
     assert torch.isfinite(plan.entropy).all() and abs(float(plan.entropy[0]) - math.log(2)) < 1e-6
     assert plan.k.tolist() == [3]
+    # unchecked, -inf logits beside a finite maximum are experts of probability 0 (ranked last, by index)
+    plan = route(torch.tensor([[-INF, 0.0, -INF, 0.0]]), TopK(3), renormalize=False, check=False)
+    assert plan.expert_ids.tolist() == [[1, 3, 0]] and plan.weights.tolist() == [[0.5, 0.5, 0.0]]
+    assert abs(float(plan.entropy[0]) - math.log(2)) < 1e-6
+
+
+def undefined_rows(dtype=torch.float32) -> torch.Tensor:
+    """A finite row, then rows whose softmax is undefined: a NaN logit, a +inf one, all -inf, +inf beside -inf."""
+    x = torch.arange(5 * 8, dtype=torch.float32).reshape(5, 8) % 7 / 2
+    x[1, 3], x[2, 5], x[3], x[4, :2] = NAN, INF, -INF, torch.tensor([INF, -INF])
+    return x.to(dtype)
+
+
+# a finite row keeps more than k_min under each (entropy >= 0 > -1; beta = 0 keeps every finite probability)
+UNDEFINED_POLICIES = [TopK(3), EntropyAdaptiveK((2, 3), (-1.0,)), TopP(0.9, k_max=4, k_min=2),
+                      RatioSkip(0.0, k_max=4, k_min=2)]
+
+
+def assert_undefined_rows(plan, policy, E: int, torch_ids: bool) -> None:
+    """route()'s docstring on undefined rows (all but row 0): entropy NaN, k = k_min, NaN weights in the used
+    slots, experts in [0, E) there (0, 1, ... in the torch reference), id -1 and weight 0 in the unused slots."""
+    k, bad = policy.k_min, slice(1, None)
+    assert plan.entropy[bad].isnan().all()
+    assert plan.k[bad].tolist() == [k] * 4
+    assert plan.weights[bad, :k].isnan().all()
+    ids = plan.expert_ids[bad, :k]
+    assert ((ids >= 0) & (ids < E)).all()
+    if torch_ids:
+        assert ids.tolist() == [list(range(k))] * 4
+    assert (plan.expert_ids[bad, k:] == -1).all() and (plan.weights[bad, k:] == 0).all()
+
+
+@pytest.mark.parametrize("renorm", [True, False])
+@pytest.mark.parametrize("policy", UNDEFINED_POLICIES, ids=lambda p: type(p).__name__)
+def test_unchecked_undefined_rows(policy, renorm):
+    """check=False on rows with a NaN, a +inf or only -inf logits: as route() documents it, and the finite row
+    beside them routes as it does alone (checked)."""
+    x = undefined_rows()
+    plan = route(x, policy, renormalize=renorm, check=False)
+    assert_undefined_rows(plan, policy, 8, torch_ids=True)
+    alone = route(x[:1], policy, renormalize=renorm)
+    assert plan.k[0] > policy.k_min or isinstance(policy, TopK)
+    for got, want in zip((plan.expert_ids, plan.weights, plan.k, plan.entropy),
+                         (alone.expert_ids, alone.weights, alone.k, alone.entropy)):
+        assert torch.equal(got[:1], want)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy, in the interpreter, on the NaN rows
+@pytest.mark.parametrize("select, dtype", [("rounds", torch.float32), ("rowwise", torch.float32),
+                                           ("rowwise", torch.bfloat16), ("rowsort", torch.bfloat16)])
+def test_kernel_unchecked_undefined_rows(select, dtype, triton_backend, monkeypatch):
+    """The Triton kernel (interpreted on a CPU) on the same rows, unchecked: what route() documents, with its own
+    (unspecified) choice of experts in the used slots; the finite row as the torch reference routes it."""
+    import moelab.kernels.routing as kr
+
+    monkeypatch.setitem(kr.LAUNCH, "select", select)
+    x = undefined_rows(dtype).to(triton_backend)
+    for policy, renorm in ((UNDEFINED_POLICIES[1], True), (UNDEFINED_POLICIES[3], False)):
+        plan = route(x, policy, renormalize=renorm, check=False)
+        assert_undefined_rows(plan.to("cpu"), policy, 8, torch_ids=False)
+        want = route_torch(x[:1].float(), policy, renorm)
+        assert torch.equal(plan.expert_ids[:1], want.expert_ids) and torch.equal(plan.k[:1], want.k)
+
+
 
 
 def test_reference_matches_route(triton_backend):
