@@ -44,13 +44,13 @@ interactive: bool = False  # show ipywidgets explorers (never in headless runs)
 import pandas as pd
 import torch
 from IPython.display import display
-from kernel_report import machine_line  # beside this notebook
 
 from moelab import results
 from moelab.graphs import REUSE_PEAK_LIMIT, REUSE_SPEED_FLOOR, check_buckets
 from moelab.models import FAMILIES, NAMES
 from moelab.params import check_bools
 from moelab.plots import figure, save_table, savefig
+from moelab.results import machine_line
 
 check_bools(live=live, interactive=interactive)
 buckets = check_buckets(buckets)

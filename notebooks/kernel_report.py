@@ -13,6 +13,8 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from moelab.results import machine_line  # noqa: F401  (notebook 04 takes it from here)
+
 GRAPH_LIMIT_US = 5.0  # routing in a CUDA graph, T <= 4096
 HBM_FRACTION = 0.5  # routing at T = 65536, E = 64 and 128: fraction of the HBM bound
 EAGER_SPEEDUP = 8.0  # eager call against the torch version's eager call
@@ -35,22 +37,6 @@ def _rows(doc: dict, topic: str, *cols: str) -> pd.DataFrame:
     if missing:
         raise ValueError(f"doc: its rows lack {missing} (have {list(df.columns)}): not {topic!r} rows")
     return df
-
-
-def machine_line(doc: dict) -> str:
-    """'NVIDIA H200 · torch 2.11 · triton 3.6 · transformers 5.17 · commit abc1234 · 2026-11-29', and e.g.
-    ' · routing launches tuned on NVIDIA H200' (or '... untuned') where the run records (`tuned_on`) that a part
-    ran with another device's tuned table or with none."""
-    missing = [k for k in ("machine", "commit", "created") if k not in doc]
-    if missing:
-        raise ValueError(f"doc (keys {list(doc)}): lacks {missing}, not a results document")
-    m = doc["machine"]
-    line = (f"{m['device']} · torch {m['torch']} · triton {m['triton']} · transformers {m['transformers']} · "
-            f"commit {str(doc['commit'])[:7]} · {doc['created'][:10]}")
-    borrowed = {part: n for part, n in (doc.get("tuned_on") or {}).items() if n != m["device"]}
-    for part, n in borrowed.items():
-        line += f" · {part} launches " + ("untuned" if n is None else f"tuned on {n}")
-    return line
 
 
 def _row(target, shape, T, measured, limit, met, unit):

@@ -22,12 +22,9 @@ import pandas as pd
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "lib"), str(REPO / "notebooks")]
 
-from moelab import plots, results  # noqa: E402
+import kernel_report as kr  # noqa: E402  (the kernel targets' report, beside notebook 04)
 
-try:  # the kernel targets' report sits beside notebook 04
-    import kernel_report as kr  # noqa: E402
-except ImportError:
-    from moelab.kernels import report as kr  # noqa: E402
+from moelab import plots, results  # noqa: E402
 
 ROOT = "@/"  # a link's repository root, made relative to each document
 SPEC_TBS = {"NVIDIA H200": 4.8, "NVIDIA H100 80GB HBM3": 3.35}  # HBM bandwidth on the vendors' data sheets

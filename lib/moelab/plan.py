@@ -7,7 +7,8 @@ Conventions shared by every policy, the torch reference and the kernel:
 - softmax over all E experts in fp32, whatever the logits' dtype; entropy in nats of that full softmax;
 - thresholds, p and beta are compared in fp32 (a value within an fp32 rounding of a token's counts as equal);
 - experts ranked by probability, ties broken by the lower expert index;
-- a token keeps the first k[t] ranked experts; unused slots hold id -1 and weight 0;
+- a token keeps the first k[t] ranked experts; unused slots hold id -1 and weight 0 (in every row: see
+  `moelab.routing.route` for rows of non-finite logits routed unchecked);
 - kept weights are the softmax probabilities, renormalised over the kept experts when the model's convention
   renormalises (Mixtral, Qwen3-MoE) and left as they are otherwise (OLMoE, Qwen1.5-MoE).
 """

@@ -146,6 +146,22 @@ def write_json(path: Path, obj) -> Path:
     return Path(path)
 
 
+def machine_line(doc: dict) -> str:
+    """'NVIDIA H200 · torch 2.11 · triton 3.6 · transformers 5.17 · commit abc1234 · 2026-11-29', and e.g.
+    ' · routing launches tuned on NVIDIA H200' (or '... untuned') where the run records (`tuned_on`) that a part
+    ran with another device's tuned table or with none."""
+    missing = [k for k in ("machine", "commit", "created") if k not in doc]
+    if missing:
+        raise ValueError(f"doc (keys {list(doc)}): lacks {missing}, not a results document")
+    m = doc["machine"]
+    line = (f"{m['device']} · torch {m['torch']} · triton {m['triton']} · transformers {m['transformers']} · "
+            f"commit {str(doc['commit'])[:7]} · {doc['created'][:10]}")
+    borrowed = {part: n for part, n in (doc.get("tuned_on") or {}).items() if n != m["device"]}
+    for part, n in borrowed.items():
+        line += f" · {part} launches " + ("untuned" if n is None else f"tuned on {n}")
+    return line
+
+
 def read_json(path: Path):
     """A JSON file's value; a damaged file raises ValueError naming it."""
     path = Path(path)

@@ -88,15 +88,16 @@ def route_torch(logits: torch.Tensor, policy: Policy, renormalize: bool) -> Rout
     K = policy.k_max
     logp_TE = torch.log_softmax(logits.float(), dim=-1)
     probs_TE = logp_TE.exp()
-    entropy_T = -torch.where(probs_TE > 0, probs_TE * logp_TE, 0.0).sum(-1)  # 0 log 0 = 0 (also at logp -inf)
+    # 0 log 0 = 0 (also at logp -inf); a NaN row (unchecked input) keeps its NaN
+    entropy_T = -torch.where(probs_TE == 0, 0.0, probs_TE * logp_TE).sum(-1)
     # stable sort: equal probabilities keep ascending expert index
     probs_sorted, idx_sorted = torch.sort(probs_TE, dim=-1, descending=True, stable=True)
     top_p_TK, top_i_TK = probs_sorted[:, :K], idx_sorted[:, :K]
     k_T = choose_k(policy, top_p_TK, entropy_T)
     keep_TK = torch.arange(K, device=logits.device)[None, :] < k_T[:, None]
-    weights_TK = torch.where(keep_TK, top_p_TK, torch.zeros_like(top_p_TK))
-    if renormalize:
-        weights_TK = weights_TK / weights_TK.sum(-1, keepdim=True).clamp_min(1e-20)
+    weights_TK = torch.where(keep_TK, top_p_TK, 0.0)
+    if renormalize:  # masked again: unused slots stay 0 where the kept sum is NaN (unchecked input)
+        weights_TK = torch.where(keep_TK, weights_TK / weights_TK.sum(-1, keepdim=True).clamp_min(1e-20), 0.0)
     ids_TK = torch.where(keep_TK, top_i_TK, torch.full_like(top_i_TK, -1)).to(torch.int32)
     return RoutingPlan(ids_TK, weights_TK.float(), k_T, entropy_T.float(), E)
 
@@ -157,7 +158,14 @@ def route(
     renormalize: the model's convention, used when the policy leaves it as None.
     num_experts: if given, the logits must have that many columns.
     check: validate that the logits are finite and each row's spread fits float32 (one host sync); pass
-      False inside CUDA-graph capture (unchecked, a non-finite row gives a NaN entropy).
+      False inside CUDA-graph capture.
+
+    Unchecked (check=False), a row whose softmax is undefined (a NaN or +inf logit, or every logit -inf) gets
+    entropy NaN and k = policy.k_min (NaN reaches no threshold, no p and no beta * p_1): its k used slots hold
+    NaN weights and experts in [0, E) (the torch reference: 0, 1, ...; the kernel: unspecified), and its unused
+    slots id -1 and weight 0, as in every row. In a row with a finite maximum, -inf logits are experts of
+    probability 0 in the torch reference (the kernel may route such a row as an undefined one), and a row whose
+    spread overflows float32 has the entropy of its finite log-probabilities.
     """
     check_logits(logits, policy, num_experts, finite=check)
     renorm = resolve_renormalize(policy, renormalize)
