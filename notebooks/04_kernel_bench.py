@@ -500,6 +500,34 @@ else:
     plt.show()
 
 # %% [markdown]
+# ## 5b · Whole models: prefill, decode and the Amdahl check
+# `benchmarks/serving.py` times whole models at published layer shapes (random bf16 weights) on a GPU; here its
+# committed results (`serving`, `serving-mixtral`) are plotted by `serving_report.py` beside this notebook, the
+# same figures `docs/serving.md` shows. Left: the share s of the native prefill spent in the routed experts
+# predicts an arm keeping a fraction f of the pairs to save s (1 - f) of the time; on the diagonal the prediction
+# holds. Right: decode in CUDA graphs with a static KV cache, against transformers' forward in CUDA graphs.
+
+# %%
+import serving_report as sr
+
+serving_docs = [d for d in (results.load_optional(t, rdir) for t in sr.TOPICS) if d is not None]
+if serving_docs:
+    serving = sr.frame(serving_docs)
+    for d in serving_docs:
+        print(f"{d['topic']}:", machine_line(d))
+    fig, axes = figure("full", aspect=0.3, ncols=3)
+    sr.plot_amdahl(axes, serving)
+    savefig(fig, "04_serving_amdahl")
+    fig, axes = figure("full", aspect=0.3, ncols=3)
+    sr.plot_decode(axes, serving)
+    savefig(fig, "04_serving_decode")
+    fig, ax = figure("full", aspect=0.35)
+    sr.plot_prefill(ax, serving)
+    savefig(fig, "04_serving_prefill")
+    plt.show()
+    display(sr.prefill(serving).round(3), sr.decode(serving).round(3))
+
+# %% [markdown]
 # ## 6 · Explorer (`interactive=True`)
 # Pick a routing shape and see every method's graph and eager time per T.
 

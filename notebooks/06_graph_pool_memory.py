@@ -227,6 +227,26 @@ else:
 table
 
 # %% [markdown]
+# ## 4b · The same arms beside a KV cache (whole models)
+# `benchmarks/serving.py --parts pool` runs these arms on OLMoE-1B-7B- and Qwen1.5-MoE-A2.7B-shaped models
+# (random bf16 weights) decoding into a static KV cache of 2048 positions, with a 4x1024 eager prefill, and a
+# stress of interleaved prefills and replays checked against the plain forward. Plotted by `serving_report.py`
+# (the figure `docs/serving.md` shows), from the committed `serving` results or `results_dir`.
+
+# %%
+import serving_report as sr
+
+serving_doc = results.load_optional("serving", results_dir or None)
+if serving_doc is not None and any(r.get("part") == "pool" for r in serving_doc["rows"]):
+    print("serving:", machine_line(serving_doc))
+    fig, ax = figure("column", aspect=0.7)
+    sr.plot_pool(ax, sr.frame([serving_doc]))
+    savefig(fig, "06_serving_pool")
+    display(sr.pool(sr.frame([serving_doc])).round(3))
+else:
+    print("no pool rows in the serving results (benchmarks/serving.py --parts pool)")
+
+# %% [markdown]
 # ## 5 · Live run (CUDA only)
 # A small `GraphRunner` on this machine: bucket graphs in one shared pool, one eager forward with and
 # without reuse, and the share of its bytes that landed in the pool.
