@@ -44,6 +44,7 @@ per_layer: bool = False  # also calibrate per-layer thresholds (GPU-sized: True)
 targets: list[float] = []  # matched-compute reductions for the other policies (the committed GPU table: [0.1, 0.25, 0.4])
 show_gpu_results: bool = True  # also show the committed data/results/paper-tables.json (GPU run), if any
 interactive: bool = False  # show progress bars (never in headless runs; this notebook has no explorer)
+resamples: int = 1000  # paired bootstrap resamples for section 5's intervals, recomputed from the committed windows
 
 # %%
 import matplotlib.pyplot as plt
@@ -53,7 +54,8 @@ import torch
 from IPython.display import display
 
 from moelab import results
-from moelab.calibrate import calibration_ids
+from moelab.calibrate import calibration_ids, compare_rules
+from moelab.evaluate import ppl_change_ci
 from moelab.data import eval_text
 from moelab.models import load, reference_experts, resolve
 from moelab.paper import CLAIMS, PR_PPL_CLAIM, PUBLISHED, paper_rows, paper_table
@@ -64,7 +66,7 @@ from moelab.plots import POLICY_COLORS, figure, save_table, savefig
 
 def show(df):
     """The table, printed wide (the setting stays in this call: other notebooks in the kernel keep theirs)."""
-    with pd.option_context("display.width", 200, "display.max_columns", 20):
+    with pd.option_context("display.width", 200, "display.max_columns", 20, "display.max_colwidth", 120):
         display(df)
 
 
@@ -87,7 +89,7 @@ for name in models:  # every name before the first (long) model: a typo in the l
     resolve(name)
 check_ints(0, "0: all of WikiText-2 test", eval_tokens=eval_tokens, budget_steps=budget_steps)
 check_ints(2, cal_tokens=cal_tokens, context=context)
-check_ints(1, stride=stride, batch_size=batch_size)
+check_ints(1, stride=stride, batch_size=batch_size, resamples=resamples)
 check_fractions(targets=targets)
 check_real("budget", budget, 1e-9)
 check_bools(per_layer=per_layer, show_gpu_results=show_gpu_results, interactive=interactive)
@@ -253,3 +255,124 @@ if gpu is not None:
 for name, v in verdicts.items():
     if v:
         print(f"{name} (this run): {v}")
+
+# %% [markdown]
+# ## 5 · With intervals: the committed run, recomputed here
+# Every row of the committed GPU run keeps the NLL sum of each evaluation window, so its intervals are recomputed
+# here with `resamples` paired resamples (the same windows drawn for every rule of a model and text): each row's
+# perplexity change against the unchanged model, and at each matched level every pair of rules, a comparison
+# counting as a win only where the interval of the difference excludes 0. Then the second quality measure (KL
+# from the unchanged model's next-token distribution, top-1 agreement), the other domains and the training seeds.
+
+# %%
+TEXT_NAMES = {"wikitext2": "WikiText-2 test", "war_and_peace": "War and Peace", "poe_works": "Poe",
+              "requests_src.py": "requests"}
+g = pd.DataFrame(gpu["rows"]) if gpu is not None else pd.DataFrame()
+if "window_nll" not in g:
+    print("the committed run predates per-window NLLs: `python benchmarks/paper_tables.py --targets 0.1,0.25,0.4 "
+          "--budget-steps 5 --domains all --domain-tokens 131072` on a GPU measures them")
+    comps = pd.DataFrame()
+else:
+    g = g[g["window_nll"].notna()]
+    few = g["window_tokens"].map(len) < 2  # a bootstrap over windows needs two or more
+    if few.any():
+        print(f"{few.sum()} rows with one evaluation window (texts {sorted(set(g.loc[few, 'text']))}): no interval")
+    g = g[~few]
+    cis, comps = [], []
+    for (name, text), part in g.groupby(["model", "text"], sort=False):
+        base = part[part["section"] == "baseline"].iloc[0]
+        for _, r in part[~part["section"].isin(["baseline"])].iterrows():
+            ci = ppl_change_ci(r["window_nll"], base["window_nll"], base["window_tokens"], resamples=resamples)
+            cis.append({"model": name, "text": TEXT_NAMES.get(text, text), "section": r["section"],
+                        "config": r.get("label", r.get("config")), "saved %": 100 * r["expert_reduction"],
+                        "change %": 100 * ci["ppl_change"], "95% lo": 100 * ci["ci_lo"], "95% hi": 100 * ci["ci_hi"],
+                        "KL": r.get("kl"), "top-1 %": 100 * r["top1_agree"] if pd.notna(r.get("top1_agree")) else None})
+        matched = part[part["section"] == "matched"]
+        if len(matched):
+            comps.append(compare_rules(matched, resamples=resamples).assign(model=name, text=text))
+    cis = pd.DataFrame(cis, columns=["model", "text", "section", "config", "saved %", "change %", "95% lo", "95% hi",
+                                     "KL", "top-1 %"])
+    comps = pd.concat(comps, ignore_index=True) if comps else pd.DataFrame()
+    save_table(cis, "05_intervals", caption=f"Perplexity change with 95% paired bootstrap intervals ({resamples} "
+               f"resamples), {m['device']}")
+    show(cis[cis["text"] == "WikiText-2 test"].round(3))
+
+# %% [markdown]
+# Matched compute with intervals: at each level, the lowest rule and whether its lead over the others holds.
+
+# %%
+if len(comps):
+    main3 = ["RatioSkip", "TopP", "EntropyAdaptiveK"]
+    head = comps[comps["a"].isin(main3) & comps["b"].isin(main3)]
+    show(head[["model", "text", "target", "verdict"]])
+    n_win = head.groupby("text")["win"].agg(["sum", "count"])
+    for text, r in n_win.iterrows():
+        print(f"{TEXT_NAMES.get(text, text)}: {int(r['sum'])} of {int(r['count'])} pairwise comparisons of the three "
+              "adaptive rules exclude 0")
+    w = head[head["text"] == "wikitext2"]
+    fig, axes = figure("full", aspect=0.34, ncols=w["model"].nunique(), sharey=False)
+    for ax, (name, part) in zip(np.atleast_1d(axes), w.groupby("model", sort=False)):
+        for j, ((a, b), pts) in enumerate(part.groupby(["a", "b"], sort=False)):
+            x = 100 * pts["level"] + 0.6 * (j - 1)
+            ax.errorbar(x, 100 * pts["diff"], yerr=[100 * (pts["diff"] - pts["ci_lo"]), 100 * (pts["ci_hi"] -
+                        pts["diff"])], fmt="o", ms=3, capsize=2, color=POLICY_COLORS.get(a), label=f"{a} vs {b}")
+        ax.axhline(0, color="k", lw=0.6)
+        ax.set_title(name)
+    np.atleast_1d(axes)[0].set_ylabel("perplexity difference, lower over higher (%)")
+    np.atleast_1d(axes)[len(np.atleast_1d(axes)) // 2].set_xlabel("expert compute saved (%)")
+    handles = {lab: h for ax in np.atleast_1d(axes) for h, lab in zip(*ax.get_legend_handles_labels())}
+    fig.legend(handles.values(), handles.keys(), loc="upper center", bbox_to_anchor=(0.5, -0.02), ncol=3, frameon=False)
+    savefig(fig, "05_matched_intervals")
+    plt.show()
+
+# %% [markdown]
+# A second quality measure: perplexity change against KL from the unchanged model, every rule and level.
+
+# %%
+if "window_nll" in g and "kl" in g:
+    k = g[g["kl"].notna() & ~g["section"].isin(["baseline", "patched-native"])]
+    fig, axes = figure("full", aspect=0.34, ncols=k["model"].nunique(), sharey=False)
+    for ax, (name, part) in zip(np.atleast_1d(axes), k.groupby("model", sort=False)):
+        for kind, pts in part.groupby(part["kind"].fillna("calibrated")):
+            ax.scatter(pts["kl"], 100 * pts["ppl_change"], s=8, color=POLICY_COLORS.get(kind), label=kind)
+        ax.set(xscale="log", title=name, xlabel="KL from the unchanged model (nats/token)")
+    np.atleast_1d(axes)[0].set_ylabel("perplexity change (%)")
+    handles = {lab: h for ax in np.atleast_1d(axes) for h, lab in zip(*ax.get_legend_handles_labels())}
+    fig.legend(handles.values(), handles.keys(), loc="upper center", bbox_to_anchor=(0.5, -0.02), ncol=4, frameon=False)
+    savefig(fig, "05_ppl_vs_kl")
+    plt.show()
+    corr = k.groupby(["model", "text"]).apply(lambda x: np.corrcoef(x["ppl_change"], x["kl"])[0, 1])
+    show(corr.rename("correlation of ppl change and KL").reset_index())
+
+# %% [markdown]
+# Other domains: the thresholds calibrated on the held-out text (+0.5% budget, and a tighter budget as a margin),
+# on each text. "holds" says whether the change stays within the budget the thresholds were set for.
+
+# %%
+if "text" in g:
+    cal = g[g["section"] == "calibrated"].copy()
+    cal["holds"] = cal["ppl_change"] <= proto.get("budget", budget)
+    cal["text"] = cal["text"].map(lambda t: TEXT_NAMES.get(t, t))
+    show(cal.pivot_table(index=["model", "label"], columns="text", values="ppl_change", aggfunc="first").mul(100)
+         .round(3))
+    print(f"the {proto.get('budget', budget):+.1%} budget holds in {int(cal['holds'].sum())} of {len(cal)} "
+          "(model, calibration, text) cases")
+
+# %% [markdown]
+# Training seeds: the same comparison on models trained again with other seeds (`benchmarks/seeds.py`).
+
+# %%
+seeds = results.load_optional("seeds") if show_gpu_results else None
+if seeds is None:
+    print("no committed seeds run: `python benchmarks/seeds.py` on a GPU measures it")
+else:
+    s = pd.DataFrame(seeds["rows"])
+    c = s[(s["section"] == "comparison") & s["a"].isin(["RatioSkip", "TopP", "EntropyAdaptiveK"])
+          & s["b"].isin(["RatioSkip", "TopP", "EntropyAdaptiveK"]) & ((s["target"] - 0.25).abs() < 1e-9)]
+    lowest = c.groupby(["model", "seed"]).apply(lambda x: x.loc[x["ppl_a"].idxmin(), "a"] if len(x) else None)
+    spread = lowest.groupby("model").agg(lambda x: ", ".join(f"{r} on {n} of {len(x)}"
+                                                             for r, n in x.value_counts().items()))
+    print(f"{seeds['machine']['device']}; lowest rule at 25% saved, per model across seeds:")
+    show(spread.rename("lowest at 25%").reset_index())
+    wins = c.groupby(["model", "a", "b"])["win"].agg(["sum", "count"]).reset_index()
+    show(wins.rename(columns={"sum": "seeds where the interval excludes 0", "count": "seeds"}))
