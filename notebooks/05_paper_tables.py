@@ -55,8 +55,8 @@ from IPython.display import display
 
 from moelab import results
 from moelab.calibrate import calibration_ids, compare_rules
-from moelab.evaluate import ppl_change_ci
 from moelab.data import eval_text
+from moelab.evaluate import ppl_change_ci
 from moelab.models import load, reference_experts, resolve
 from moelab.paper import CLAIMS, PR_PPL_CLAIM, PUBLISHED, paper_rows, paper_table
 from moelab.params import check_bools, check_fractions, check_ints, check_real

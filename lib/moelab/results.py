@@ -147,7 +147,7 @@ def write_json(path: Path, obj) -> Path:
 
 
 def machine_line(doc: dict) -> str:
-    """'NVIDIA H200 · torch 2.11 · triton 3.6 · transformers 5.17 · commit abc1234 · 2026-11-29', and e.g.
+    """'NVIDIA H200 · torch 2.11 · triton 3.6 · transformers 5.17 · commit (short hash) · 2026-11-29', and e.g.
     ' · routing launches tuned on NVIDIA H200' (or '... untuned') where the run records (`tuned_on`) that a part
     ran with another device's tuned table or with none."""
     missing = [k for k in ("machine", "commit", "created") if k not in doc]
