@@ -40,7 +40,8 @@ gpu-test:  ## the CUDA tests (on a GPU machine)
 bench:  ## the headline GPU benchmarks; each writes data/results/<topic>.json
 	$(PY) benchmarks/moe_kernels.py --parts routing,host,layer
 	$(PY) benchmarks/graph_pool.py --models synthetic,tiny-mixtral,tiny-qwen-moe,tiny-olmoe --rounds 5 --decode-steps 40 --adaptive --adaptive-models synthetic
-	$(PY) benchmarks/paper_tables.py --targets 0.1,0.25,0.4 --budget-steps 5
+	$(PY) benchmarks/paper_tables.py --targets 0.1,0.25,0.4 --budget-steps 5 --domains all --domain-tokens 131072
+	$(PY) benchmarks/seeds.py --workers 9 --out runs/seeds
 	$(PY) benchmarks/first_call.py --models tiny-olmoe,tiny-qwen-moe,tiny-mixtral
 	$(PY) benchmarks/serving.py --models olmoe-1b-7b,qwen1.5-moe-a2.7b --reps 3 --steps 16 --rounds 2 --stress 1000
 	$(PY) benchmarks/serving.py --models mixtral-8x7b --parts prefill,decode --reps 3 --steps 16 --topic serving-mixtral

@@ -8,7 +8,8 @@ seeds: one row per (model, seed, rule, level) (section matched), per (model, see
 calibrated) and per (model, seed, level, pair of rules) comparison (section comparison).
 
 GPU, one device call of at most ~9 minutes (training 9 runs takes most of it; --time-limit stops in time and
---resume in a second call finishes the (model, seed) pairs left, reusing checkpoints already trained in --out):
+--resume in a second call finishes the (model, seed) pairs left, reusing checkpoints already trained in --out
+and, where the results folder is fresh, the copy of the results file kept there):
     PYTHONPATH=lib python benchmarks/seeds.py --time-limit 500
     PYTHONPATH=lib python benchmarks/seeds.py --time-limit 500 --resume
 CPU micro run (a few steps, a few hundred tokens; tests/test_paper.py runs it):
@@ -23,6 +24,7 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -128,12 +130,13 @@ def main(argv=None) -> int:
     protocol = {k: v for k, v in vars(args).items() if k not in ("models", "workers", "out", "device", "time_limit",
                                                                  "resume", "one")}
     protocol["targets"] = list(args.targets)
-    target = results_dir() / f"{args.topic}.json"
+    target, kept = results_dir() / f"{args.topic}.json", args.out / f"{args.topic}.json"  # kept: beside the weights
     rows, done = [], []
-    if args.resume and target.exists():
-        doc = read_file(target)
+    source = target if target.exists() else kept  # a fresh results folder (a device call's) resumes from --out
+    if args.resume and source.exists():
+        doc = read_file(source)
         if doc.get("protocol") != protocol:
-            ap.error(f"--resume {target}: another protocol ({doc.get('protocol')}, here {protocol})")
+            ap.error(f"--resume {source}: another protocol ({doc.get('protocol')}, here {protocol})")
         rows, done = doc["rows"], [tuple(d) for d in doc["done"]]
     new = {m: seeds_for(m, args.seeds) for m in names}  # trainings first, the models in turn; then the shipped
     todo = [(m, new[m][i]) for i in range(args.seeds) for m in names] + [(m, shipped_seed(m)) for m in names]
@@ -150,9 +153,11 @@ def main(argv=None) -> int:
              "seed; shipped: the committed checkpoint. Weights are not kept: the training command rebuilds them.")
 
     def save():
-        write_results(args.topic, rows, notes=notes, extra={"protocol": protocol, "done": [list(d) for d in done],
-                                                             "timings": timings, "wall_s": time.perf_counter() - t_all,
-                                                             "complete": not todo and not running})
+        path = write_results(args.topic, rows, notes=notes,
+                             extra={"protocol": protocol, "done": [list(d) for d in done], "timings": timings,
+                                    "wall_s": time.perf_counter() - t_all, "complete": not todo and not running})
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(path, kept)
 
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "lib"), os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, __file__, *(argv if argv is not None else sys.argv[1:])]
