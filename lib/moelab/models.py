@@ -279,49 +279,23 @@ _JSON_FILES = ("config.json", "generation_config.json", "tokenizer.json", "token
                "special_tokens_map.json", "model.safetensors.index.json")
 
 
-def _check_json(path: Path) -> None:
-    """Every JSON file transformers reads from the checkpoint parses, or an error names it."""
-    for f in (path / n for n in _JSON_FILES):
-        if f.exists():
-            try:
-                json.loads(f.read_bytes())
-            except (UnicodeDecodeError, json.JSONDecodeError) as e:
-                raise ValueError(f"{f}: not valid JSON ({e}); a truncated or corrupt file?") from None
-
-
-def _load_tokenizer(path: Path):
-    from transformers import AutoTokenizer
-
-    if not ((path / "tokenizer.json").exists() or (path / "tokenizer_config.json").exists()):
-        raise FileNotFoundError(f"{path}: no tokenizer files (tokenizer.json, tokenizer_config.json) beside the model")
-    try:
-        return AutoTokenizer.from_pretrained(path)
-    except Exception as e:  # noqa: BLE001 (tokenizers raises plain Exceptions)
-        raise ValueError(f"{path}: its tokenizer does not load ({type(e).__name__}: {e})") from None
-
-
-def _check_finite(model, where: str = "") -> None:
-    """ValueError naming every parameter that holds a NaN or an inf."""
-    bad = [n for n, p in model.named_parameters()
-           if p.is_floating_point() and p.device.type != "meta" and not bool(torch.isfinite(p).all())]
-    if bad:
-        raise ValueError(f"{where}non-finite values in {len(bad)} weight tensor(s): {', '.join(bad[:8])}"
-                         f"{' ...' if len(bad) > 8 else ''} (a corrupt checkpoint?)")
-
-
 def load(name_or_path: str | Path, device=None, dtype=None, device_map=None):
     """(model, tokenizer) in eval mode from a registry name or a local checkpoint dir, checked first (embedded
     files against data/SHA256SUMS, JSON, tokenizer, weight headers) and after (finite weights); failures name the
     file. device and dtype as `pick_device` and `pick_dtype`; device_map goes to `from_pretrained` (then device is
     ignored). A family without an adapter loads with a warning."""
     from safetensors import SafetensorError, safe_open
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     path = resolve(name_or_path)
     if isinstance(name_or_path, str) and name_or_path in TINY and path == model_dir(name_or_path):
         for f in MODEL_FILES:
             check_file(f"models/{name_or_path}/{f}")
-    _check_json(path)
+    for f in (path / n for n in _JSON_FILES if (path / n).exists()):  # every JSON file transformers reads
+        try:
+            json.loads(f.read_bytes())
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"{f}: not valid JSON ({e}); a truncated or corrupt file?") from None
     cfg = AutoConfig.from_pretrained(path)
     try:
         info = moe_info(cfg)
@@ -329,7 +303,12 @@ def load(name_or_path: str | Path, device=None, dtype=None, device_map=None):
         raise ValueError(f"{path}: {e}") from None
     if info["family"] not in ADAPTED:
         log.warning("%s: family %r is not one moelab has an adapter for (%s)", path, info["family"], sorted(ADAPTED))
-    tokenizer = _load_tokenizer(path)
+    if not ((path / "tokenizer.json").exists() or (path / "tokenizer_config.json").exists()):
+        raise FileNotFoundError(f"{path}: no tokenizer files (tokenizer.json, tokenizer_config.json) beside the model")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # noqa: BLE001 (tokenizers raises plain Exceptions)
+        raise ValueError(f"{path}: its tokenizer does not load ({type(e).__name__}: {e})") from None
     for f in sorted(path.glob("*.safetensors")):  # headers only: a truncated file named here
         try:
             with safe_open(f, "pt"):
@@ -342,7 +321,11 @@ def load(name_or_path: str | Path, device=None, dtype=None, device_map=None):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=device_map).eval()
     else:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
-    _check_finite(model, f"{path}: ")
+    bad = [n for n, p in model.named_parameters()
+           if p.is_floating_point() and p.device.type != "meta" and not bool(torch.isfinite(p).all())]
+    if bad:
+        raise ValueError(f"{path}: non-finite values in {len(bad)} weight tensor(s): {', '.join(bad[:8])}"
+                         f"{' ...' if len(bad) > 8 else ''} (a corrupt checkpoint?)")
     return model, tokenizer
 
 
