@@ -202,7 +202,8 @@ def budget_search(model, sample: RouterSample, cal_ids: torch.Tensor, k_values, 
     if baseline_ppl is None:
         baseline_ppl = reference_ppl(model, cal_ids, **eval_kw)["ppl"]
     lo, hi = max(0.0, 1 - kv[-1] / sample.native_k), 1 - kv[0] / sample.native_k
-    trace = []
+    trace, best = [], None
+    bar = tqdm(total=steps + 2, desc="budget search", disable=not progress)
 
     def measure(r):
         pol = calibrate_thresholds(sample, kv, r, per_layer)
@@ -210,23 +211,19 @@ def budget_search(model, sample: RouterSample, cal_ids: torch.Tensor, k_values, 
                      **eval_kw).summary
         trace.append({"target_reduction": r, "label": s["label"], "expert_reduction": s["expert_reduction"],
                       "ppl": s["ppl"], "ppl_change": s["ppl_change"], "within": s["ppl_change"] <= budget})
+        bar.update()
         return pol, s
 
-    best = None
-    bar = tqdm(total=steps + 2, desc="budget search", disable=not progress)
     pol, s = measure(hi)
-    bar.update()
     if s["ppl_change"] <= budget:
         best = (hi, pol, s)
     else:
         pol, s = measure(lo)
-        bar.update()
         if s["ppl_change"] <= budget:
             best = (lo, pol, s)
             for _ in range(steps):
                 mid = (lo + hi) / 2
                 pol, s = measure(mid)
-                bar.update()
                 if s["ppl_change"] <= budget:
                     lo, best = mid, (mid, pol, s)
                 else:
