@@ -1,13 +1,9 @@
-"""Thresholds for a compute target or a perplexity budget, and policies compared at matched compute.
+"""Thresholds for a compute target or a perplexity budget, and policies compared at matched compute, calibrated
+on held-out text (`calibration_ids`), never the evaluation set; models are read only through `moelab.evaluate`.
 
-Calibration uses held-out text the models never saw (`calibration_ids`), never the evaluation set (WikiText-2
-test). It reads the models only through `moelab.evaluate`: a `RouterSample` for estimates, `evaluate` for
-measurements and `reference_ppl` for the perplexity they are measured against.
-
-Threshold family: for k_values of length m, one knob u in [0, 1] puts the m-1 thresholds at the entropy quantiles
-u^((m-1-j)/(m-1)), j = 0..m-2 (ascending). u = 0: every token keeps k_max; u = 1: every token keeps k_min; mean k
-falls monotonically in between, so bisection on u reaches a target reduction. Shared thresholds use the quantiles
-of all layers pooled; per-layer thresholds each layer's own (every layer then keeps the same k fractions).
+Threshold family: for m k_values, one knob u in [0, 1] puts the m-1 thresholds at the entropy quantiles
+u^((m-1-j)/(m-1)): u = 0 keeps k_max, u = 1 keeps k_min, mean k falls monotonically between, so bisection on u
+reaches a target. Shared thresholds use all layers' entropies pooled, per-layer ones each layer's own.
 """
 
 from __future__ import annotations
@@ -30,8 +26,8 @@ log = logging.getLogger(__name__)
 
 
 def calibration_ids(tokenizer, max_tokens: int, names=None) -> torch.Tensor:
-    """Token ids of held-out text for calibration: an equal share of each held-out slice, concatenated (the five
-    OLMoE domain files are left out: their last 5% repeats their training part)."""
+    """Held-out token ids: an equal share of each held-out slice, concatenated (the OLMoE domain files are
+    refused: their held-out part repeats their training part)."""
     from moelab.data import TRAIN_TEXTS, heldout_texts
 
     check_int("max_tokens", max_tokens, 2)
@@ -81,8 +77,7 @@ def _tol(sample: RouterSample, k_min: int, k_max: int) -> float:
 
 
 def _warn_missed(sample: RouterSample, pol, target: float, k_min: int, k_max: int, what: str):
-    """pol, with a warning where its estimated reduction misses the target by more than the bisection's
-    tolerance: many tokens change k at the same point, i.e. ties in the signal."""
+    """pol, with a warning where its estimated reduction misses the target by more than `_tol` (ties)."""
     got = sample.estimate(pol)["expert_reduction"]
     if abs(got - target) > _tol(sample, k_min, k_max):
         warnings.warn(f"target_reduction={target}: {what} reaches {got:.3f} at the closest, not the target "
@@ -91,7 +86,7 @@ def _warn_missed(sample: RouterSample, pol, target: float, k_min: int, k_max: in
 
 
 def check_budget(budget: float, steps: int) -> None:
-    """A budget > 0 and bisection steps >= 0 (shared with `paper.paper_rows`, which checks before any forward)."""
+    """A budget > 0 and bisection steps >= 0 (also checked by `paper.paper_rows` before any forward)."""
     if not is_real(budget) or not budget > 0:
         raise ValueError(f"budget={budget}: must be > 0 (relative perplexity increase, e.g. 0.005)")
     check_int("steps", steps, 0, " (bisection steps of the budget search)")
@@ -142,12 +137,12 @@ def thresholds_at(sample: RouterSample, k_values, u: float, per_layer: bool = Fa
 
 
 def _bisect(f, lo: float, hi: float, target: float, increasing: bool, iters: int = 40, tol: float = 0.0) -> float:
-    """x in [lo, hi] with f(x) ~ target for a monotone f: the last bracket's middle, or where f misses the target
-    there by more than tol (f jumps over it: ties), whichever of the middle and the bracket's ends is closest."""
+    """x in [lo, hi] with f(x) ~ target for a monotone f; where f jumps over the target (ties), the closest of the
+    last bracket's middle and ends."""
     for _ in range(iters):
         mid = (lo + hi) / 2
         fm = f(mid)
-        if tol and abs(fm - target) <= tol:  # within one token's worth: bisecting further changes nothing counted
+        if tol and abs(fm - target) <= tol:
             return mid
         if (fm < target) == increasing:
             lo = mid
@@ -158,8 +153,8 @@ def _bisect(f, lo: float, hi: float, target: float, increasing: bool, iters: int
 
 
 def calibrate_thresholds(sample: RouterSample, k_values, target_reduction: float, per_layer: bool = False):
-    """Thresholds whose estimated routed-expert reduction on the sample reaches target_reduction (where tied
-    entropies leave it out of reach, the closest, with a warning)."""
+    """Thresholds whose estimated routed-expert reduction on the sample reaches target_reduction (or the closest,
+    with a warning)."""
     kv = check_k_values(k_values, sample.k_cap)
     _check_target(target_reduction, kv[0], kv[-1], sample.native_k, f"k_values={list(kv)}")
     red = lambda u: sample.estimate(thresholds_at(sample, kv, u, per_layer))["expert_reduction"]  # noqa: E731
@@ -171,7 +166,7 @@ def calibrate_thresholds(sample: RouterSample, k_values, target_reduction: float
 def match_policy(sample: RouterSample, kind: str, target_reduction: float, k_min: int = 1, k_max: int | None = None,
                  k_values=None, per_layer: bool = False) -> Policy:
     """A policy of a kind ('EntropyAdaptiveK', 'TopP', 'RatioSkip') whose estimated reduction hits the target
-    (k_max None: the native k). Where ties in the signal leave it out of reach, the closest, with a warning."""
+    (or the closest, with a warning); k_max None: the native k."""
     check_int("k_min", k_min)
     k_max = sample.native_k if k_max is None else check_int("k_max", k_max, 1, " or None (native k)")
     if k_min > k_max:
@@ -200,42 +195,35 @@ def match_policy(sample: RouterSample, kind: str, target_reduction: float, k_min
 def budget_search(model, sample: RouterSample, cal_ids: torch.Tensor, k_values, budget: float = 0.005,
                   per_layer: bool = False, baseline_ppl: float | None = None, steps: int = 6, progress: bool = True,
                   **eval_kw) -> dict:
-    """Largest routed-expert reduction whose measured perplexity on calibration text stays within budget.
-
-    Bisection over the target reduction in [max(0, lowest reachable), highest reachable], each step a
-    patched perplexity on cal_ids (held-out text), against baseline_ppl (default: `reference_ppl` on cal_ids).
-    Returns dict(policy, target_reduction, ppl, ppl_change, within_budget, trace: DataFrame of every step).
-    """
+    """Largest routed-expert reduction whose measured perplexity on cal_ids stays within budget of baseline_ppl
+    (default: `reference_ppl`), by bisection over the target: dict(policy, ..., within_budget, trace)."""
     check_budget(budget, steps)
     kv = check_k_values(k_values, sample.k_cap)
     if baseline_ppl is None:
         baseline_ppl = reference_ppl(model, cal_ids, **eval_kw)["ppl"]
     lo, hi = max(0.0, 1 - kv[-1] / sample.native_k), 1 - kv[0] / sample.native_k
-    trace = []
+    trace, best = [], None
+    bar = tqdm(total=steps + 2, desc="budget search", disable=not progress)
 
     def measure(r):
         pol = calibrate_thresholds(sample, kv, r, per_layer)
         s = evaluate(model, pol, cal_ids, baseline_ppl=baseline_ppl, progress=False, warn_unchanged=r > 0,
-                     **eval_kw).summary  # reduction 0 keeps k_max everywhere on purpose
+                     **eval_kw).summary
         trace.append({"target_reduction": r, "label": s["label"], "expert_reduction": s["expert_reduction"],
                       "ppl": s["ppl"], "ppl_change": s["ppl_change"], "within": s["ppl_change"] <= budget})
+        bar.update()
         return pol, s
 
-    best = None
-    bar = tqdm(total=steps + 2, desc="budget search", disable=not progress)
     pol, s = measure(hi)
-    bar.update()
     if s["ppl_change"] <= budget:
         best = (hi, pol, s)
     else:
         pol, s = measure(lo)
-        bar.update()
         if s["ppl_change"] <= budget:
             best = (lo, pol, s)
             for _ in range(steps):
                 mid = (lo + hi) / 2
                 pol, s = measure(mid)
-                bar.update()
                 if s["ppl_change"] <= budget:
                     lo, best = mid, (mid, pol, s)
                 else:
@@ -255,8 +243,7 @@ POINT_KINDS = ("TopK", "LuMedian")  # rules with one compute level of their own,
 
 
 def ser(k_min: int, t: float, k_max: int) -> RatioSkip:
-    """ik_llama.cpp's smart expert reduction `-ser Kmin,t`: the top Kmin experts, the others only while p > t p_top.
-    That is RatioSkip (beta = t) with a k floor; t = 1 keeps Kmin experts: a lower fixed k."""
+    """ik_llama.cpp's `-ser Kmin,t` (the top Kmin experts, others while p > t p_top): RatioSkip with a k floor."""
     return RatioSkip(float(t), k_max, k_min)
 
 
@@ -265,8 +252,8 @@ def ser_label(policy: RatioSkip) -> str:
 
 
 def lu_median(sample: RouterSample, k_min: int = 1, k_max: int | None = None, q: float = 0.5) -> list[RatioSkip]:
-    """Lu et al. (2024), "Not all experts are equal": per layer, RatioSkip with beta the median (quantile q) of
-    w1 / w0, the second over the first routing probability, on the sample (calibration text)."""
+    """Lu et al. (2024): per layer, RatioSkip with beta the quantile q of w1 / w0 (second over first routing
+    probability) on the sample."""
     k_max = sample.native_k if k_max is None else k_max
     qs = torch.tensor([float(q)], dtype=torch.float32)
     return [RatioSkip(float(quantile((p[:, 1] / p[:, 0]).float(), qs)[0]), k_max, k_min) for p in sample.top_probs]
@@ -279,9 +266,8 @@ def _layer_ratio(sample: RouterSample, layer: int, target: float, k_min: int, k_
 
 
 def layer_budget(sample: RouterSample, target: float, k_min: int, k_max: int, sensitivity=None) -> list[RatioSkip]:
-    """Per-layer RatioSkip whose reductions average `target`, i.e. one fixed total of kept pairs: the same reduction
-    in every layer (sensitivity None), or spread by sensitivity (perplexity change per pair dropped in a layer
-    alone, `layer_sensitivity`): r_l = c / s_l clipped to the reachable range, c set so that they average target."""
+    """Per-layer RatioSkip whose reductions average `target`: the same in every layer, or r_l = c / s_l (clipped)
+    spread by `sensitivity` (`layer_sensitivity`)."""
     lo, hi = max(0.0, 1 - k_max / sample.native_k), 1 - k_min / sample.native_k
     _check_target(target, k_min, k_max, sample.native_k, f"k in [{k_min}, {k_max}]")
     rs = np.full(sample.num_layers, float(target))
@@ -296,9 +282,8 @@ def layer_budget(sample: RouterSample, target: float, k_min: int, k_max: int, se
 
 def layer_sensitivity(model, sample: RouterSample, cal_ids: torch.Tensor, k_min: int, k_max: int, probe: float = 0.25,
                       baseline_ppl: float | None = None, **eval_kw) -> list[float]:
-    """Per MoE layer, the perplexity change per unit of that layer's routed-expert reduction when it alone routes
-    with RatioSkip at `probe` reduction (clipped to the reachable range; the other layers native), measured on
-    calibration text: one patched evaluation per layer, in one pass."""
+    """Per MoE layer, the measured perplexity change per unit of reduction when that layer alone routes with
+    RatioSkip at `probe` reduction (the others native), in one pass over cal_ids."""
     if baseline_ppl is None:
         baseline_ppl = reference_ppl(model, cal_ids, **eval_kw)["ppl"]
     probe = min(max(probe, 1 - k_max / sample.native_k), 1 - k_min / sample.native_k)
@@ -309,10 +294,8 @@ def layer_sensitivity(model, sample: RouterSample, cal_ids: torch.Tensor, k_min:
 
 def matched_policies(sample: RouterSample, targets, k_values, kinds=MATCHED_KINDS[:3], per_layer: bool = False,
                      sensitivity=None) -> list[tuple[float, str, object]]:
-    """(target, kind, policy) for each target and kind, matched on the sample. TopP, RatioSkip and the per-layer
-    budgets (EvenBudget, AllocBudget: `layer_budget`; AllocBudget needs `sensitivity`) take the k range of the
-    entropy policy's k_values; SER (`ser`) keeps at least native k / 2 (left out where that is k_values' own floor:
-    it would be RatioSkip again) and only targets it can reach."""
+    """(target, kind, policy) for each target and kind, matched on the sample within k_values' k range; SER keeps
+    at least native k / 2 (skipped where that is no higher floor, or out of reach); AllocBudget needs sensitivity."""
     kv = check_k_values(k_values, sample.k_cap)
     kinds, targets = ((kinds,) if isinstance(kinds, str) else tuple(kinds)), [float(t) for t in targets]
     bad = [k for k in kinds if k not in MATCHED_KINDS]
@@ -340,15 +323,9 @@ def compare_at_matched_compute(model, sample: RouterSample, eval_ids: torch.Tens
                                baseline_ppl: float, kinds=("EntropyAdaptiveK", "TopP", "RatioSkip"), fixed_ks=None,
                                per_layer: bool = False, progress: bool = True, sensitivity=None, lu: bool = False,
                                kl: bool = False, **eval_kw) -> pd.DataFrame:
-    """Measured perplexity vs compute for each policy kind matched (on the sample) to each target reduction, in
-    one pass over eval_ids (`evaluate_many`; kl: also KL and top-1 agreement against the unchanged model).
-
-    TopP, RatioSkip and the other kinds get the k range of the entropy policy's k_values (`matched_policies`);
-    lower fixed k (TopK with k below native) and, with lu, Lu et al.'s median rule give points of their own. Rows:
-    measured evaluations plus kind, target and matched-on columns, and window_nll / window_tokens (for
-    `compare_rules`). kinds: kind names, or one name.
-    """
-    kv = check_k_values(k_values, sample.k_cap)  # checked before any measured evaluation runs
+    """Measured perplexity vs compute of each kind matched to each target (`matched_policies`), plus lower fixed
+    k's and, with lu, `lu_median`, in one pass over eval_ids; rows keep window_nll for `compare_rules`."""
+    kv = check_k_values(k_values, sample.k_cap)
     if fixed_ks is None:
         fixed_ks = list(range(max(1, kv[0]), sample.native_k))
     fixed_ks = check_fixed_ks(fixed_ks, sample.k_cap)
@@ -376,16 +353,9 @@ def _weights(g: pd.DataFrame, n: int, t: float) -> np.ndarray:
 
 def compare_rules(frame: pd.DataFrame, resamples: int = 2000, seed: int = 0, tol: float = 0.03,
                   level: float = 0.95) -> pd.DataFrame:
-    """Every pair of rules at each matched level with the paired bootstrap interval of their difference.
-
-    frame: one model's matched rows on one text with window_nll and window_tokens (`compare_at_matched_compute`).
-    Curves (kinds matched to targets) are interpolated linearly in the measured reduction, at the targets moved into
-    the range all curves cover (as `verdict`; a curve's end point stands in up to tol beyond it); a point (a lower
-    fixed k, LuMedian) meets each curve at its own measured reduction. Each resample draws the same windows for
-    every row. Rows: level, target (what the level stands for), a (the lower), b, ppl_a, ppl_b, diff (ppl_a / ppl_b
-    - 1), ci_lo, ci_hi, win (the interval excludes 0) and verdict ("RatioSkip lower than EntropyAdaptiveK at 25%:
-    -0.31% [-0.45, -0.18]" or "no difference ...").
-    """
+    """Every pair of rules at each matched level of `compare_at_matched_compute`'s frame, with the paired bootstrap
+    interval of ppl_a / ppl_b - 1. Curves are interpolated in measured reduction at the targets moved into the
+    range all cover (as `verdict`); points (lower fixed k, LuMedian) meet each curve at their own reduction."""
     f = frame.reset_index(drop=True)
     if not {"window_nll", "window_tokens", "kind", "expert_reduction"} <= set(f.columns):
         raise ValueError("frame without window_nll / window_tokens: pass compare_at_matched_compute's rows")
@@ -394,7 +364,7 @@ def compare_rules(frame: pd.DataFrame, resamples: int = 2000, seed: int = 0, tol
     curves = {k: g.sort_values("expert_reduction") for k, g in f.groupby("kind", sort=False) if k not in POINT_KINDS}
     spans = {k: (g["expert_reduction"].min(), g["expert_reduction"].max()) for k, g in curves.items()}
     lo, hi = max((a for a, _ in spans.values()), default=0), min((b for _, b in spans.values()), default=0)
-    levels = {}  # level -> the target it stands for
+    levels = {}  # level -> its target
     for t in sorted(f.loc[f["kind"].isin(list(curves)), "target_reduction"].unique()):
         levels.setdefault(round(float(np.clip(t, lo, hi) if lo < hi else t), 4), float(t))
     pairs = [(t, target, {k: _weights(g, len(f), t) for k, g in curves.items()
@@ -435,23 +405,16 @@ def pareto_mask(reduction, ppl) -> np.ndarray:
 
 
 def verdict(frame: pd.DataFrame, kinds=("EntropyAdaptiveK", "TopP", "RatioSkip"), tol: float = 0.03) -> str:
-    """Plain statement of which signal had the lowest perplexity at matched compute, target by target.
-
-    Each kind's perplexity is interpolated along its own measured curve at the target reductions,
-    moved into the range all measured curves cover (measured reductions drift from the targets they
-    were matched to on calibration text); without such a range, a curve's end point stands in up to
-    `tol` beyond it. Lower fixed k points are compared the same way.
-    """
+    """Which signal had the lowest perplexity at matched compute: each kind's curve interpolated at the targets
+    moved into the range all curves cover (else a curve's end stands in up to `tol` beyond it)."""
     need = ["kind", "target_reduction", "expert_reduction", "ppl"]
     need += ["k_max"] if "kind" in frame.columns and frame["kind"].eq("TopK").any() else []
     missing = [c for c in need if c not in frame.columns]
     if missing:
         raise ValueError(f"frame without columns {missing}: pass compare_at_matched_compute's frame")
     f = frame[frame["kind"].isin(kinds)]
-    curves = {}
-    for kind, g in f.groupby("kind"):
-        g = g.sort_values("expert_reduction")
-        curves[kind] = (g["expert_reduction"].to_numpy(float), g["ppl"].to_numpy(float))
+    curves = {kind: (g["expert_reduction"].to_numpy(float), g["ppl"].to_numpy(float))
+              for kind, g in ((k, g.sort_values("expert_reduction")) for k, g in f.groupby("kind"))}
 
     def at(t):
         return {kind: float(np.interp(t, x, y)) for kind, (x, y) in curves.items()
@@ -460,11 +423,8 @@ def verdict(frame: pd.DataFrame, kinds=("EntropyAdaptiveK", "TopP", "RatioSkip")
     wins = {k: 0 for k in curves}
     lines = []
     points = sorted(t for t in f["target_reduction"].unique() if t == t)
-    if len(curves) >= 2:
-        # measured reductions drift from the targets (calibration text != evaluation text): compare at
-        # the targets moved into the range that every measured curve covers, where there is one
-        lo = max(x.min() for x, _ in curves.values())
-        hi = min(x.max() for x, _ in curves.values())
+    if len(curves) >= 2:  # measured reductions drift from the calibrated targets
+        lo, hi = max(x.min() for x, _ in curves.values()), min(x.max() for x, _ in curves.values())
         if lo < hi:
             points = sorted({round(float(np.clip(t, lo, hi)), 4) for t in points})
     ties = 0

@@ -1,8 +1,5 @@
-"""Compute accounting: how much expert work a routing plan really does, and FLOPs of a whole forward.
-
-Savings are counted against the model's native k (Mixtral 2, Qwen1.5-MoE 4, OLMoE 8), never against a policy's
-k_max: a policy that keeps 1.5 experts on average on a top-2 model saves 25%, whatever its k_max.
-"""
+"""Compute accounting: the expert work a routing plan really does, and FLOPs of a whole forward; savings are
+against the model's native k, never a policy's k_max."""
 
 from __future__ import annotations
 
@@ -50,9 +47,8 @@ def policy_stats(logits_TE: torch.Tensor, policies: dict, native_k: int, renorma
 
 def pool_layers(per_layer: pd.DataFrame, native_k: int, shapes: ModelShapes | None = None, context: int | None = None,
                 prefill: int = 0) -> pd.DataFrame:
-    """plan_stats rows of several MoE layers (columns layer, policy, kind and plan_stats' keys) pooled per
-    (policy, kind): pairs and tokens summed, k histograms added, the reduction of the sums; with shapes, also the
-    whole-forward reduction from each layer's mean k (`ModelShapes.forward_reduction`)."""
+    """plan_stats rows of several MoE layers (with layer, policy, kind) pooled per (policy, kind); with shapes, also
+    the whole-forward reduction from each layer's mean k."""
     if shapes is not None and context is None:
         raise ValueError("context=None: the whole-forward reduction needs the attended context length")
     rows = []
@@ -87,10 +83,8 @@ GATED_QUERY_FAMILIES = ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")
 
 @dataclass(frozen=True)
 class LinearMixer:
-    """FLOPs per token of one linear-attention layer's token mixer (multiply-add = 2): its projections, its short
-    causal convolution, and the matrix products of its core. A decode step runs the core's recurrent form
-    (`core`, context-independent); a prefill runs its chunked form, whose products within a chunk of b tokens
-    add `quad` * b^2 FLOPs per chunk to the recurrent form's `core` * b (`core_flops`)."""
+    """FLOPs per token of a linear-attention token mixer: projections, short convolution and core, recurrent at a
+    decode step (`core`); a prefill chunk of b tokens adds `quad` * b^2 to its `core` * b."""
 
     proj: float
     conv: float
@@ -104,8 +98,7 @@ class LinearMixer:
         return self.proj + self.conv + self.core_flops(prefill)
 
     def core_flops(self, prefill: int = 0) -> float:
-        """The core's FLOPs per token: at a decode step (prefill = 0), or averaged over a prefill of `prefill`
-        tokens in chunks (full chunks, then the rest: padded to a whole chunk where `pad`)."""
+        """The core's FLOPs per token at a decode step (prefill = 0) or averaged over a chunked prefill."""
         if prefill < 0:
             raise ValueError(f"prefill={prefill}: must be >= 0 (0: a decode step)")
         if prefill == 0 or self.chunk == 0:
@@ -164,8 +157,8 @@ class ModelShapes:
 
     @property
     def models_forward(self) -> bool:
-        """Whether the whole forward's FLOPs are modelled: softmax attention (full or sliding) in every layer, or
-        linear-attention layers of a known kind (`LinearMixer`). The routed-expert counts never depend on it."""
+        """Whether the whole forward's FLOPs are modelled: only softmax attention, or linear attention of a known
+        kind."""
         return self.linear_attention_layers == 0 or self.linear_mixer is not None
 
     @classmethod
@@ -203,16 +196,14 @@ class ModelShapes:
         return 2.0 * 3 * self.hidden * self.expert_ffn
 
     def attention_flops(self, context: int) -> float:
-        """One softmax-attention layer's token mixer, per token: projections (q twice as wide with a query gate)
-        and the scores and weighted values over `context` keys."""
+        """One softmax-attention layer per token: projections and the scores and values over `context` keys."""
         check_context(context)
         D, hd, H = self.hidden, self.head_dim, self.num_heads
         proj = 2.0 * D * hd * ((3 if self.query_gate else 2) * H + 2 * self.num_kv_heads)
         return proj + 2.0 * 2 * context * H * hd
 
     def fixed_flops(self, context: int, prefill: int = 0) -> float:
-        """Everything but the routed experts, per token, at an average attended context length; linear-attention
-        mixers at a decode step (prefill = 0) or averaged over a prefill of `prefill` tokens (`LinearMixer`)."""
+        """Everything but the routed experts, per token, at an average attended context (`LinearMixer` for prefill)."""
         if not self.models_forward:
             raise ValueError(f"{self.linear_attention_layers} of {self.num_layers} layers mix tokens without softmax "
                              "attention, of a kind whose FLOPs are not modelled (known: gated DeltaNet, lightning "
@@ -229,8 +220,7 @@ class ModelShapes:
         return mixers + mlps + 2.0 * D * self.vocab
 
     def forward_flops(self, mean_k_per_layer, context: int, prefill: int = 0) -> float:
-        """Whole-forward FLOPs per token given each MoE layer's mean k (a float applies to all); `context` and
-        `prefill` as in `fixed_flops`."""
+        """Whole-forward FLOPs per token given each MoE layer's mean k (a float applies to all)."""
         if is_real(mean_k_per_layer):
             mean_k_per_layer = [float(mean_k_per_layer)] * self.moe_layers
         try:
@@ -243,8 +233,7 @@ class ModelShapes:
         return self.fixed_flops(context, prefill) + self.expert_flops() * float(sum(mean_k_per_layer))
 
     def forward_reduction(self, mean_k_per_layer, context: int, prefill: int = 0) -> float:
-        """Fraction of whole-forward FLOPs saved against the native k in every MoE layer; NaN where the
-        forward is not modelled (`models_forward`: linear-attention layers of an unknown kind)."""
+        """Fraction of whole-forward FLOPs saved against the native k; NaN where the forward is not modelled."""
         check_context(context)
         if not self.models_forward:
             return float("nan")

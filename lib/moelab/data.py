@@ -1,9 +1,7 @@
 """Corpora and real routing counts shipped in data/, each checked against data/SHA256SUMS.
 
-WikiText-2 test is the evaluation set (`eval_text()`): `training_texts()` never includes it, and
-`split_heldout(text)` cuts a text into its training part and held-out slice (the last 5%); `heldout_texts()`
-gives the held-out slices that share no text with their training part (validation, calibration); `unseen_texts()`
-the texts of other domains (two books, Python source) that no model trained on, for evaluation only.
+WikiText-2 test (`eval_text`) is for evaluation only; training corpora split into a training part and a held-out
+last 5% (`split_heldout`, `heldout_texts`); `unseen_texts` are other domains no model trained on.
 """
 
 from __future__ import annotations
@@ -35,7 +33,7 @@ def data_dir() -> Path:
 
 
 def _hashes() -> dict[str, str]:
-    """{path under data/: sha256} from data_dir()'s SHA256SUMS (cached per folder: MOELAB_DATA may change)."""
+    """{path under data/: sha256} from data_dir()'s SHA256SUMS (cached per folder)."""
     return _hashes_in(data_dir())
 
 
@@ -134,14 +132,12 @@ def _load_text(d: Path, name: str) -> str:  # d: the folder it was read from, so
 
 
 def eval_text() -> str:
-    """WikiText-2 test, the evaluation text, with LF line ends: the shipped copy (byte for byte its source's)
-    ends every line with CRLF, a token no model here saw in training (data/NOTICE.md)."""
+    """WikiText-2 test, the evaluation text, with LF line ends (the shipped copy has its source's CRLF)."""
     return load_text(EVAL_TEXT).replace("\r\n", "\n")
 
 
 def split_heldout(text: str, fraction: float = HELDOUT_FRACTION) -> tuple[str, str]:
-    """(train, heldout): the last `fraction` of the text is held out, cut after the last line break before that
-    point if one lies within another `fraction` of the text (so at most twice the fraction), else mid-line."""
+    """(train, heldout): the last `fraction` held out, cut after a line break within another `fraction` if any."""
     if not 0 < fraction < 1:
         raise ValueError(f"fraction={fraction}: must be in (0, 1)")
     cut = int(len(text) * (1 - fraction))
@@ -159,8 +155,7 @@ REPEAT_BLOCK = 200  # characters: a held-out slice repeats its training part if 
 
 
 def heldout_repeats(name: str) -> float:
-    """Share of the held-out slice's REPEAT_BLOCK-character blocks that occur verbatim in the training part
-    (the five OLMoE domain files repeat their own text, so their held-out slices were trained on)."""
+    """Share of the held-out slice's REPEAT_BLOCK-character blocks found verbatim in its training part."""
     return _heldout_repeats(data_dir(), name)
 
 
@@ -171,9 +166,8 @@ def _heldout_repeats(d: Path, name: str) -> float:  # d: cached per data folder,
 
 
 def block_repeats(text: str, corpus: str, block: int = REPEAT_BLOCK) -> float:
-    """Share of the text's `block`-character blocks that occur verbatim in corpus. Fast on megabytes: a block that
-    occurs anywhere holds one of the corpus's half-block pieces at multiples of half a block, so only blocks
-    holding such a piece are searched for."""
+    """Share of the text's `block`-character blocks found verbatim in corpus (only blocks holding one of the
+    corpus's aligned half-block pieces, as any match must, are searched for)."""
     half = block // 2
     pieces = {corpus[q : q + half] for q in range(0, len(corpus) - half + 1, half)}
     blocks = [text[i : i + block] for i in range(0, len(text) - block + 1, block)]
@@ -182,14 +176,12 @@ def block_repeats(text: str, corpus: str, block: int = REPEAT_BLOCK) -> float:
 
 
 def heldout_texts(unseen_only: bool = True) -> dict[str, str]:
-    """Held-out part of the training corpora (calibration, validation). unseen_only: only the slices none of
-    whose text occurs in their training part (`heldout_repeats` == 0); False: all of them."""
+    """Held-out part of the training corpora; unseen_only: only those with `heldout_repeats` == 0."""
     return {n: split_heldout(load_text(n))[1] for n in TRAIN_TEXTS if not unseen_only or heldout_repeats(n) == 0}
 
 
 def unseen_texts() -> dict[str, str]:
-    """The texts of other domains (Tolstoy and Poe in English, the requests library's Python source), hash-checked:
-    no model here trained on them (`block_repeats` against `training_texts()` is 0, tests/test_data.py)."""
+    """Texts of other domains (Tolstoy, Poe, the requests library's source) that no model here trained on."""
     return {n: load_text(n) for n in UNSEEN_TEXTS}
 
 

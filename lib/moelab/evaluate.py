@@ -1,20 +1,12 @@
-"""Evaluate a routing policy on a model and a text: perplexity with the routing changed, and its compute.
+"""Perplexity of a model with its routing changed by a policy, and the compute that policy saves.
 
-Two kinds of numbers, never mixed up:
-- measured (`evaluate`): a sliding-window perplexity whose forwards run through `moelab.hf.patched`, so the
-  routing really changed and skipped pairs were not computed; mean k counts the kept pairs of every forwarded
-  position (context included: the work that was done);
-- estimated (`router_sample`, then `RouterSample.estimate`): router outputs recorded once from unchanged forwards,
-  then any policy's k computed from them without another forward. Estimates ignore that later layers' inputs
-  change once earlier layers route differently; their rows say `estimated=True`, and `confirm_estimates` puts a few
-  beside measurements.
-Reductions count against the model's native k: routed-expert FLOPs and whole-forward FLOPs (`moelab.compute`).
+Measured (`evaluate`): sliding-window perplexity through `moelab.hf.patched`; mean k counts the kept pairs of every
+forwarded position. Estimated (`router_sample`, `RouterSample.estimate`): any policy's k from router outputs
+recorded once, unchanged; estimates ignore that later layers' inputs change (rows say estimated=True;
+`confirm_estimates` checks a few against measurements). Reductions are against the native k (`moelab.compute`).
 
-Perplexity windows: `context` tokens starting every `stride` tokens; each window scores only the tokens no earlier
-window scored, and a window's first token has no prediction inside it. With stride < context every token after the
-first is scored once, with at least context - stride tokens of left context; with stride = context the windows do
-not overlap and each window's first token goes unscored (`scored_tokens` counts what was). The context is clipped to
-the model's max_position_embeddings and the stride to the clipped context.
+Windows: `context` tokens every `stride` tokens, each scoring only tokens no earlier window scored (never its
+first); the context is clipped to the model's max_position_embeddings, the stride to the context.
 """
 
 from __future__ import annotations
@@ -36,11 +28,6 @@ from moelab.hf import RoutingRecord, moe_layers, native_policy, patched, record_
 from moelab.models import as_ids, check_ids, input_device, model_context
 from moelab.params import check_int, is_real
 from moelab.routing import EntropyAdaptiveK, Policy, RatioSkip, TopK, TopP, check_policy, choose_k, quantile
-
-__all__ = ["token_ids", "windows", "perplexity", "bootstrap_ppl", "interval", "ppl_change_ci", "Evaluation", "evaluate",
-           "evaluate_many", "reference_ppl", "RouterSample",
-           "router_sample", "confirm_estimates", "policy_label", "policy_params", "model_dtype", "SIXTEEN_BIT",
-           "entropy_quantiles"]
 
 log = logging.getLogger(__name__)
 QUANTILES = (0.05, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95)
@@ -115,9 +102,8 @@ def _prepare(model, tokenizer, text_or_ids, context, stride, max_tokens, batch_s
 
 
 def _score(model, ids, groups, runs, kl: bool, progress: bool) -> list[dict]:
-    """Each batch of windows forwarded once per run (a context factory: a patch, a recorder or nothing), in order;
-    per run the NLL sum of each window's scored tokens, and with kl the KL divergence of its next-token
-    distribution from run 0's and the top-1 agreement with it (run 0's log-probs of one batch are all it holds)."""
+    """Each batch forwarded once per run (a context factory), in order: per run each window's NLL sum and, with kl,
+    the KL divergence from run 0's next-token distribution and top-1 agreement with it."""
     device, keep = input_device(model), _takes_logits_to_keep(model)
     out = [{"window_nll": [], "kl": 0.0, "agree": 0} for _ in runs]
     bar = tqdm(total=sum(map(len, groups)) * len(runs), desc="perplexity", unit="win", disable=not progress)
@@ -168,15 +154,9 @@ def _totals(res: dict, wins, context: int, stride: int, kl: bool) -> dict:
 @torch.no_grad()
 def perplexity(model, tokenizer, text_or_ids, context: int = 2048, stride: int = 512, max_tokens: int | None = None,
                batch_size: int = 1, progress: bool = True) -> dict:
-    """Perplexity of a causal LM on one token stream in sliding windows (the module docstring).
-
-    Returns dict(ppl, nll [nats/token], scored_tokens, context and stride after clipping, windows, window_nll and
-    window_tokens (each window's NLL sum and scored tokens: the units of `bootstrap_ppl`), and for compute counts
-    forwarded_tokens, attended_mean (a forwarded token's mean attended length) and longest_window).
-    max_tokens: only the first max_tokens tokens (None: all). batch_size: windows of equal shape run together
-    (no padding, so the result does not depend on it). Losses are computed in fp32 and summed in fp64: an fp32
-    sum of 10^4-10^5 losses rounds by about 1e-6 of the perplexity, more than a routing change can move it.
-    """
+    """Sliding-window perplexity of a causal LM on one token stream: dict(ppl, nll, scored_tokens, context, stride,
+    windows, window_nll, window_tokens, forwarded_tokens, attended_mean, longest_window). Windows of one shape run
+    batched (no padding); losses are summed in fp64 (an fp32 sum rounds by more than a routing change moves it)."""
     ids, wins, groups, context, stride = _prepare(model, tokenizer, text_or_ids, context, stride, max_tokens,
                                                   batch_size)
     (res,) = _score(model, ids, groups, [contextlib.nullcontext], kl=False, progress=progress)
@@ -206,8 +186,7 @@ def interval(ppl_a_B, ppl_b_B, a: float, b: float, level: float = 0.95) -> tuple
 
 
 def ppl_change_ci(nll_a, nll_b, window_tokens, resamples: int = 2000, seed: int = 0, level: float = 0.95) -> dict:
-    """The relative perplexity change of A against B on the same windows with its 95% paired bootstrap interval:
-    dict(ppl_change, ci_lo, ci_hi, windows, resamples, bootstrap_seed)."""
+    """A's perplexity change against B on the same windows with its paired bootstrap interval at `level`."""
     ppl_BR = bootstrap_ppl([nll_a, nll_b], window_tokens, resamples, seed)
     tok = float(np.sum(window_tokens))
     ppl_a, ppl_b = (math.exp(math.fsum(x) / tok) for x in (nll_a, nll_b))
@@ -223,8 +202,8 @@ def _fmt(xs) -> str:
 
 
 def policy_params(policy) -> dict:
-    """A short label ('TopK k=2', 'EntropyAdaptiveK k=[1, 2, 4] th=[0.6, 1.2]', 'native', 'per-layer ...') and flat
-    columns describing a policy (kind, k range and its own parameter), for tidy frames."""
+    """A label ('TopK k=2', 'EntropyAdaptiveK k=[1, 2, 4] th=[0.6, 1.2]', 'native', 'per-layer ...') and flat
+    columns (kind, k range, its own parameter) describing a policy."""
     if policy is None:
         return {"label": "native", "policy": "native"}
     if isinstance(policy, (list, tuple, dict)):
@@ -274,8 +253,7 @@ def _shapes(model) -> ModelShapes:
 
 
 def _compute_cols(shapes: ModelShapes, mean_k_layers: list[float], attended: float, prefill: int) -> dict:
-    """Mean k and the reductions: the whole forward's at attention's mean attended length, linear-attention layers
-    in their chunked form over a prefill of `prefill` tokens (one window)."""
+    """Mean k and the reductions (the whole forward's at the mean attended length, `prefill` tokens a window)."""
     mean_k = float(np.mean(mean_k_layers))
     return {"native_k": shapes.native_k, "mean_k": mean_k,
             "expert_reduction": expert_reduction(mean_k, shapes.native_k),
@@ -286,8 +264,7 @@ def _compute_cols(shapes: ModelShapes, mean_k_layers: list[float], attended: flo
 
 @dataclass
 class Evaluation:
-    """One measured evaluation: a summary row, per-layer statistics, per-layer k histograms (layer, k, tokens,
-    fraction), and each window's NLL sum and scored tokens (for `bootstrap_ppl`)."""
+    """A summary row, per-layer statistics, per-layer k histograms, each window's NLL sum and scored tokens."""
 
     summary: dict
     layers: pd.DataFrame
@@ -297,8 +274,7 @@ class Evaluation:
 
 
 def _warn_unchanged(policies: dict[int, Policy], layers, k_by_layer: dict, rec) -> None:
-    """Warn where adaptive policies (k_min < k_max) kept k_max for every token of every layer they routed: the rule
-    changed nothing (flat routers do that: an untrained model's entropy sits near log E, above the thresholds)."""
+    """Warn where adaptive policies kept k_max for every token of every layer they routed (e.g. flat routers)."""
     ran = [(layers[i], p) for i, p in policies.items() if p.k_min < p.k_max and i in k_by_layer]
     if not ran or any(bool((k_by_layer[layer.index] != p.k_max).any()) for layer, p in ran):
         return
@@ -331,17 +307,10 @@ def _recording(model, policy, into: RoutingRecord, state: dict):
 def evaluate(model, policy, text_or_ids, tokenizer=None, context: int = 2048, stride: int = 512,
              max_tokens: int | None = None, batch_size: int = 8, baseline_ppl: float | None = None,
              progress: bool = True, warn_unchanged: bool = True, kl: bool = False) -> Evaluation:
-    """Perplexity with routing changed by `policy` (None: the model unchanged) and its compute.
-
-    policy: one policy, a list (one per MoE layer) or a dict {moe layer: policy} (see moelab.hf.patched).
-    baseline_ppl: if given, the summary also has ppl_change (relative, 0.004 = +0.4%). In 16-bit weights the patch
-    alone moves perplexity (router ties, expert sums in fp32): compare against `reference_ppl`. The summary's dtype
-    says which ran.
-    warn_unchanged: False where an adaptive policy keeping k_max for every token is the intent; otherwise that is
-    logged as a warning.
-    kl: also the mean KL divergence (nats/token) of the next-token distribution from the unchanged model's and the
-    top-1 agreement with it (`evaluate_many`: an unchanged forward of each batch beside the patched one).
-    """
+    """Perplexity with routing changed by `policy` (None: unchanged; a list or dict as `moelab.hf.patched` takes)
+    and its compute. baseline_ppl adds ppl_change (in 16-bit, compare against `reference_ppl`); kl adds the KL
+    divergence from the unchanged model and top-1 agreement; warn_unchanged logs an adaptive policy that changed
+    nothing."""
     return evaluate_many(model, [policy], text_or_ids, tokenizer, context, stride, max_tokens, batch_size,
                          baseline_ppl, progress, warn_unchanged, kl)[0]
 
@@ -350,9 +319,8 @@ def evaluate(model, policy, text_or_ids, tokenizer=None, context: int = 2048, st
 def evaluate_many(model, policies, text_or_ids, tokenizer=None, context: int = 2048, stride: int = 512,
                   max_tokens: int | None = None, batch_size: int = 8, baseline_ppl: float | None = None,
                   progress: bool = True, warn_unchanged: bool = True, kl: bool = True) -> list[Evaluation]:
-    """`evaluate` for several policies (None: the unchanged model) in one pass over the text: each batch of
-    windows is forwarded once per policy, and with kl once unchanged first (the reference of kl and top1_agree;
-    only that batch's log-probs are held). The same windows for every policy: a paired comparison."""
+    """`evaluate` for several policies in one pass over the same windows (paired): each batch forwarded once per
+    policy, with kl once unchanged first."""
     if baseline_ppl is not None and not (is_real(baseline_ppl) and math.isfinite(baseline_ppl) and baseline_ppl > 0):
         raise ValueError(f"baseline_ppl={baseline_ppl!r}: must be a finite perplexity > 0 (or None)")
     policies = list(policies)
@@ -398,11 +366,10 @@ def evaluate_many(model, policies, text_or_ids, tokenizer=None, context: int = 2
                           for k, c in enumerate(torch.bincount(k_T.long(), minlength=k_max + 1).tolist())]
         summary = {
             **policy_params(policy), "estimated": False,
-            "dtype": model_dtype(model),  # bf16 / fp16 perplexities differ from fp32 ones
+            "dtype": model_dtype(model),
             **{key: tot[key] for key in ("ppl", "nll", "scored_tokens", "context", "stride")},
             **({"kl": tot["kl"], "top1_agree": tot["top1_agree"]} if kl else {}),
             "routed_tokens": int(sum(r["tokens"] for r in layer_rows) / max(len(layer_rows), 1)),
-            # attended length over the windows run: a text shorter than the context is one short window
             **_compute_cols(shapes, mean_k_layers, tot["attended_mean"], tot["longest_window"]),
         }
         if baseline_ppl is not None:
@@ -414,9 +381,8 @@ def evaluate_many(model, policies, text_or_ids, tokenizer=None, context: int = 2
 
 
 def reference_ppl(model, ids, progress: bool = False, **eval_kw) -> dict:
-    """The perplexity a routing change is measured against: the unchanged model in fp32; in 16-bit the model's own
-    TopK through moelab, since there the patch alone moves perplexity (router ties, expert sums in fp32;
-    `benchmarks/patch_noise.py`). Returns evaluate's summary with reference: 'unchanged' or 'patched-native'."""
+    """The perplexity a routing change is measured against: the unchanged model, or in 16-bit (where the patch
+    alone moves perplexity) its native TopK through moelab; `reference` says which."""
     sixteen = model_dtype(model) in SIXTEEN_BIT
     pol = [native_policy(layer) for layer in moe_layers(model)] if sixteen else None
     summary = evaluate(model, pol, ids, progress=progress, **eval_kw).summary
@@ -472,8 +438,7 @@ class RouterSample:
         return out
 
     def estimate(self, policy, attended: float | None = None) -> dict:
-        """Estimated mean k and compute reductions of a policy (one, or a list with one per layer); no forward.
-        attended: the mean attended length for the whole-forward share (default: a chunk's)."""
+        """Estimated mean k and reductions of a policy (or a list, one per layer); attended: a chunk's by default."""
         if isinstance(policy, dict):
             raise ValueError("estimate takes one policy or a list (one per layer), not a dict")
         pols = list(policy) if isinstance(policy, (list, tuple)) else [policy] * self.num_layers
@@ -493,8 +458,8 @@ class RouterSample:
 @torch.no_grad()
 def router_sample(model, text_or_ids, tokenizer=None, context: int = 2048, max_tokens: int | None = None,
                   batch_size: int = 8, k_cap: int | None = None, progress: bool = True) -> RouterSample:
-    """Record router outputs once: unchanged forwards over disjoint chunks of `context` tokens (clipped to the
-    model's context). A tail shorter than one chunk is not recorded: `unused_tokens` says how much."""
+    """Router outputs of unchanged forwards over disjoint chunks of `context` tokens (a shorter tail is left out:
+    `unused_tokens`)."""
     context, batch_size = check_int("context", context), check_int("batch_size", batch_size)
     for name, v in (("max_tokens", max_tokens), ("k_cap", k_cap)):
         if v is not None:
@@ -538,8 +503,7 @@ def router_sample(model, text_or_ids, tokenizer=None, context: int = 2048, max_t
 
 def confirm_estimates(model, sample: RouterSample, policies, text_or_ids, tokenizer=None,
                       baseline_ppl: float | None = None, progress: bool = True, **eval_kw) -> pd.DataFrame:
-    """Estimated and measured (patched forwards) mean k side by side for a few policies; per MoE layer too
-    (`est_error_layers`: estimated minus measured routed-expert reduction, first MoE layer first)."""
+    """Estimated and measured mean k side by side for a few policies; est_error_layers per MoE layer."""
     rows = []
     for p in tqdm(list(policies), desc="confirm", disable=not progress):
         est = sample.estimate(p)

@@ -1,9 +1,8 @@
 """Expert execution that skips: only the kept (token, expert) pairs go through the expert GEMMs.
 
-Weights are stored as transformers 5 stores fused experts: gate_up_EHD [E, 2F, D] (rows 0..F-1 the gate
-projection, F..2F-1 the up projection) and down_EDF [E, D, F].
-Flow: plan -> expert-sorted pairs -> gather rows -> grouped GEMM (gate/up) -> act(gate) * up -> grouped GEMM
-(down) -> scale by routing weight -> scatter-add into [T, D]. Both GEMMs see exactly the kept pairs' rows.
+Weights as transformers 5 fuses them: gate_up_EHD [E, 2F, D] (gate rows first, then up) and down_EDF [E, D, F].
+Flow: plan -> expert-sorted pairs -> gather -> grouped GEMM (gate/up) -> act(gate) * up -> grouped GEMM (down)
+-> scale by routing weight -> scatter-add into [T, D].
 
 Expert GEMMs (`set_gemm`):
 - 'triton': `moelab.kernels.grouped.fused_experts`, Triton grouped GEMMs with the gather and SwiGLU fused into
@@ -35,12 +34,8 @@ def pair_layout(plan: RoutingPlan) -> PairLayout:
     order = torch.argsort(experts_P, stable=True)  # stable: tokens ascend within an expert
     flat, experts_P = flat[order], experts_P[order]
     counts_E = torch.bincount(experts_P, minlength=plan.num_experts)
-    return PairLayout(
-        token_idx=flat // plan.k_max,
-        expert_idx=experts_P,
-        weights=plan.weights.reshape(-1)[flat],
-        offsets=torch.cumsum(counts_E, 0).to(torch.int32),
-    )
+    return PairLayout(token_idx=flat // plan.k_max, expert_idx=experts_P, weights=plan.weights.reshape(-1)[flat],
+                      offsets=torch.cumsum(counts_E, 0).to(torch.int32))
 
 
 def _rows_aligned(w: torch.Tensor) -> bool:
@@ -85,17 +80,6 @@ def set_layout(mode: str) -> None:
     _LAYOUT_MODE = mode
 
 
-def make_layout(plan: RoutingPlan) -> PairLayout:
-    """The layout the current mode picks for this plan."""
-    if _LAYOUT_MODE == "padded" or (_LAYOUT_MODE == "auto" and plan.expert_ids.is_cuda):
-        from moelab.kernels import check_kernel_input
-        from moelab.kernels.layout import pair_layout_padded
-
-        check_kernel_input(plan.expert_ids, "set_layout('padded')")
-        return pair_layout_padded(plan)
-    return pair_layout(plan)
-
-
 _GEMM_MODE = "auto"  # "auto" | "triton" | "grouped" | "loop"
 
 
@@ -117,9 +101,8 @@ FUSED_MAX_ROWS_PER_EXPERT = 32
 
 
 def fused_supported(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, rows: int = 0) -> bool:
-    """Whether 'auto' runs the Triton fused experts on these operands: CUDA, bf16 / fp16, one dtype, contiguous
-    weights, at most 256 experts, and at most FUSED_MAX_ROWS_PER_EXPERT padded rows per expert or a tuned entry
-    that beats CUTLASS for this shape and device."""
+    """Whether 'auto' runs the Triton fused experts: CUDA, one 16-bit dtype, contiguous weights, E <= 256, and at
+    most FUSED_MAX_ROWS_PER_EXPERT padded rows per expert or a tuned entry that beats CUTLASS here."""
     E, H, D = gate_up.shape
     if not (x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and gate_up.dtype == x.dtype == down.dtype
             and gate_up.is_contiguous() and down.is_contiguous() and E <= 256):
@@ -132,8 +115,7 @@ def fused_supported(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, 
 
 
 def is_silu(act_fn) -> bool:
-    """F.silu, an nn.SiLU, or transformers' SiLUActivation (its forward is F.silu; ACT2FN['silu'] in
-    transformers 5): the activation the fused SwiGLU kernels compute."""
+    """F.silu, an nn.SiLU or transformers' SiLUActivation: the activation the fused SwiGLU kernels compute."""
     if act_fn is F.silu:
         return True
     cls = type(act_fn)
@@ -160,25 +142,24 @@ def grouped_gemm(x_PK: torch.Tensor, w_ENK: torch.Tensor, offsets_E: torch.Tenso
     return y
 
 
-def run_experts(
-    x_TD: torch.Tensor,
-    plan: RoutingPlan,
-    gate_up_EHD: torch.Tensor,
-    down_EDF: torch.Tensor,
-    act_fn=F.silu,
-    layout: PairLayout | None = None,
-) -> torch.Tensor:
+def run_experts(x_TD: torch.Tensor, plan: RoutingPlan, gate_up_EHD: torch.Tensor, down_EDF: torch.Tensor,
+                act_fn=F.silu, layout: PairLayout | None = None) -> torch.Tensor:
     """Sum over kept experts of weight * down(act(gate(x)) * up(x)); returns [T, D] in x's dtype."""
     check_experts(x_TD, plan, gate_up_EHD, down_EDF)
     T, D = x_TD.shape
-    layout = layout if layout is not None else make_layout(plan)
+    if layout is None and (_LAYOUT_MODE == "padded" or (_LAYOUT_MODE == "auto" and plan.expert_ids.is_cuda)):
+        from moelab.kernels import check_kernel_input
+        from moelab.kernels.layout import pair_layout_padded
+
+        check_kernel_input(plan.expert_ids, "set_layout('padded')")
+        layout = pair_layout_padded(plan)
+    layout = layout if layout is not None else pair_layout(plan)
     fusable = layout.padded and layout.slot_row is not None and is_silu(act_fn)
     if _GEMM_MODE == "triton" and not fusable:
-        raise ValueError(
-            f"set_gemm('triton') needs a padded layout with slot_row (set_layout('padded') or "
-            f"layout=pair_layout_padded(plan)) and a SiLU act_fn (see is_silu); got padded={layout.padded}, "
-            f"slot_row={'set' if layout.slot_row is not None else None}, act_fn={getattr(act_fn, '__name__', act_fn)}"
-        )
+        raise ValueError(f"set_gemm('triton') needs a padded layout with slot_row (set_layout('padded') or "
+                         f"layout=pair_layout_padded(plan)) and a SiLU act_fn (see is_silu); got padded={layout.padded}"
+                         f", slot_row={'set' if layout.slot_row is not None else None}, "
+                         f"act_fn={getattr(act_fn, '__name__', act_fn)}")
     if fusable and (_GEMM_MODE == "triton" or (_GEMM_MODE == "auto" and fused_supported(
             x_TD, gate_up_EHD, down_EDF, layout.num_pairs))):
         from moelab.kernels.grouped import fused_experts  # gather + gate_up + SwiGLU, down, combine
@@ -191,8 +172,7 @@ def run_experts(
         x_PD = gather_rows(x_TD, layout.token_idx, layout.offsets)
         a_PF = swiglu_rows(grouped_gemm(x_PD, gate_up_EHD, layout.offsets), layout.offsets)
         return combine_rows(grouped_gemm(a_PF, down_EDF, layout.offsets), layout.slot_row, plan, x_TD.dtype)
-    # padded layouts: rows past offsets[-1] are never written by the GEMMs; they gather token 0 and
-    # land in a dummy output row T, so whatever they hold never reaches a real token
+    # padded layouts: rows past offsets[-1] gather token T - 1 and land in a dummy output row T
     pad = 1 if layout.padded else 0
     x_PD = x_TD[layout.token_idx.clamp_max(T - 1)] if pad else x_TD[layout.token_idx]
     h_PH = grouped_gemm(x_PD, gate_up_EHD, layout.offsets)

@@ -1,22 +1,15 @@
 """Patch the MoE blocks of a transformers 5 model so that they route and compute through moelab.
 
-`patched(model, policy)` replaces, per instance, the `forward` of every MoE block's router (`.gate`) and
-fused experts (`.experts`): the router's logits go through `moelab.routing.route` with the policy (the
-model's own renormalisation unless the policy sets one), and the experts run only the kept (token, expert)
-pairs through `moelab.experts.run_experts`. The block's own forward keeps everything else (Qwen2-MoE's
-shared expert and its gate); no parameter, buffer or module is touched, so leaving the context restores
-the model exactly. The patched forwards run inside accelerate's hooks, so a model loaded with
-`device_map="auto"` (layers spread over GPUs, or offloaded) patches unchanged.
-
-Supported blocks (softmax top-k router over [E, D] logits; experts with concatenated gate/up, no bias, not
-transposed): `SUPPORTED_BLOCKS`. Refused with the reason: `UNSUPPORTED_BLOCKS` (DeepSeek-V3 and Ernie 4.5
-choose on bias-corrected scores, GPT-OSS has transposed, biased experts).
+`patched(model, policy)` replaces, per instance, the `forward` of every MoE block's router (`.gate`, through
+`moelab.routing.route`) and fused experts (`.experts`, only the kept pairs through `moelab.experts.run_experts`);
+the block's own forward does the rest (shared experts). No parameter or module is touched, so leaving the context
+restores the model exactly; accelerate's hooks still run (device_map models). `SUPPORTED_BLOCKS` lists the blocks
+(softmax top-k router, concatenated gate/up experts without bias); `UNSUPPORTED_BLOCKS` are refused with the reason.
 """
 
 from __future__ import annotations
 
 import contextlib
-import numbers
 from dataclasses import dataclass, field
 
 import torch
@@ -24,10 +17,10 @@ import torch.nn.functional as F
 
 from moelab.experts import run_experts
 from moelab.models import ALWAYS_RENORMALIZE, check_ids, input_device, model_context
+from moelab.params import check_int, is_int
 from moelab.routing import LOGIT_DTYPES, EntropyAdaptiveK, Policy, RatioSkip, TopK, TopP, route
 
-# block class name -> family: one structure (gate -> experts), one router (softmax top-k, renormalised always
-# for models.ALWAYS_RENORMALIZE, else as config.norm_topk_prob says)
+# block class name -> family
 SUPPORTED_BLOCKS = {
     "MixtralSparseMoeBlock": "mixtral",
     "MiniMaxSparseMoeBlock": "minimax",
@@ -60,12 +53,6 @@ class MoELayer:
     renormalize: bool  # the model's convention: renormalise the kept weights to sum 1
 
 
-def _check_experts(name: str, experts) -> None:
-    for attr, want in (("has_bias", False), ("is_transposed", False), ("is_concatenated", True), ("has_gate", True)):
-        if getattr(experts, attr, want) != want:
-            raise ValueError(f"{name}.experts.{attr}={getattr(experts, attr)}: moelab.experts needs {want}")
-
-
 def moe_layers(model) -> list[MoELayer]:
     """Every supported MoE block of a transformers model, in forward order; ValueError if none."""
     out = []
@@ -76,7 +63,10 @@ def moe_layers(model) -> list[MoELayer]:
         if cls not in SUPPORTED_BLOCKS:
             continue
         gate, experts = mod.gate, mod.experts
-        _check_experts(name, experts)
+        for attr, want in (("has_bias", False), ("is_transposed", False), ("is_concatenated", True),
+                           ("has_gate", True)):
+            if getattr(experts, attr, want) != want:
+                raise ValueError(f"{name}.experts.{attr}={getattr(experts, attr)}: moelab.experts needs {want}")
         family = SUPPORTED_BLOCKS[cls]
         renorm = family in ALWAYS_RENORMALIZE or bool(gate.norm_topk_prob)
         out.append(MoELayer(len(out), name, mod, family, int(gate.num_experts), int(gate.top_k), renorm))
@@ -160,7 +150,7 @@ def _resolve_policies(layers: list[MoELayer], policy_or_policies) -> dict[int, P
     elif isinstance(p, dict):
         if not p:
             raise ValueError("policy={}: a dict needs at least one {moe layer: policy} (None runs the model unchanged)")
-        bad = [i for i in p if isinstance(i, bool) or not (isinstance(i, numbers.Integral) and 0 <= i < n)]
+        bad = [i for i in p if not (is_int(i) and 0 <= i < n)]
         if bad:
             raise ValueError(f"policy keys {bad}: must be MoE layer ordinals (ints, not bools) in [0, {n})")
         out = {int(i): pol for i, pol in p.items()}  # layers left out keep the model's own routing
@@ -178,8 +168,7 @@ def _gate_forward(patch: Patch, layer: MoELayer, policy: Policy, check: bool):
     gate = layer.block.gate
 
     def forward(hidden_states):
-        # a count captured in a CUDA graph would add into this Patch's counter tensor in every replay, also after
-        # the tensor is freed: captured forwards are not counted
+        # a captured count would add into the counter tensor at every replay, even after it is freed: not counted
         capturing = hidden_states.is_cuda and torch.cuda.is_current_stream_capturing()
         if capturing and patch.record is not None:
             raise RuntimeError(f"{layer.name}: a patched(record={'logits' if patch.record.logits else True!r}) "
@@ -219,8 +208,7 @@ _MARK = "_moelab_patched"
 
 
 def _through_hook(mod: torch.nn.Module, fwd):
-    """`fwd` inside the module's accelerate hook, as accelerate's own forward wrapper runs the original: a model
-    loaded with a device_map keeps moving inputs to the layer's device and loading offloaded weights."""
+    """`fwd` inside the module's accelerate hook (if any), as accelerate runs the original forward."""
     hook = getattr(mod, "_hf_hook", None)
     if hook is None:
         return fwd
@@ -239,19 +227,13 @@ def _through_hook(mod: torch.nn.Module, fwd):
 
 @contextlib.contextmanager
 def patched(model, policy_or_policies, record: bool | str = False, check: bool = True):
-    """Route every MoE block (or the layers named in a dict) with moelab policies; yields a `Patch`.
+    """Route every MoE block with moelab policies, restoring the model exactly on exit; yields a `Patch`.
 
-    policy_or_policies: one policy for all MoE layers, a list with one per MoE layer, or a dict
-      {moe_layer_ordinal: policy} (layers left out keep the model's own routing).
-    record: False; True (per-layer k and entropy of every routed token); 'logits' (also router logits).
-    check: validate that router logits are finite (one host sync per layer); False inside CUDA-graph capture.
-    Counts (`kept_pairs`, `tokens`, `mean_k`) and the record cover eager forwards only: a forward captured in
-    a CUDA graph routes as patched in every replay but is not counted (`uncounted`), so that no replay
-    writes into the Patch's counters after they are freed; record=True cannot be captured (RuntimeError).
-    The model is restored exactly on exit, also when the body raises.
-    Ties at the k-th place go to the lower expert index (`moelab.routing`); transformers' routers call
-    `torch.topk`, whose order among ties is unspecified, so with the model's own rule a patched block runs
-    the same experts wherever the router's probabilities do not tie exactly (16-bit logits can tie).
+    policy_or_policies: one policy, a list (one per MoE layer) or a dict {moe layer: policy} (others stay native).
+    record: True keeps per-layer k and entropy, 'logits' also the router logits. check: router logits must be
+    finite (a host sync per layer; False inside CUDA-graph capture). Counts and the record cover eager forwards
+    only (captured ones add to `uncounted`; a recording forward cannot be captured). Ties at the k-th place go to
+    the lower expert index (torch.topk leaves them unspecified).
     """
     if record not in (False, True, "logits"):
         raise ValueError(f"record={record!r}: must be False, True or 'logits'")
@@ -292,10 +274,8 @@ def patched(model, policy_or_policies, record: bool | str = False, check: bool =
 
 @contextlib.contextmanager
 def record_router(model, logits: bool = True):
-    """Record each MoE layer's router output of unchanged forwards (forward hooks; routing untouched).
-
-    Yields a RoutingRecord with the native k, the entropy and (if logits) the router logits per layer.
-    """
+    """Yields a RoutingRecord of each MoE layer's native k, entropy and (if logits) router logits over unchanged
+    forwards (forward hooks)."""
     layers = moe_layers(model)
     rec = RoutingRecord(logits=logits)
     handles = []
@@ -321,15 +301,13 @@ def record_router(model, logits: bool = True):
 
 @torch.no_grad()
 def router_logits(model, ids: torch.Tensor, context: int) -> dict[int, torch.Tensor]:
-    """Router logits [T, E] per MoE layer of the unchanged model over the token ids [T], read in forwards
-    of `context` tokens (the last one shorter; context clipped to the model's max_position_embeddings)."""
+    """Router logits [T, E] per MoE layer of the unchanged model over ids [T], in forwards of `context` tokens
+    (clipped to the model's max_position_embeddings)."""
     if not isinstance(ids, torch.Tensor) or ids.dim() != 1 or ids.numel() == 0:
         raise ValueError(f"ids of shape {tuple(getattr(ids, 'shape', ()))}: need a non-empty 1-D tensor of token ids")
-    if isinstance(context, bool) or not isinstance(context, numbers.Integral) or context < 1:
-        raise ValueError(f"context={context!r}: must be an int >= 1")
-    context = int(context)
+    context = check_int("context", context)
     check_ids(model, ids)
-    context = min(context, model_context(model) or context)  # no forward longer than the model's positions
+    context = min(context, model_context(model) or context)
     device = input_device(model)
     with record_router(model, logits=True) as rec:
         for start in range(0, ids.numel(), context):

@@ -1,11 +1,6 @@
-"""The embedded MoE models: registry, loading, and what moelab needs to know about any MoE model.
-
-Three small models trained by `tools/train.py` live in data/models/<name> and mirror the routing
-geometry of Mixtral-8x7B (8 experts, top-2, renormalised), Qwen1.5-MoE-A2.7B (60 experts, top-4, not
-renormalised, shared expert with a gate) and OLMoE-1B-7B (64 experts, top-8, not renormalised).
-`load` takes those names or any local transformers MoE checkpoint directory (a family moelab has no
-adapter for loads with a warning; `hf.patched` refuses it).
-"""
+"""The embedded MoE models (data/models/<name>, trained by `tools/train.py` with the routing geometry of
+Mixtral-8x7B, Qwen1.5-MoE-A2.7B and OLMoE-1B-7B), loading of those or any local transformers MoE checkpoint, and
+what moelab needs to know about an MoE model."""
 
 from __future__ import annotations
 
@@ -13,7 +8,6 @@ import hashlib
 import inspect
 import json
 import logging
-import numbers
 import os
 import reprlib
 from pathlib import Path
@@ -22,6 +16,7 @@ import numpy as np
 import torch
 
 from moelab.data import check_file, data_dir, normalised_entropy
+from moelab.params import check_int, is_int
 from moelab.routing import quantile
 
 log = logging.getLogger(__name__)
@@ -37,47 +32,27 @@ FAMILIES = {
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM"),
     "flex_olmo": ("FlexOlmoConfig", "FlexOlmoForCausalLM"),
 }
-# families `hf.patched` has an adapter for: those above, and Qwen3-VL-MoE's text model (loaded with its vision
-# tower: no causal-LM class of its own here)
+# families `hf.patched` has an adapter for: those above and Qwen3-VL-MoE's text model
 ADAPTED = frozenset(FAMILIES) | {"qwen3_vl_moe"}
-# families whose router always renormalises its top-k weights (no norm_topk_prob switch); the others follow
-# config.norm_topk_prob
+# families that always renormalise the top-k weights; the others follow config.norm_topk_prob
 ALWAYS_RENORMALIZE = frozenset({"mixtral", "minimax", "qwen3_5_moe", "qwen3_vl_moe"})
 
-_SHARED = dict(  # every embedded model: one tokenizer, one width, one depth
-    vocab_size=8192,
-    hidden_size=256,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    max_position_embeddings=512,
-    tie_word_embeddings=True,
-    bos_token_id=0,
-    eos_token_id=0,
-    pad_token_id=1,
-)
+_SHARED = dict(vocab_size=8192, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,  # every embedded model
+               max_position_embeddings=512, tie_word_embeddings=True, bos_token_id=0, eos_token_id=0, pad_token_id=1)
 
 # name -> (family, config kwargs): about 9.5M parameters each
 TINY = {
-    "tiny-mixtral": (
-        "mixtral",
-        dict(_SHARED, num_key_value_heads=2, intermediate_size=256, num_local_experts=8, num_experts_per_tok=2,
-             router_aux_loss_coef=0.05),  # trained with --balance per-layer
-    ),
-    "tiny-qwen-moe": (
-        "qwen2_moe",
-        dict(_SHARED, num_key_value_heads=4, num_experts=60, num_experts_per_tok=4, moe_intermediate_size=32,
-             shared_expert_intermediate_size=128, intermediate_size=128, norm_topk_prob=False,
-             decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.1),
-    ),
-    "tiny-olmoe": (
-        "olmoe",
-        dict(_SHARED, num_key_value_heads=4, intermediate_size=32, num_experts=64, num_experts_per_tok=8,
-             norm_topk_prob=False, router_aux_loss_coef=0.01),
-    ),
+    "tiny-mixtral": ("mixtral", dict(_SHARED, num_key_value_heads=2, intermediate_size=256, num_local_experts=8,
+                                     num_experts_per_tok=2, router_aux_loss_coef=0.05)),
+    "tiny-qwen-moe": ("qwen2_moe", dict(_SHARED, num_key_value_heads=4, num_experts=60, num_experts_per_tok=4,
+                                        moe_intermediate_size=32, shared_expert_intermediate_size=128,
+                                        intermediate_size=128, norm_topk_prob=False, decoder_sparse_step=1,
+                                        mlp_only_layers=[], router_aux_loss_coef=0.1)),
+    "tiny-olmoe": ("olmoe", dict(_SHARED, num_key_value_heads=4, intermediate_size=32, num_experts=64,
+                                 num_experts_per_tok=8, norm_topk_prob=False, router_aux_loss_coef=0.01)),
 }
 NAMES = tuple(TINY)
-# config fields that are sizes: an override must be an int >= 1 (the two optional ones may be None: derived);
-# num_experts_per_tok: in [1, E], checked by `moe_info`
+# config fields that are sizes: an override must be an int >= 1 (the optional ones may be None: derived)
 _SIZES = frozenset({"vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
                     "num_attention_heads", "num_key_value_heads", "head_dim", "num_local_experts", "num_experts",
                     "max_position_embeddings"})
@@ -94,16 +69,14 @@ _RANDOM = {
     "qwen3_moe": dict(num_experts=16, num_experts_per_tok=4, moe_intermediate_size=16, intermediate_size=32,
                       norm_topk_prob=True, head_dim=16),
     "olmoe": dict(num_experts=64, num_experts_per_tok=8, intermediate_size=16, norm_topk_prob=False),
-    # MiniMax-Text-01 (32 experts, top-2) with its lightning (linear) attention in every other layer
+    # MiniMax-Text-01 with linear attention in every other layer
     "minimax": dict(num_local_experts=32, num_experts_per_tok=2, intermediate_size=16, head_dim=16,
                     layer_types=["linear_attention", "full_attention"]),
-    # Qwen3-Next-80B-A3B: 512 experts (above the fused Triton experts' 256: CUTLASS), top-10, shared expert,
-    # gated DeltaNet (linear attention) in three of four layers
+    # Qwen3-Next-80B-A3B: 512 experts (above the fused Triton experts' 256), gated DeltaNet layers
     "qwen3_next": dict(num_experts=512, num_experts_per_tok=10, moe_intermediate_size=16, intermediate_size=32,
                        shared_expert_intermediate_size=32, norm_topk_prob=True, head_dim=16,
                        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
                        linear_value_head_dim=16, layer_types=["linear_attention", "full_attention"]),
-    # Qwen3.5-35B-A3B's text model: 256 experts, top-8, shared expert, gated DeltaNet layers
     "qwen3_5_moe": dict(num_experts=256, num_experts_per_tok=8, moe_intermediate_size=16,
                         shared_expert_intermediate_size=32, head_dim=16, linear_num_key_heads=2,
                         linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
@@ -152,7 +125,7 @@ def build_config(name_or_family: str, **overrides):
     kwargs.update(_check_overrides(cfg_cls, kwargs, overrides))
     cfg = cfg_cls(**kwargs)
     moe_info(cfg)  # k in [1, E]
-    if getattr(cfg, "head_dim", None) is None:  # the attention derives it: hidden_size / heads, rotated in pairs
+    if getattr(cfg, "head_dim", None) is None:  # derived: hidden_size / heads, rotated in pairs
         d, h = cfg.hidden_size, cfg.num_attention_heads
         if d % h or (d // h) % 2:
             raise ValueError(f"hidden_size={d}: must be a multiple of 2 * num_attention_heads={h} (head_dim = "
@@ -186,16 +159,15 @@ def _check_overrides(cfg_cls, base: dict, overrides: dict) -> dict:
             default = cfg_cls()
         if key not in valid and not hasattr(default, key):
             raise TypeError(f"{key}={v!r}: not a {cfg_cls.__name__} field; valid overrides: {sorted(valid)}")
-        is_int = isinstance(v, numbers.Integral) and not isinstance(v, bool)
-        if key in _SIZES and not (is_int and v >= 1 or v is None and key in _OPTIONAL_SIZES):
+        if key in _SIZES and not (is_int(v) and v >= 1 or v is None and key in _OPTIONAL_SIZES):
             raise ValueError(f"{key}={v!r}: must be an int >= 1")
-        out[key] = int(v) if is_int else v  # numpy ints too
+        out[key] = int(v) if is_int(v) else v  # numpy ints too
     return out
 
 
 def tiny_random(family: str, seed: int = 0, **overrides):
-    """A tiny random-initialised model of a family (`FAMILIES`), for tests: the real model's expert count, k
-    and renormalisation (qwen3_moe: 16 experts), width 64, 2 layers, vocab 256; any config field overridden."""
+    """A tiny random model of a family with the real model's expert count, k and renormalisation (qwen3_moe: 16
+    experts), width 64, 2 layers, vocab 256, for tests; any config field overridden."""
     if family not in FAMILIES:
         raise ValueError(f"family={family!r}: not a supported MoE family; choose one of {sorted(FAMILIES)}")
     return build(family, seed=seed, **overrides)
@@ -225,10 +197,8 @@ def moe_info(model_or_config) -> dict:
 
 
 def resolve(name_or_path: str | Path) -> Path:
-    """A registry name -> data/models/<name>; a path -> itself. Raises if there is no checkpoint.
-
-    A Path, or a string with a path separator, is always a path; a bare registry name that is also a
-    folder here is refused as ambiguous (pass './name' for the folder)."""
+    """A registry name -> data/models/<name>; a path (a Path, or a str with a separator) -> itself. Raises if there
+    is no checkpoint, or for a bare registry name that is also a folder here (ambiguous)."""
     if not isinstance(name_or_path, (str, os.PathLike)):
         raise TypeError(f"name_or_path={name_or_path!r}: must be a str or a path")
     s = str(name_or_path)
@@ -241,26 +211,22 @@ def resolve(name_or_path: str | Path) -> Path:
     if s in TINY and not as_path:
         path = model_dir(s)
         if not (path / "config.json").exists():
-            raise FileNotFoundError(
-                f"{path}: embedded model {s!r} has no checkpoint (no config.json); "
-                f"train it with `python tools/train.py --model {s}` or restore data/models from git"
-            )
+            raise FileNotFoundError(f"{path}: embedded model {s!r} has no checkpoint (no config.json); train it "
+                                    f"with `python tools/train.py --model {s}` or restore data/models from git")
         return path
     path = Path(s).expanduser()
     if not path.exists():
         where = "" if path.is_absolute() else f" (relative to the working folder {Path.cwd()}: {path.absolute()})"
-        raise FileNotFoundError(
-            f"{path}: no such directory{where}; pass one of {list(NAMES)} or a local transformers checkpoint directory"
-        )
+        raise FileNotFoundError(f"{path}: no such directory{where}; pass one of {list(NAMES)} or a local "
+                                "transformers checkpoint directory")
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"{path}: no config.json in it, so it is not a transformers checkpoint directory")
     return path
 
 
 def fingerprint(name_or_path: str | Path, edge_bytes: int = 16 << 20) -> str:
-    """Short fingerprint of a checkpoint's weights: sha256 over each weight file's name, size and first and last
-    `edge_bytes` (all of a small model; fast on a real one). Says which weights a result came from. The weight
-    files: *.safetensors, or where there are none the PyTorch pickles (*.bin, *.pt, *.pth) that transformers loads."""
+    """Which weights a result came from: sha256 over each weight file's (*.safetensors, else *.bin/*.pt/*.pth) name,
+    size and first and last `edge_bytes`."""
     h = hashlib.sha256()
     path = resolve(name_or_path)
     files = sorted(path.glob("*.safetensors")) or sorted(f for x in ("*.bin", "*.pt", "*.pth") for f in path.glob(x))
@@ -313,55 +279,23 @@ _JSON_FILES = ("config.json", "generation_config.json", "tokenizer.json", "token
                "special_tokens_map.json", "model.safetensors.index.json")
 
 
-def _check_json(path: Path) -> None:
-    """Every JSON file transformers reads from the checkpoint parses: an error naming the file otherwise."""
-    for f in (path / n for n in _JSON_FILES):
-        if f.exists():
-            try:
-                json.loads(f.read_bytes())
-            except (UnicodeDecodeError, json.JSONDecodeError) as e:
-                raise ValueError(f"{f}: not valid JSON ({e}); a truncated or corrupt file?") from None
-
-
-def _load_tokenizer(path: Path):
-    from transformers import AutoTokenizer
-
-    if not ((path / "tokenizer.json").exists() or (path / "tokenizer_config.json").exists()):
-        raise FileNotFoundError(f"{path}: no tokenizer files (tokenizer.json, tokenizer_config.json) beside the model")
-    try:
-        return AutoTokenizer.from_pretrained(path)
-    except Exception as e:  # noqa: BLE001 (tokenizers raises plain Exceptions)
-        raise ValueError(f"{path}: its tokenizer does not load ({type(e).__name__}: {e})") from None
-
-
-def _check_finite(model, where: str = "") -> None:
-    """ValueError naming every parameter that holds a NaN or an inf (one isfinite().all() per tensor)."""
-    bad = [n for n, p in model.named_parameters()
-           if p.is_floating_point() and p.device.type != "meta" and not bool(torch.isfinite(p).all())]
-    if bad:
-        raise ValueError(f"{where}non-finite values in {len(bad)} weight tensor(s): {', '.join(bad[:8])}"
-                         f"{' ...' if len(bad) > 8 else ''} (a corrupt checkpoint?)")
-
-
 def load(name_or_path: str | Path, device=None, dtype=None, device_map=None):
-    """(model, tokenizer) from a registry name or a local checkpoint dir; eval mode.
-
-    An embedded model's files are checked against data/SHA256SUMS first. Then the config, the tokenizer
-    (before any weights are read) and the weight files' headers; after loading, every weight must be finite.
-    Each failure names the file (or the tensor).
-    device: default CPU; 'auto' takes CUDA when there is one (`pick_device`). dtype: a torch dtype or its
-    name; default float32 on CPU, bfloat16 on CUDA. device_map: passed to `from_pretrained` (accelerate) for
-    models spread over several GPUs, e.g. "auto" or {module: gpu}; then `device` is ignored. An MoE family
-    moelab has no adapter for loads with a warning (`hf.patched` refuses it).
-    """
+    """(model, tokenizer) in eval mode from a registry name or a local checkpoint dir, checked first (embedded
+    files against data/SHA256SUMS, JSON, tokenizer, weight headers) and after (finite weights); failures name the
+    file. device and dtype as `pick_device` and `pick_dtype`; device_map goes to `from_pretrained` (then device is
+    ignored). A family without an adapter loads with a warning."""
     from safetensors import SafetensorError, safe_open
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     path = resolve(name_or_path)
     if isinstance(name_or_path, str) and name_or_path in TINY and path == model_dir(name_or_path):
         for f in MODEL_FILES:
             check_file(f"models/{name_or_path}/{f}")
-    _check_json(path)
+    for f in (path / n for n in _JSON_FILES if (path / n).exists()):  # every JSON file transformers reads
+        try:
+            json.loads(f.read_bytes())
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"{f}: not valid JSON ({e}); a truncated or corrupt file?") from None
     cfg = AutoConfig.from_pretrained(path)
     try:
         info = moe_info(cfg)
@@ -369,7 +303,12 @@ def load(name_or_path: str | Path, device=None, dtype=None, device_map=None):
         raise ValueError(f"{path}: {e}") from None
     if info["family"] not in ADAPTED:
         log.warning("%s: family %r is not one moelab has an adapter for (%s)", path, info["family"], sorted(ADAPTED))
-    tokenizer = _load_tokenizer(path)
+    if not ((path / "tokenizer.json").exists() or (path / "tokenizer_config.json").exists()):
+        raise FileNotFoundError(f"{path}: no tokenizer files (tokenizer.json, tokenizer_config.json) beside the model")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # noqa: BLE001 (tokenizers raises plain Exceptions)
+        raise ValueError(f"{path}: its tokenizer does not load ({type(e).__name__}: {e})") from None
     for f in sorted(path.glob("*.safetensors")):  # headers only: a truncated file named here
         try:
             with safe_open(f, "pt"):
@@ -382,14 +321,17 @@ def load(name_or_path: str | Path, device=None, dtype=None, device_map=None):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=device_map).eval()
     else:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
-    _check_finite(model, f"{path}: ")
+    bad = [n for n, p in model.named_parameters()
+           if p.is_floating_point() and p.device.type != "meta" and not bool(torch.isfinite(p).all())]
+    if bad:
+        raise ValueError(f"{path}: non-finite values in {len(bad)} weight tensor(s): {', '.join(bad[:8])}"
+                         f"{' ...' if len(bad) > 8 else ''} (a corrupt checkpoint?)")
     return model, tokenizer
 
 
 def reference_experts(model) -> str | None:
-    """Make the unpatched blocks run transformers' reference expert loop ('eager'), as the paper tables'
-    baselines do, and return the implementation in use. The default (grouped_mm) sums in another order, which
-    differs in bf16 (`benchmarks/patch_noise.py`). A model without the switch keeps what it has (logged)."""
+    """Make unpatched blocks run transformers' reference expert loop ('eager', whose sum order the paper baselines
+    use; grouped_mm differs in bf16) where the model can; returns the implementation in use."""
     if hasattr(model, "set_experts_implementation"):
         try:
             model.set_experts_implementation("eager")
@@ -403,9 +345,7 @@ MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")  # acceler
 
 
 def map_device(device_map) -> torch.device:
-    """Where a device_map puts the weights, for the dtype default: CUDA if any target is a GPU (a strategy
-    name counts as one when this machine has CUDA), else CPU. A GPU target on a machine without CUDA raises
-    `pick_device`'s error."""
+    """CUDA if any device_map target is a GPU (a strategy name counts where there is CUDA), else CPU."""
     targets = list(device_map.values()) if isinstance(device_map, dict) else [device_map]
     on_cuda = False
     for t in targets:
@@ -445,8 +385,7 @@ def as_ids(ids, name: str = "ids", what: str = "token ids") -> torch.Tensor:
 
 
 def check_ids(model, ids: torch.Tensor) -> torch.Tensor:
-    """ids unchanged, once every id is inside the model's vocabulary: a clear error here instead of an
-    IndexError (CPU) or a device-side assert (CUDA) in the embedding."""
+    """ids unchanged, once every id is inside the model's vocabulary (not a device-side assert later)."""
     if not isinstance(ids, torch.Tensor):
         raise TypeError(f"ids={reprlib.repr(ids)}: must be a torch.Tensor of token ids (torch.as_tensor(ids))")
     if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
@@ -466,24 +405,19 @@ def check_ids(model, ids: torch.Tensor) -> torch.Tensor:
 
 
 def n_params(model) -> int:
-    """Distinct parameters: `parameters()` yields a tied tensor (the embeddings shared with the LM head) once."""
+    """Distinct parameters (a tied tensor counts once)."""
     return sum(p.numel() for p in model.parameters())
 
 
 @torch.no_grad()
 def router_stats(model, ids, seq_len: int | None = None, max_tokens: int = 16384, batch_size: int = 8) -> dict:
-    """Per-layer router statistics of a model on a token stream (chunks of seq_len, no padding; seq_len
-    clipped to the model's max_position_embeddings, default min(512, that)).
-
-    load_entropy[l]: normalised entropy of layer l's expert load (top-k selections counted), 1 = balanced;
-    token_entropy_q[l]: quantiles (q05, q25, q50, q75, q95) of per-token router entropy / log(E).
-    """
+    """Per-layer router statistics on a token stream in chunks of seq_len (default and cap: min(512, context)):
+    load_entropy (normalised entropy of the top-k expert load, 1 = balanced) and token_entropy_q (quantiles of
+    per-token router entropy / log E)."""
     info = moe_info(model)
     E, k = info["num_experts"], info["native_k"]
-    for name, v in (("seq_len", seq_len), ("max_tokens", max_tokens), ("batch_size", batch_size)):
-        if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1):
-            raise ValueError(f"{name}={v!r}: must be an int >= 1" + (" or None" if name == "seq_len" else ""))
-    seq_len, max_tokens, batch_size = (None if v is None else int(v) for v in (seq_len, max_tokens, batch_size))
+    seq_len = None if seq_len is None else check_int("seq_len", seq_len, 1, " or None")
+    max_tokens, batch_size = check_int("max_tokens", max_tokens), check_int("batch_size", batch_size)
     ids = check_ids(model, as_ids(ids).long().flatten()[:max_tokens])
     limit = model_context(model) or 512
     seq_len = min(seq_len, limit) if seq_len else min(512, limit)

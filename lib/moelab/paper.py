@@ -1,9 +1,5 @@
-"""The claims under test and the paper table's protocol: every row measured with routing really changed.
-
-The published configurations and the claimed numbers (`PUBLISHED`, `CLAIMS`, `PR_PPL_CLAIM`) are copied from the
-claims, not measured; `paper_rows` measures one model's rows (baseline, patched native, published configurations,
-thresholds calibrated to the claim and to a perplexity budget, other policies at matched compute) and
-`paper_table` lays them out. Calibration itself is `moelab.calibrate`'s.
+"""The claims under test (`PUBLISHED`, `CLAIMS`, `PR_PPL_CLAIM`: copied, not measured) and the paper table's
+protocol: `paper_rows` measures one model's rows with routing really changed, `paper_table` lays them out.
 """
 
 from __future__ import annotations
@@ -44,9 +40,6 @@ from moelab.hf import moe_layers, native_policy
 from moelab.models import check_ids, moe_info
 from moelab.params import is_int, is_real
 from moelab.routing import EntropyAdaptiveK, TopK
-
-__all__ = ["PUBLISHED", "CLAIMS", "PR_PPL_CLAIM", "sdk_preset", "published_configs", "calibration_k_values",
-           "lower_fixed_ks", "paper_rows", "paper_table", "vs_patched"]
 
 log = logging.getLogger(__name__)
 
@@ -89,11 +82,8 @@ def published_configs(family: str, num_experts: int) -> dict[str, EntropyAdaptiv
 
 
 def calibration_k_values(family: str, native_k: int) -> tuple[int, ...]:
-    """k values to calibrate with, ending at the native k (so that u = 0 is the unchanged model).
-
-    The family's published preset if it ends at native k (Qwen-MoE [1, 2, 4]), else the ladder
-    {native/4, native/2, native} (Mixtral [1, 2], OLMoE [2, 4, 8]).
-    """
+    """k values to calibrate with, ending at the native k (u = 0 is the unchanged model): the family's preset if it
+    ends there, else {native/4, native/2, native}."""
     if not is_int(native_k) or native_k < 1:
         raise ValueError(f"native_k={native_k!r}: must be an int >= 1 (the model's top-k)")
     preset = _FAMILY_PRESETS.get(family, (None,))[0]
@@ -129,30 +119,18 @@ def paper_rows(model, name: str, eval_ids: torch.Tensor, cal_ids: torch.Tensor, 
                targets=(0.1, 0.2, 0.3, 0.4), k_values=None, per_layer: bool = True, fixed_ks=None,
                progress: bool = True, domains: dict | None = None, margins=(0.5,), kinds=MATCHED_KINDS,
                resamples: int = 2000, bootstrap_seed: int = 0, train_seed: int | None = None) -> dict:
-    """Everything the paper table needs for one model, all measured with patched forwards.
+    """Everything the paper table needs for one model, measured with patched forwards.
 
-    Sections (column `section`): baseline (unchanged model), patched-native (the model's own TopK through
-    moelab: the patching noise floor), published (the configurations of the claims), claimed-target
-    (thresholds calibrated on held-out text to the PR's claimed reduction), calibrated (largest reduction
-    within `budget` on held-out text, shared and per-layer thresholds, and again within budget * m for each margin
-    m; the budget is against the unchanged model, in 16-bit against the patched native TopK: column cal_reference),
-    matched (`kinds` at the same compute: `moelab.calibrate.matched_policies`, and the points lower fixed k and Lu
-    et al.'s median rule). Thresholds only ever see cal_ids, which must not be the evaluation text itself (refused
-    where cal_ids equal eval_ids; a stream that overlaps it only in part is not detected). targets=() with
-    fixed_ks=None skips the matched section.
-    Every policy is measured on eval_ids (column text = EVAL_NAME) in one pass (`evaluate_many`: each batch
-    forwarded unchanged, then once per policy), which gives kl and top1_agree against the unchanged model; on each
-    text of `domains` ({name: ids}, other domains) the same for the baseline, the patched native, the calibrated
-    thresholds, the matched policies at `targets` and the points. Rows carry window_nll (rounded to 0.01 nats) and
-    window_tokens, and ppl_change, ci_lo, ci_hi (against the unchanged model) and *_vs_patched (against the
-    patched-native row: the one to read in 16-bit, where the patch alone moves perplexity) with paired bootstrap
-    intervals (`vs_patched`), and train_seed.
-    Returns dict(rows: list of dicts, traces: DataFrame, verdict: str, comparisons: DataFrame (`compare_rules` per
-    text), sample: RouterSample).
+    Sections: baseline, patched-native (the model's own TopK through moelab: the patching noise floor), published,
+    claimed-target (calibrated to the claimed reduction), calibrated (largest reduction within `budget` and within
+    budget * each margin, shared and per-layer), matched (`kinds` at matched compute, lower fixed k, Lu et al.'s
+    median). Thresholds see only cal_ids (refused where equal to eval_ids). Every policy runs on eval_ids in one
+    pass, all but the published and claimed ones also on each of `domains`; rows carry window_nll and the
+    `vs_patched` intervals. Returns dict(rows, traces, verdict, comparisons, sample).
     """
     info = moe_info(model)
     family, native_k, E = info["family"], info["native_k"], info["num_experts"]
-    # every argument checked before the first (long) evaluation
+    # every argument checked before the first evaluation
     eval_ids, cal_ids = _stream(model, "eval_ids", eval_ids), _stream(model, "cal_ids", cal_ids)
     if eval_ids.shape == cal_ids.shape and torch.equal(eval_ids.cpu(), cal_ids.cpu()):
         raise ValueError(f"cal_ids: the same {cal_ids.numel()} tokens as eval_ids; calibrate on held-out text "
@@ -195,7 +173,7 @@ def paper_rows(model, name: str, eval_ids: torch.Tensor, cal_ids: torch.Tensor, 
                            "config": f"claimed {r:.1%} unreachable: k >= {kv[0]} gives at most {hi_r:.1%}",
                            "target_reduction": r, **claims}
     cal_red = []
-    ref = reference_ppl(model, cal_ids, **kw)  # once for every search; in 16-bit not charging the patch's own change
+    ref = reference_ppl(model, cal_ids, **kw)  # once for every search
     cal_base, cal_ref = ref["ppl"], ref["reference"]
     for b in [budget, *(budget * m for m in margins)]:
         for pl in (False, True) if per_layer else (False,):
@@ -269,12 +247,9 @@ def paper_rows(model, name: str, eval_ids: torch.Tensor, cal_ids: torch.Tensor, 
 
 
 def vs_patched(rows, resamples: int = 2000, seed: int = 0) -> list[dict]:
-    """The rows with ppl_change_vs_patched: perplexity against the same model's patched-native row on the same text
-    (its own TopK through moelab), so that the patch's own bias (16-bit router ties, fp32 expert sums) cancels; None
-    where a row has no perplexity or its model no patched-native row. Where rows carry window_nll, also ppl_change
-    (against the baseline row), ci_lo / ci_hi and ci_lo_vs_patched / ci_hi_vs_patched: 95% paired bootstrap
-    intervals over the windows (`moelab.evaluate.bootstrap_ppl`), with windows, resamples and bootstrap_seed. Also
-    fills the columns in results written before them (rows without `text` are on the evaluation text)."""
+    """The rows with ppl_change_vs_patched (against the same model's patched-native row on the same text, so the
+    patch's own bias cancels) and, where rows carry window_nll, paired bootstrap intervals of ppl_change and
+    ppl_change_vs_patched (ci_lo, ci_hi, ci_lo_vs_patched, ci_hi_vs_patched). Rows without `text` are on EVAL_NAME."""
     rows = rows.to_dict("records") if isinstance(rows, pd.DataFrame) else [dict(r) for r in rows]
     groups: dict = {}
     for r in rows:
@@ -303,10 +278,8 @@ def vs_patched(rows, resamples: int = 2000, seed: int = 0) -> list[dict]:
 
 
 def paper_table(rows, resamples: int = 2000, seed: int = 0) -> pd.DataFrame:
-    """The paper's table on the evaluation text: model, config, native k, mean k, compute %, ppl base -> policy,
-    change % (against the unchanged model) with its 95% interval where the rows carry windows (`vs_patched`), vs
-    patched % (against the patched native TopK: the one to read in 16-bit), KL (nats/token) and top-1 agreement
-    with the unchanged model where measured, claims."""
+    """The paper's table on the evaluation text: compute, perplexity change with its interval, vs patched % (the
+    one to read in 16-bit), KL, top-1 agreement, and the claims beside them."""
     f = pd.DataFrame(vs_patched(rows, resamples, seed))
     f = f[f.get("text", pd.Series(EVAL_NAME, index=f.index)).fillna(EVAL_NAME) == EVAL_NAME]
     f = f[f["section"].isin(["baseline", "patched-native", "published", "claimed-target", "calibrated"])]

@@ -1,7 +1,5 @@
 """The contract every stage speaks: the routing plan, the four policies, the pair layout and the kernel limits.
-
-A leaf module: the Triton kernels and the torch dispatchers both import it, it imports neither. No torch ops
-beyond checks; the torch reference of each policy's k is `moelab.routing.choose_k`.
+A leaf module (no torch ops beyond checks); the torch reference of each policy's k is `moelab.routing.choose_k`.
 
 Conventions shared by every policy, the torch reference and the kernel:
 - softmax over all E experts in fp32, whatever the logits' dtype; entropy in nats of that full softmax;
@@ -21,10 +19,6 @@ from dataclasses import dataclass
 from typing import Union
 
 import torch
-
-__all__ = ["RoutingPlan", "TopK", "EntropyAdaptiveK", "TopP", "RatioSkip", "Policy", "check_policy",
-           "resolve_renormalize", "PairLayout", "check_experts", "check_int", "check_real", "KERNEL_MAX_EXPERTS",
-           "KERNEL_MAX_K", "KERNEL_MAX_K_VALUES"]
 
 KERNEL_MAX_EXPERTS = 512  # the routing kernel holds a token's logits in one tile row; wider routers route in torch
 KERNEL_MAX_K = 256  # its k values travel as bytes; more slots route in torch
@@ -76,9 +70,8 @@ class PairLayout:
 
 
 def check_experts(x_TD: torch.Tensor, plan: RoutingPlan, gate_up_EHD: torch.Tensor, down_EDF: torch.Tensor) -> None:
-    """Tokens x [T, D], a plan for them and fused expert weights gate_up [E, 2F, D] / down [E, D, F] of one floating
-    dtype: shapes, dtypes and the plan's fields. No host sync on CUDA, so a forward stays capturable: expert ids are
-    range-checked on CPU tensors only."""
+    """Shapes and dtypes of x [T, D], its plan and fused weights gate_up [E, 2F, D] / down [E, D, F]; expert ids are
+    range-checked on CPU only (no host sync on CUDA, so a forward stays capturable)."""
     if x_TD.dim() != 2 or gate_up_EHD.dim() != 3 or down_EDF.dim() != 3:
         raise ValueError(f"x {tuple(x_TD.shape)}, gate_up {tuple(gate_up_EHD.shape)}, down {tuple(down_EDF.shape)}: "
                          "must be [T, D], [E, 2F, D] and [E, D, F]")
@@ -159,11 +152,8 @@ class TopK:
 
 @dataclass(frozen=True)
 class EntropyAdaptiveK:
-    """Entropy-guided k: k_values[i] for the first i with entropy < thresholds[i], else k_values[-1].
-
-    k_values ascend strictly; thresholds (nats) ascend strictly and are one fewer than k_values. A threshold
-    below 0 is allowed: every token's entropy reaches it.
-    """
+    """Entropy-guided k: k_values[i] for the first i with entropy < thresholds[i], else k_values[-1]; both strictly
+    ascending, thresholds (nats, any finite value) one fewer than k_values."""
 
     k_values: tuple[int, ...]
     thresholds: tuple[float, ...]
@@ -245,10 +235,8 @@ def resolve_renormalize(policy: Policy, renormalize: bool | None) -> bool:
     """The policy's own setting wins; otherwise the caller's (the model's convention)."""
     r = policy.renormalize if policy.renormalize is not None else renormalize
     if r is None:
-        raise ValueError(
-            f"{type(policy).__name__}.renormalize is None and no model convention was given: "
-            "pass renormalize=True (Mixtral, Qwen3-MoE) or False (OLMoE, Qwen1.5-MoE)"
-        )
+        raise ValueError(f"{type(policy).__name__}.renormalize is None and no model convention was given: "
+                         "pass renormalize=True (Mixtral, Qwen3-MoE) or False (OLMoE, Qwen1.5-MoE)")
     if not isinstance(r, bool):
         raise ValueError(f"renormalize={r!r}: must be True, False or None")
     return r

@@ -1,12 +1,6 @@
-"""Results files with provenance, and a notebook's named results.
-
-- `write_results(topic, rows, ...)` writes `data/results/<topic>.json` (schema 1: topic, created, commit, command,
-  machine, rows, notes), replacing the topic's earlier file: git keeps the old one. `load_results(topic)` reads it.
-- `save(name, obj)` keeps a notebook's named result (JSON for scalars and dicts, parquet for frames) in the run
-  folder (`MOELAB_RUN_DIR`, set by the sweep runner; `runs/interactive` otherwise).
-- `diff(old, new)`, or `python -m moelab.results diff OLD NEW`, says where two results files differ.
-
-Every file is written atomically (temporary file + rename) as strict JSON, NaN and infinities as null.
+"""Results files with provenance (`write_results` / `load_results`: data/results/<topic>.json, one per topic),
+a notebook's named results (`save`, into MOELAB_RUN_DIR or runs/interactive), and `diff` of two results files
+(also `python -m moelab.results diff OLD NEW`). Files are written atomically, as strict JSON (NaN as null).
 """
 
 from __future__ import annotations
@@ -58,18 +52,15 @@ def commit() -> str:
     return out + ("-dirty" if dirty else "")
 
 
-def _read(path: str) -> str:
-    try:
-        return Path(path).read_text()
-    except OSError:
-        return ""
-
-
 def machine() -> dict:
     """Device, host CPU and library versions of this process."""
     import torch
 
-    cpu = [ln.split(":", 1)[1].strip() for ln in _read("/proc/cpuinfo").splitlines() if ln.startswith("model name")]
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        cpuinfo = ""
+    cpu = [ln.split(":", 1)[1].strip() for ln in cpuinfo.splitlines() if ln.startswith("model name")]
     info: dict[str, Any] = {
         "host_cpu": platform.processor() or platform.machine(),
         "cpu_model": cpu[0] if cpu else platform.processor() or platform.machine(),  # eager timings depend on it
@@ -101,8 +92,8 @@ os.umask(_UMASK)
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write through a temporary file and a rename, so a reader never sees half a file. The file gets the mode an
-    ordinary open would give it (mkstemp's are owner-only)."""
+    """Write through a temporary file and a rename, so a reader never sees half a file; the mode is an ordinary
+    open's (mkstemp's are owner-only)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -147,9 +138,8 @@ def write_json(path: Path, obj) -> Path:
 
 
 def machine_line(doc: dict) -> str:
-    """'NVIDIA H200 · torch 2.11 · triton 3.6 · transformers 5.17 · commit (short hash) · 2026-11-29', and e.g.
-    ' · routing launches tuned on NVIDIA H200' (or '... untuned') where the run records (`tuned_on`) that a part
-    ran with another device's tuned table or with none."""
+    """'NVIDIA H200 · torch 2.11 · triton 3.6 · transformers 5.17 · commit (short hash) · 2026-11-29', plus
+    ' · routing launches tuned on X' (or 'untuned') for each part whose `tuned_on` is not this device."""
     missing = [k for k in ("machine", "commit", "created") if k not in doc]
     if missing:
         raise ValueError(f"doc (keys {list(doc)}): lacks {missing}, not a results document")
@@ -184,17 +174,9 @@ def write_results(topic: str, rows: list[dict], notes: str = "", command: str | 
     taken = sorted(set(extra or ()) & set(FIELDS))
     if taken:
         raise ValueError(f"extra keys {taken}: taken by the document's own fields {FIELDS}")
-    doc = {
-        "schema": SCHEMA,
-        "topic": topic,
-        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "commit": commit(),
-        "command": command or command_line(),
-        "machine": machine(),
-        "rows": rows,
-        "notes": notes,
-        **(extra or {}),
-    }
+    created = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    doc = {"schema": SCHEMA, "topic": topic, "created": created, "commit": commit(),
+           "command": command or command_line(), "machine": machine(), "rows": rows, "notes": notes, **(extra or {})}
     return write_json(Path(out_dir or results_dir()) / f"{topic}.json", doc)
 
 
@@ -222,8 +204,8 @@ def load_results(topic: str, directory: Path | None = None, fallback: bool = Fal
 
 
 def load_optional(topic: str, directory: Path | None = None) -> dict | None:
-    """load_results(topic, directory, fallback=True), or None with the reason printed: for a notebook section that
-    plots a topic only where it has been measured. A damaged file is no missing measurement: its error goes through."""
+    """load_results(topic, directory, fallback=True), or None with the reason printed (a damaged file still raises):
+    for a notebook section that plots a topic only where it has been measured."""
     try:
         return load_results(topic, directory, fallback=True)
     except FileNotFoundError as e:
@@ -248,8 +230,7 @@ def run_dir() -> Path:
 
 
 def save(name: str, obj) -> Path:
-    """Save a named result of a notebook: a DataFrame as parquet, anything else as JSON. Saving a name again
-    replaces its earlier result, also one saved in the other format."""
+    """Save a notebook's named result: a DataFrame as parquet, anything else as JSON, replacing any earlier one."""
     import pandas as pd
 
     _check_stem("result name", name)
@@ -257,8 +238,7 @@ def save(name: str, obj) -> Path:
         raise ValueError("result name 'summary': taken by a sweep's table of its runs (summary.csv); choose another")
     d = run_dir() / "results"
     if isinstance(obj, pd.DataFrame):
-        path, other = d / f"{name}.parquet", d / f"{name}.json"
-        tmp = d / f".{name}.parquet.tmp"
+        path, other, tmp = d / f"{name}.parquet", d / f"{name}.json", d / f".{name}.parquet.tmp"
         d.mkdir(parents=True, exist_ok=True)
         try:
             obj.to_parquet(tmp, index=False)
@@ -289,8 +269,6 @@ def load_saved(directory: Path) -> dict:
 
 
 DIFF_SKIP = frozenset({"created", "commit", "command", "machine", "wall_s"})  # what differs between any two runs
-
-
 _MISSING = "<missing>"  # a key or list item on one side only
 
 
@@ -299,9 +277,9 @@ def _is_num(x) -> bool:
 
 
 def diff(old: dict, new: dict, rtol: float = 0.0, skip=()) -> list[dict]:
-    """Where two results documents differ, leaf by leaf: [{path, field, old, new, rel}], `rel` the relative change
-    |new - old| / max(|old|, |new|) of two numbers (None otherwise). Numbers within rtol count as equal, NaN equals
-    NaN; keys in DIFF_SKIP or `skip`, at any depth, are not compared; a key or item on one side only differs."""
+    """Where two results documents differ, leaf by leaf: [{path, field, old, new, rel}], rel = |new - old| /
+    max(|old|, |new|) for numbers (None otherwise). Numbers within rtol are equal, NaN equals NaN; keys in DIFF_SKIP
+    or `skip` are not compared at any depth."""
     if isinstance(rtol, bool) or not isinstance(rtol, numbers.Real) or not 0 <= rtol < math.inf:
         raise ValueError(f"rtol={rtol!r}: must be a finite number >= 0")
     skip = DIFF_SKIP | ({skip} if isinstance(skip, str) else set(skip))

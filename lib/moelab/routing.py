@@ -1,8 +1,5 @@
-"""Routing: router logits [T, E] -> RoutingPlan, in torch (the reference) or in the Triton kernel.
-
-`route()` validates and dispatches: `moelab.kernels.routing.route_triton` on CUDA for routers within the kernel
-limits (see `set_backend`), `route_torch` elsewhere. The contract types (`RoutingPlan`, the policies) live in
-`moelab.plan` and are re-exported here; their conventions are listed there.
+"""Routing: router logits [T, E] -> RoutingPlan. `route()` validates, then runs the Triton kernel on CUDA within its
+limits (`set_backend`) or the torch reference `route_torch`. The contract types of `moelab.plan` are re-exported.
 """
 
 from __future__ import annotations
@@ -23,8 +20,6 @@ from moelab.plan import (
     check_policy,
     resolve_renormalize,
 )
-
-_check_int = check_int  # other modules' old name for it
 
 __all__ = ["RoutingPlan", "TopK", "EntropyAdaptiveK", "TopP", "RatioSkip", "Policy", "check_policy",
            "resolve_renormalize", "choose_k", "route", "route_torch", "quantile", "set_backend", "get_backend",
@@ -116,13 +111,11 @@ def quantile(x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return torch.lerp(s[lo.long()], s[hi.long()], rank - lo)
 
 
-_BACKEND = "auto"  # "auto": Triton kernel on CUDA within the KERNEL_MAX_* limits, torch elsewhere; "torch"; "triton"
+_BACKEND = "auto"
 
 
 def set_backend(name: str) -> None:
-    """Force the routing backend: 'auto' (the Triton kernel on CUDA for E <= KERNEL_MAX_EXPERTS, k_max <=
-    KERNEL_MAX_K and at most KERNEL_MAX_K_VALUES entropy levels, else the torch reference), 'torch' or 'triton'
-    (the Triton kernel, e.g. interpreted)."""
+    """'auto' (the Triton kernel on CUDA within the KERNEL_MAX_* limits, else torch), 'torch' or 'triton'."""
     global _BACKEND
     if name not in ("auto", "torch", "triton"):
         raise ValueError(f"backend={name!r}: must be 'auto', 'torch' or 'triton'")
@@ -145,28 +138,12 @@ def _use_kernel(logits: torch.Tensor, policy: Policy) -> bool:
             and not (isinstance(policy, EntropyAdaptiveK) and len(policy.k_values) > KERNEL_MAX_K_VALUES))
 
 
-def route(
-    logits: torch.Tensor,
-    policy: Policy,
-    *,
-    renormalize: bool | None = None,
-    num_experts: int | None = None,
-    check: bool = True,
-) -> RoutingPlan:
-    """Route router logits [T, E] with a policy.
-
-    renormalize: the model's convention, used when the policy leaves it as None.
-    num_experts: if given, the logits must have that many columns.
-    check: validate that the logits are finite and each row's spread fits float32 (one host sync); pass
-      False inside CUDA-graph capture.
-
-    Unchecked (check=False), a row whose softmax is undefined (a NaN or +inf logit, or every logit -inf) gets
-    entropy NaN and k = policy.k_min (NaN reaches no threshold, no p and no beta * p_1): its k used slots hold
-    NaN weights and experts in [0, E) (the torch reference: 0, 1, ...; the kernel: unspecified), and its unused
-    slots id -1 and weight 0, as in every row. In a row with a finite maximum, -inf logits are experts of
-    probability 0 in the torch reference (the kernel may route such a row as an undefined one), and a row whose
-    spread overflows float32 has the entropy of its finite log-probabilities.
-    """
+def route(logits: torch.Tensor, policy: Policy, *, renormalize: bool | None = None, num_experts: int | None = None,
+          check: bool = True) -> RoutingPlan:
+    """Route router logits [T, E] with a policy. renormalize: the model's convention, where the policy has None.
+    check: logits finite with each row's spread within float32 (one host sync; False inside CUDA-graph capture).
+    Unchecked, a row whose softmax is undefined gets entropy NaN and k = k_min, NaN weights in its used slots and
+    id -1, weight 0 in the unused ones."""
     check_logits(logits, policy, num_experts, finite=check)
     renorm = resolve_renormalize(policy, renormalize)
     if _use_kernel(logits, policy):

@@ -3,49 +3,19 @@
     python -m moelab.sweep notebooks/grids/quickstart_logit_scale.yaml     # a grid -> runs/<name>/
     python -m moelab.sweep --main     # every notebooks/NN_*.ipynb with its defaults, figures to figures/
 
-A grid (YAML)::
+A grid (YAML) has notebook (repo- or grid-relative), name, parameters (lists: their cartesian product is swept),
+fixed (the same in every run) and an optional timeout_s; names and types are checked against the notebook's
+`parameters` cell (a line per parameter `name: type = value  # help`). Each point runs in a temporary folder
+renamed to runs/<name>/<hash>/ (params.json, notebook.ipynb, results/, figures/, papermill.log, and `done` or
+error.json). Running again skips points done with the same notebook source and retries failed ones. An exclusive
+<hash>.claim file lets sweeps share a folder (a dead or stale claimant's claim is released); grid.json refuses
+another grid under the same name. summary.{csv,parquet} has a row per run, <result>.{csv,parquet} each saved
+frame's rows with the run's parameters.
 
-    notebook: notebooks/01_routing_quickstart.ipynb   # repo-relative, or relative to the grid file
-    name: my-sweep                # runs go to runs/<name>/
-    parameters: {seed: [0, 1, 2], logit_scale: [1.0, 2.0]}   # lists: their cartesian product is swept
-    fixed: {tokens: 4096}         # the same in every run
-    timeout_s: 900                # optional: a run past it is killed and fails with Timeout
-
-Names and types are checked against the notebook's parameters cell first. Each point runs papermill in a
-temporary sibling folder renamed to runs/<name>/<hash>/ when it ends, holding params.json (parameters, the
-notebook's digest), notebook.ipynb, results/ (`moelab.results.save`, through MOELAB_RUN_DIR), figures/,
-papermill.log, and `done` or error.json (the failing cell's index, line and source, the exception).
-The same command again skips points done with the same notebook source and retries failed ones; Ctrl-C
-stops with one line saying what finished. A point is claimed by an exclusive create of
-runs/<name>/<hash>.claim (host, pid, start), so sweeps sharing a folder run each point once; the claim of
-a process gone (same host), or older than timeout_s + 60 s (24 h without one), is released.
-runs/<name>/grid.json records the notebook, swept names and fixed values: a grid differing in these under
-the same name is refused (adding values to a swept list extends the sweep). runs/<name>/summary.{csv,parquet}
-has a row per run (parameters, status ok / failed / stale, elapsed_s or error, scalar results as <result>
-or <result>.<key>) and <result>.{csv,parquet} each saved frame's rows with the run's parameters.
-
-GPUs and clusters go through a `concurrent.futures.Executor`: points run one after another by default;
-`--gpus 0,1,2,3` runs one per GPU, in threads that start papermill with CUDA_VISIBLE_DEVICES set to a free
-GPU. Any executor with `submit` works, e.g. Dask's (its dashboard runs inside JupyterLab)::
-
-    from dask_cuda import LocalCUDACluster        # one host; dask_jobqueue.SLURMCluster for a cluster
-    client = distributed.Client(LocalCUDACluster())
-    sweep.run_sweep("grid.yaml", executor=client.get_executor(pure=False))  # pure=False: a retry reruns
-
-Job arrays split a grid with `--shard I/N` (points whose index modulo N is I) over a shared runs/::
-
-    #SBATCH --array=0-31 --gpus-per-task=1
-    python -m moelab.sweep grid.yaml --shard $SLURM_ARRAY_TASK_ID/32
-    python -m moelab.sweep grid.yaml --collect        # once, after: runs nothing, builds the tables
-
-`--list` prints each point (hash, run_dir, notebook, notebook_digest, parameters) as a JSON line for an
-engine that starts papermill itself: the line as <run_dir>/params.json, MOELAB_RUN_DIR=<run_dir>, `done`
-on success, then `--collect`.
-
-A notebook has one cell tagged `parameters`, a line per parameter `name: type = value  # help` (no second
-`=`: papermill's parser drops such a line), defaults CPU-small. `interactive: bool` guards widgets so that a
-headless run never waits on one; explorers use `moelab.plots.explorer`, which fills its Output kernel-side
-(an Output capturing display() can hang a headless executor, nbclient issue 312).
+Points run one after another, one per GPU with `--gpus 0,1`, or on any `concurrent.futures.Executor` passed to
+`run_sweep` (e.g. Dask's, with pure=False). `--shard I/N` splits a grid over job-array tasks sharing runs/, then
+`--collect` builds the tables; `--list` prints each point as a JSON line for an engine that runs papermill itself
+(write the line as <run_dir>/params.json, set MOELAB_RUN_DIR, touch `done`, then `--collect`).
 """
 
 from __future__ import annotations
