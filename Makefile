@@ -22,8 +22,9 @@ setup: .setup-stamp  ## install moelab and its dev extras once (torch too if abs
 run: setup  ## every notebook through papermill into runs/main/, figures into figures/
 	$(PY) -m moelab.sweep --main
 
+# two workers, one thread each (the 2-core CI machine); the tests of one papermill run share a worker (loadgroup)
 test: setup lint  ## ruff, then the test suite
-	$(PY) -m pytest -q
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadgroup --durations=15
 
 lint: setup  ## ruff over the code
 	$(PY) -m ruff check lib tests benchmarks tools

@@ -282,9 +282,8 @@ def test_a_slice_short_of_its_share_is_logged(tok, caplog):
     with caplog.at_level("INFO", logger="moelab.calibrate"):
         ids = calibration_ids(tok, 32768)
     assert ids.numel() == 32706
-    short = [r.getMessage() for r in caplog.records if "short of its share" in r.getMessage()]
-    assert short == ["calibration text wikitext2_valid.tokens: its held-out part has 16322 tokens, short of its "
-                     "share of 16384"]
+    short = [r.getMessage() for r in caplog.records if "wikitext2_valid.tokens" in r.getMessage()]
+    assert len(short) == 1 and "16322" in short[0] and "16384" in short[0], short  # the text, what it has, its share
 
 
 def test_matched_compute_and_thresholds_reject_bad_ks(model, sample):

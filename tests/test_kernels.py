@@ -99,7 +99,9 @@ def test_kernel_matches_reference(E, sel, dtype, monkeypatch):
     if E >= 128:  # interpreted, a piece's chunk loop costs: a wide row in 4 pieces (test_rows16_* split them more)
         monkeypatch.setitem(kr.LAUNCH, "split", 4)
     rng = torch.Generator().manual_seed(E * 7 + dtype.itemsize)
-    for T in (0, 1, 3, 37) if E <= 64 else (0, 6) if E <= 256 else (3,):
+    # T = 19: two programs of the row kernels' 16-row tile (E > 8), the second part masked; the interpreter's cost
+    # is per program, so a third adds nothing
+    for T in (0, 1, 19) if E <= 64 else (0, 6) if E <= 256 else (3,):
         scale = float(torch.rand(1, generator=rng)) * 4
         logits = (torch.randn(T, E, generator=rng) * scale).to(dtype).to(DEV)
         pols = policies(E, rng)
@@ -513,7 +515,7 @@ def test_rows16_split_rows(split, sel, monkeypatch):
     monkeypatch.setitem(kr.LAUNCH, "split", split)
     rng = torch.Generator().manual_seed(split)
     for (E, K), dtype in zip([(5, 3), (33, 6), (60, 4), (64, 8)], [torch.bfloat16, torch.float16] * 2):
-        logits = torch.randn(21, E, generator=rng) * 3
+        logits = torch.randn(13, E, generator=rng) * 3  # one 16-row tile: the pieces, not the rows, are the point
         logits[::4] = logits[::4].round()  # exact ties
         logits[1, :3] = torch.tensor([0.0, -0.0, 0.0])  # -0 and +0 tie (equal probabilities)
         for pol in (TopK(K), TopP(0.7, k_max=K, k_min=1)):

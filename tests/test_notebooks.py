@@ -147,6 +147,7 @@ def ci_runs(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("ci_runs")  # one worker runs the notebooks, once
 @pytest.mark.parametrize("nb", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_executes_headless(nb, ci_runs):
     """Each notebook runs under papermill with its CI parameters, saving its own figures and results."""
@@ -163,6 +164,7 @@ def test_notebook_executes_headless(nb, ci_runs):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("ci_runs")
 def test_quickstart_results_hold_what_its_figure_shows(ci_runs):
     """The quickstart's named results, counted against the native k."""
     from moelab.results import load_saved
@@ -179,6 +181,7 @@ def test_quickstart_results_hold_what_its_figure_shows(ci_runs):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("ci_runs")
 def test_kernel_bench_explorer_runs(ci_runs):
     """04's explorer (ipywidgets, interactive=True in ci.yaml) builds from the committed results."""
     assert CI_OVERRIDES["04_kernel_bench"]["interactive"] is True
