@@ -12,6 +12,7 @@ import math
 import numbers
 import os
 import platform
+import re
 import shlex
 import subprocess
 import sys
@@ -127,9 +128,14 @@ def _jsonable(x):
     return x
 
 
+_SCALARS = re.compile(r"\[\n\s*((?:[-+.\deE]+|null|true|false)(?:,\n\s*(?:[-+.\deE]+|null|true|false))*)\n\s*\]")
+
+
 def _json_bytes(obj) -> bytes:
-    """Strict JSON (NaN and +-inf as null); a value that cannot be written raises before any file is touched."""
-    return (json.dumps(_jsonable(obj), indent=1, allow_nan=False) + "\n").encode()
+    """Strict JSON (NaN and +-inf as null), a list of numbers on one line (per-window data stays small); a value that
+    cannot be written raises before any file is touched."""
+    text = json.dumps(_jsonable(obj), indent=1, allow_nan=False)
+    return (_SCALARS.sub(lambda m: "[" + re.sub(r",\n\s*", ", ", m.group(1)) + "]", text) + "\n").encode()
 
 
 def write_json(path: Path, obj) -> Path:
