@@ -242,7 +242,7 @@ def main(argv=None) -> None:
         f"Other domains: {list(args.domains) or 'none'}"
         + (f" (first {args.domain_tokens} tokens of each)" if args.domain_tokens else "") + " (text column). "
         "kl (nats/token) and top1_agree are against the unchanged model's next-token distribution, on the same "
-        "tokens; window_nll (rounded to 0.1 nats) and window_tokens give each window's NLL sum and scored tokens; "
+        "tokens; window_nll (rounded to 0.01 nats) and window_tokens give each window's NLL sum and scored tokens; "
         f"ci_lo / ci_hi: 95% paired bootstrap intervals over windows ({args.resamples} resamples, seed "
         f"{args.bootstrap_seed}); extra comparisons: every pair of rules at each matched level "
         "(moelab.calibrate.compare_rules). train_seed: the checkpoint's training seed. "

@@ -222,7 +222,7 @@ def paper_rows(model, name: str, eval_ids: torch.Tensor, cal_ids: torch.Tensor, 
             text_rows.append({"model": name, "family": family, "text": text, "text_tokens": int(ids.numel()),
                          **ev.summary, **est, **{k: v for k, v in fields.items() if v is not None},
                          "config": fields.get("config") or ev.summary["label"], "train_seed": train_seed,
-                         "window_nll": [round(x, 1) for x in ev.window_nll], "window_tokens": ev.window_tokens,
+                         "window_nll": [round(x, 2) for x in ev.window_nll], "window_tokens": ev.window_tokens,
                          **claims})
         text_rows[0]["wall_s"] = time.perf_counter() - t0  # the text's whole pass, on its baseline row
         if text == EVAL_NAME and unreachable:  # where a reachable claim's row would stand
