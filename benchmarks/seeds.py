@@ -155,7 +155,8 @@ def main(argv=None) -> int:
     def save():
         path = write_results(args.topic, rows, notes=notes,
                              extra={"protocol": protocol, "done": [list(d) for d in done], "timings": timings,
-                                    "wall_s": time.perf_counter() - t_all, "complete": not todo and not running})
+                                    "wall_s": time.perf_counter() - t_all,
+                                    "complete": len(done) == sum(len(new[m]) + 1 for m in names)})
         kept.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(path, kept)
 

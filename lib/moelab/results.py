@@ -12,7 +12,6 @@ import math
 import numbers
 import os
 import platform
-import re
 import shlex
 import subprocess
 import sys
@@ -128,14 +127,21 @@ def _jsonable(x):
     return x
 
 
-_SCALARS = re.compile(r"\[\n\s*((?:[-+.\deE]+|null|true|false)(?:,\n\s*(?:[-+.\deE]+|null|true|false))*)\n\s*\]")
-
-
 def _json_bytes(obj) -> bytes:
-    """Strict JSON (NaN and +-inf as null), a list of numbers on one line (per-window data stays small); a value that
-    cannot be written raises before any file is touched."""
-    text = json.dumps(_jsonable(obj), indent=1, allow_nan=False)
-    return (_SCALARS.sub(lambda m: "[" + re.sub(r",\n\s*", ", ", m.group(1)) + "]", text) + "\n").encode()
+    """Strict JSON (NaN and +-inf as null), one top-level key per line and a list of records (rows) one record per
+    line: small in the tree, and a diff names the rows that changed. A value that cannot be written raises before
+    any file is touched."""
+    obj = _jsonable(obj)
+    dump = lambda v: json.dumps(v, allow_nan=False, separators=(", ", ": "))  # noqa: E731
+    if not isinstance(obj, dict):
+        return (dump(obj) + "\n").encode()
+    parts = []
+    for k, v in obj.items():
+        if isinstance(v, list) and v and all(isinstance(x, dict) for x in v):
+            parts.append(f" {dump(k)}: [\n" + ",\n".join("  " + dump(x) for x in v) + "\n ]")
+        else:
+            parts.append(f" {dump(k)}: {dump(v)}")
+    return ("{\n" + ",\n".join(parts) + "\n}\n").encode()
 
 
 def write_json(path: Path, obj) -> Path:
