@@ -192,6 +192,7 @@ def test_committed_paper_tables_verdicts_follow_from_their_rows():
 
     doc = results.load_results("paper-tables")
     rows = pd.DataFrame(doc["rows"])
+    rows = rows[rows["text"] == "wikitext2"] if "text" in rows else rows  # the verdicts are the evaluation text's
     assert set(doc["verdicts"]) == set(rows["model"])
     for model, text in doc["verdicts"].items():
         assert verdict(rows[(rows["model"] == model) & (rows["section"] == "matched")]) == text, model
