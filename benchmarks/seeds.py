@@ -38,7 +38,7 @@ sys.path[:0] = [str(REPO / "lib"), str(REPO / "tools"), str(REPO / "benchmarks")
 from paper_tables import int_at_least, positive_real, reductions  # noqa: E402
 
 from moelab import models  # noqa: E402
-from moelab.results import read_file, read_json, results_dir, write_json, write_results  # noqa: E402
+from moelab.results import commit, machine, read_file, read_json, results_dir, write_json, write_results  # noqa: E402
 
 log = logging.getLogger("seeds")
 DROP = ("window_nll", "window_tokens", "claimed_model", "pr_reduction", "paper_native_k", "paper_mean_k",
@@ -80,7 +80,8 @@ def one(model: str, seed: int, args) -> dict:
                      budget_steps=args.budget_steps, targets=args.targets, margins=(), progress=False,
                      resamples=args.resamples, bootstrap_seed=args.bootstrap_seed, train_seed=seed)
     keep = {"seed": seed, "shipped": shipped, "best_val_loss": tlog["best_val_loss"], "train_steps": tlog["steps"],
-            "eval_tokens": int(eval_ids.numel()), "cal_tokens": args.cal_tokens}
+            "eval_tokens": int(eval_ids.numel()), "cal_tokens": args.cal_tokens, "device": machine()["device"],
+            "commit": commit()}  # per row: a resumed run may finish on another machine
     rows = [{**{k: v for k, v in r.items() if k not in DROP}, **keep} for r in out["rows"]
             if r["section"] in ("baseline", "calibrated", "matched")]
     rows += [{"model": model, "section": "comparison", **c, **keep} for c in out["comparisons"].to_dict("records")
@@ -138,6 +139,9 @@ def main(argv=None) -> int:
         if doc.get("protocol") != protocol:
             ap.error(f"--resume {source}: another protocol ({doc.get('protocol')}, here {protocol})")
         rows, done = doc["rows"], [tuple(d) for d in doc["done"]]
+        for r in rows:  # rows of a file written before rows named their machine: that file's
+            r.setdefault("device", doc["machine"]["device"])
+            r.setdefault("commit", doc["commit"])
     new = {m: seeds_for(m, args.seeds) for m in names}  # trainings first, the models in turn; then the shipped
     todo = [(m, new[m][i]) for i in range(args.seeds) for m in names] + [(m, shipped_seed(m)) for m in names]
     todo = [j for j in todo if j not in done]
