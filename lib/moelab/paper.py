@@ -237,7 +237,7 @@ def paper_rows(model, name: str, eval_ids: torch.Tensor, cal_ids: torch.Tensor, 
                     "against the unchanged model); ppl_change carries that bias, ppl_change_vs_patched does not "
                     "(or run in float32)", name, nat["dtype"], nat["ppl_change"])
     matched = pd.DataFrame([r for r in rows if r["section"] == "matched"])
-    parts = [compare_rules(g, resamples, bootstrap_seed).assign(model=name, text=text)
+    parts = [compare_rules(g, resamples, bootstrap_seed).assign(model=name, text=text, train_seed=train_seed)
              for text, g in matched.groupby("text", sort=False) if len(g["window_tokens"].iloc[0]) > 1] \
         if len(matched) else []
     comparisons = pd.concat(parts, ignore_index=True) if parts else pd.DataFrame()
