@@ -219,6 +219,48 @@ def test_check_file_hashes_a_listed_file_once_per_version_and_record_hashes_upda
     assert (d / "SHA256SUMS").read_text().count("models/m/config.json") == 1
 
 
+def test_check_file_unpacks_a_file_shipped_as_xz_once_and_checks_it(tmp_path, monkeypatch):
+    """A listed file present only as `rel.xz` is unpacked beside it (no temporary file left), then reused; a
+    damaged .xz is named, and one whose content is not the listed file's is refused."""
+    import lzma
+
+    raw = bytes(range(256)) * 64
+    d = _data_folder(tmp_path, {"models/m/w.bin": raw})
+    f, xz = d / "models/m/w.bin", d / "models/m/w.bin.xz"
+    xz.write_bytes(lzma.compress(raw, preset=6))
+    f.unlink()
+    monkeypatch.setenv("MOELAB_DATA", str(d))
+    assert data.check_file("models/m/w.bin") == f and f.read_bytes() == raw
+    assert sorted(p.name for p in f.parent.iterdir()) == ["w.bin", "w.bin.xz"]
+    xz.write_bytes(b"")  # a second call reads the unpacked file, not the .xz
+    assert data.check_file("models/m/w.bin") == f
+    f.unlink()
+    xz.write_bytes(lzma.compress(raw)[:-100])  # truncated
+    with pytest.raises(ValueError, match=f"{xz}: damaged xz file"):
+        data.check_file("models/m/w.bin")
+    xz.write_bytes(lzma.compress(raw[:-1]))  # another file's content
+    with pytest.raises(ValueError, match=f"{xz}: sha256 .* does not match SHA256SUMS"):
+        data.check_file("models/m/w.bin")
+    assert not f.exists() and sorted(p.name for p in f.parent.iterdir()) == ["w.bin.xz"]
+
+
+def test_record_hashes_rewrites_the_xz_copy_of_a_retrained_file(tmp_path, monkeypatch):
+    """After retraining, record_hashes lists the new file's hash and rewrites its .xz, which then unpacks to it."""
+    import lzma
+
+    d = _data_folder(tmp_path, {"models/m/w.bin": b"old weights"})
+    f, xz = d / "models/m/w.bin", d / "models/m/w.bin.xz"
+    xz.write_bytes(lzma.compress(b"old weights"))
+    monkeypatch.setenv("MOELAB_DATA", str(d))
+    f.write_bytes(b"new weights")
+    with pytest.raises(ValueError, match=f"{f}: sha256 .* delete it to unpack it again"):
+        data.check_file("models/m/w.bin")
+    data.record_hashes(["models/m/w.bin"])
+    assert lzma.decompress(xz.read_bytes()) == b"new weights"
+    f.unlink()
+    assert data.check_file("models/m/w.bin").read_bytes() == b"new weights"
+
+
 def test_unseen_texts_share_no_block_with_the_training_texts():
     """The other-domain texts (two books, Python source) were never trained on: none of their 200-character blocks
     occurs in any training text, held-out slices included; the books carry no Project Gutenberg header or footer."""

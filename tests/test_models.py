@@ -447,7 +447,7 @@ def _embedded_copy(tmp_path, monkeypatch, name="tiny-mixtral"):
     """A data folder with one embedded model, its tokenizer and SHA256SUMS, as MOELAB_DATA."""
     import shutil
 
-    src = models.models_dir()
+    src = models.model_dir(name).parent  # the weights unpacked from their .xz first
     shutil.copy(src.parent / "SHA256SUMS", tmp_path)
     for sub in (name, "tokenizer"):
         shutil.copytree(src / sub, tmp_path / "models" / sub, symlinks=True)

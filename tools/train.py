@@ -520,6 +520,7 @@ def _card(name: str, path: Path, ev: dict, tlog: dict) -> str:
                  + (f"; under 0.8 in {sum(x < 0.8 for x in rt['load_entropy'])} of {len(rt['load_entropy'])} layers"
                     if min(rt["load_entropy"]) < 0.8 else "") + ".\n") if rt else ""
     size_mb = sum(f.stat().st_size for f in path.glob("*.safetensors")) / 1e6
+    shipped = " (shipped xz-compressed, unpacked on first load)" if (path / "model.safetensors.xz").exists() else ""
     val = tlog["val_curve"]
     vt = tlog.get("validation_texts")
     val_texts = f"the last 5% of {', '.join(vt)}" if vt else f"`heldout_texts()` of commit {tlog['commit'][:7]}"
@@ -571,7 +572,7 @@ real learned routers, real perplexity changes. **Not** a useful language model: 
 ## Size
 - {ev['params']:,} parameters (tied input/output embeddings), hidden {d}, {mc.get('num_hidden_layers')} layers,
   vocabulary {mc.get('vocab_size')}, context {mc.get('max_position_embeddings')} tokens
-- weights stored in bf16 safetensors: {size_mb:.1f} MB; `moelab.models.load('{name}')` loads fp32 on the CPU
+- weights stored in bf16 safetensors: {size_mb:.1f} MB{shipped}; `moelab.models.load('{name}')` loads fp32 on the CPU
 
 ## Data and training
 - Tokenizer: byte-level BPE, {mc.get('vocab_size')} tokens, trained with `tokenizers` on the training texts

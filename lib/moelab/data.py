@@ -71,25 +71,45 @@ def _listed(rel: str) -> str:
     return _hashes()[rel]
 
 
-def _mismatch(path: Path, got: str, want: str) -> ValueError:
+def _mismatch(path: Path, got: str, want: str, hint: str = "") -> ValueError:
     return ValueError(f"{path}: sha256 {got} does not match SHA256SUMS {want}; the file is altered or damaged: "
-                      "restore it from the repository (a retrained model: `moelab.data.record_hashes`)")
+                      f"restore it from the repository (a retrained model: `moelab.data.record_hashes`){hint}")
 
 
 def check_file(rel: str) -> Path:
-    """data_dir() / rel, once its sha256 matches data/SHA256SUMS; an error naming the file otherwise."""
+    """data_dir() / rel, once its sha256 matches data/SHA256SUMS; an error naming the file otherwise. A file shipped
+    only as `rel.xz` (the embedded models' weights) is unpacked beside it first, once, hash-checked."""
     want, path = _listed(rel), data_dir() / rel
+    xz = path.with_name(path.name + ".xz")
+    if not path.exists() and xz.exists():
+        _write_atomic(path, _read_checked(rel))
     if not path.exists():
         raise FileNotFoundError(f"{path}: missing; restore it from the repository")
     if (got := file_sha256(path)) != want:
-        raise _mismatch(path, got, want)
+        hint = f"; an unpacked copy of {xz.name} (older weights?): delete it to unpack it again" if xz.exists() else ""
+        raise _mismatch(path, got, want, hint)
     return path
 
 
+def _write_atomic(path: Path, raw: bytes) -> None:
+    """path's content set to raw through a temporary file beside it, so that no other process sees it partial."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{os.urandom(4).hex()}.part")
+    try:
+        with open(tmp, "xb") as f:
+            f.write(raw)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def record_hashes(rels) -> None:
-    """Write the current sha256 of each data_dir() / rel into SHA256SUMS (e.g. after retraining a model)."""
+    """Write the current sha256 of each data_dir() / rel into SHA256SUMS (e.g. after retraining a model); where
+    `rel.xz` exists beside rel (the embedded models' weights), rewrite it from rel (xz preset 6) too."""
     sums = data_dir() / "SHA256SUMS"
     new = {rel: file_sha256(data_dir() / rel) for rel in rels}
+    for rel in new:
+        if (xz := data_dir() / f"{rel}.xz").exists():
+            _write_atomic(xz, lzma.compress((data_dir() / rel).read_bytes(), preset=6))
     lines = [f"{new.pop(rel, digest)}  {rel}" for rel, digest in _hashes().items()]
     lines += [f"{digest}  {rel}" for rel, digest in new.items()]
     sums.write_text("\n".join(lines) + "\n")

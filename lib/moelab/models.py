@@ -101,10 +101,14 @@ def models_dir() -> Path:
 
 
 def model_dir(name: str) -> Path:
-    """data/models/<name> for a registry name."""
+    """data/models/<name> for a registry name, its weights unpacked from the shipped model.safetensors.xz (checked
+    against data/SHA256SUMS) the first time."""
     if name not in TINY:
         raise ValueError(f"model {name!r}: not an embedded model; choose one of {list(NAMES)}")
-    return models_dir() / name
+    path = models_dir() / name
+    if not (path / "model.safetensors").exists() and (path / "model.safetensors.xz").exists():
+        check_file(f"models/{name}/model.safetensors")
+    return path
 
 
 def tokenizer_dir() -> Path:
