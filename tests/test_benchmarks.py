@@ -319,8 +319,9 @@ def test_ci_gpu_logs_each_step_with_machine_commit_and_command(tmp_path):
 
 
 def test_ci_gpu_take_copies_a_calls_results_into_data_results(tmp_path):
-    """.ci/gpu take (here, after a device call): results/<topic>.json, loose or packed in gpu-*.tar.xz, replaces
-    data/results/<topic>.json, or lands as <topic>-<suffix>.json (another device's run); a bad call writes nothing."""
+    """.ci/gpu take (here, after a device call): results/<topic>.json (and its .npz sidecar), loose or packed in
+    gpu-*.tar.xz, replaces data/results/<topic>.json, or lands as <topic>-<suffix>.json (another device's run); a bad
+    call writes nothing."""
     repo, out = tmp_path / "repo", tmp_path / "out"
     (repo / ".ci").mkdir(parents=True)
     (repo / ".ci" / "gpu").write_text((REPO / ".ci" / "gpu").read_text())
@@ -328,6 +329,7 @@ def test_ci_gpu_take_copies_a_calls_results_into_data_results(tmp_path):
     (repo / "data" / "results" / "moe-layer.json").write_text('{"rows": [0]}')
     (out / "results").mkdir(parents=True)
     (out / "results" / "moe-layer.json").write_text('{"rows": [1]}')
+    (out / "results" / "moe-layer.npz").write_bytes(b"sidecar")  # moelab.results' lists kept apart: taken alike
 
     def take(*args):
         return subprocess.run(["bash", ".ci/gpu", "take", *map(str, args)], cwd=repo, capture_output=True, text=True,
@@ -337,6 +339,7 @@ def test_ci_gpu_take_copies_a_calls_results_into_data_results(tmp_path):
     assert take(tmp_path).returncode == 2  # no results in it
     assert take(out, "h100").returncode == 0
     assert (repo / "data" / "results" / "moe-layer-h100.json").read_text() == '{"rows": [1]}'
+    assert (repo / "data" / "results" / "moe-layer-h100.npz").read_bytes() == b"sidecar"
     assert (repo / "data" / "results" / "moe-layer.json").read_text() == '{"rows": [0]}'
     packed = tmp_path / "packed"
     packed.mkdir()
