@@ -111,6 +111,8 @@ def test_tune_policies_add_the_median_plan_where_it_differs():
 def test_paper_tables_resume_keeps_finished_models_and_refuses_another_protocol(tmp_path):
     """A run cut short is finished with --resume: the first run's models keep their rows (not re-run), the file
     says it was resumed and from which command, and a resume with other settings is refused naming them."""
+    from moelab import results
+
     env = {**os.environ, "PYTHONPATH": str(REPO / "lib"), "MOELAB_RESULTS_DIR": str(tmp_path),
            "MOELAB_COMMIT": "0123abc"}  # the commit both parts name (a clean tree's; the test's may be dirty)
     small = ["--max-tokens", "256", "--cal-tokens", "256", "--budget-steps", "1", "--targets", "0.25",
@@ -132,8 +134,11 @@ def test_paper_tables_resume_keeps_finished_models_and_refuses_another_protocol(
     env["MOELAB_COMMIT"] = "0123abc"
     # the same settings spelled otherwise (spaces in --targets, the default topic named) still resume
     same = [*small[:-2], "0.25 ", "--no-per-layer", "--topic", "paper-tables-smoke"]
+    windows = [r.get("window_nll") for r in results.read_file(first)["rows"]]  # from its sidecar
     run("--models", "tiny-mixtral,tiny-olmoe", *same, "--resume", str(first))
     doc, old = json.loads(out.read_text()), json.loads(first.read_text())
+    kept = [r.get("window_nll") for r in results.read_file(out)["rows"] if r["model"] == "tiny-mixtral"]
+    assert kept == windows and windows[0]  # the resumed rows' window lists go to the new sidecar
     assert doc["models_done"] == ["tiny-mixtral", "tiny-olmoe"] and doc["complete"]
     assert [r for r in doc["rows"] if r["model"] == "tiny-mixtral"] == old["rows"]
     assert any(r["model"] == "tiny-olmoe" and r["section"] == "baseline" for r in doc["rows"])
