@@ -7,7 +7,8 @@ rules at matched compute (EntropyAdaptiveK, TopP, RatioSkip, SER, per-layer budg
 sensitivity, Lu et al.'s median ratio, lower fixed k), each row with KL and top-1 agreement against the unchanged
 model, its windows' NLLs and a paired bootstrap interval; with --domains the same (but the published
 configurations and the budget points) on texts of other domains. Writes the results topic paper-tables
-(moelab.results) with the matched comparisons between every pair of rules (extra `comparisons`).
+(moelab.results) with the matched comparisons between every pair of rules (extra `comparisons`), and the rows'
+per-window lists in the sidecar paper-tables.npz beside it.
 
 GPU (the full protocol, about 5-6 minutes on one H100; a run cut short is finished with --resume):
     PYTHONPATH=lib PYTHONUNBUFFERED=1 python benchmarks/paper_tables.py --targets 0.1,0.25,0.4 --budget-steps 5 \
@@ -242,7 +243,8 @@ def main(argv=None) -> None:
         f"Other domains: {list(args.domains) or 'none'}"
         + (f" (first {args.domain_tokens} tokens of each)" if args.domain_tokens else "") + " (text column). "
         "kl (nats/token) and top1_agree are against the unchanged model's next-token distribution, on the same "
-        "tokens; window_nll (rounded to 0.01 nats) and window_tokens give each window's NLL sum and scored tokens; "
+        "tokens; window_nll (rounded to 0.01 nats) and window_tokens give each window's NLL sum and scored tokens "
+        f"(kept in the sidecar {topic}.npz beside this file; moelab.results.read_file puts them back in the rows); "
         f"ci_lo / ci_hi: 95% paired bootstrap intervals over windows ({args.resamples} resamples, seed "
         f"{args.bootstrap_seed}); extra comparisons: every pair of rules at each matched level "
         "(moelab.calibrate.compare_rules). train_seed: the checkpoint's training seed. "
@@ -269,7 +271,7 @@ def main(argv=None) -> None:
                  "models_done": done, "complete": set(done) >= set(names)}
         if resumed:
             extra["resumed_from"] = resumed
-        return write_results(topic, rows, notes=notes, extra=extra)
+        return write_results(topic, rows, notes=notes, extra=extra, apart=("window_nll", "window_tokens"))
 
     path = None
     for name in names:

@@ -111,6 +111,8 @@ def test_tune_policies_add_the_median_plan_where_it_differs():
 def test_paper_tables_resume_keeps_finished_models_and_refuses_another_protocol(tmp_path):
     """A run cut short is finished with --resume: the first run's models keep their rows (not re-run), the file
     says it was resumed and from which command, and a resume with other settings is refused naming them."""
+    from moelab import results
+
     env = {**os.environ, "PYTHONPATH": str(REPO / "lib"), "MOELAB_RESULTS_DIR": str(tmp_path),
            "MOELAB_COMMIT": "0123abc"}  # the commit both parts name (a clean tree's; the test's may be dirty)
     small = ["--max-tokens", "256", "--cal-tokens", "256", "--budget-steps", "1", "--targets", "0.25",
@@ -132,8 +134,11 @@ def test_paper_tables_resume_keeps_finished_models_and_refuses_another_protocol(
     env["MOELAB_COMMIT"] = "0123abc"
     # the same settings spelled otherwise (spaces in --targets, the default topic named) still resume
     same = [*small[:-2], "0.25 ", "--no-per-layer", "--topic", "paper-tables-smoke"]
+    windows = [r.get("window_nll") for r in results.read_file(first)["rows"]]  # from its sidecar
     run("--models", "tiny-mixtral,tiny-olmoe", *same, "--resume", str(first))
     doc, old = json.loads(out.read_text()), json.loads(first.read_text())
+    kept = [r.get("window_nll") for r in results.read_file(out)["rows"] if r["model"] == "tiny-mixtral"]
+    assert kept == windows and windows[0]  # the resumed rows' window lists go to the new sidecar
     assert doc["models_done"] == ["tiny-mixtral", "tiny-olmoe"] and doc["complete"]
     assert [r for r in doc["rows"] if r["model"] == "tiny-mixtral"] == old["rows"]
     assert any(r["model"] == "tiny-olmoe" and r["section"] == "baseline" for r in doc["rows"])
@@ -319,8 +324,9 @@ def test_ci_gpu_logs_each_step_with_machine_commit_and_command(tmp_path):
 
 
 def test_ci_gpu_take_copies_a_calls_results_into_data_results(tmp_path):
-    """.ci/gpu take (here, after a device call): results/<topic>.json, loose or packed in gpu-*.tar.xz, replaces
-    data/results/<topic>.json, or lands as <topic>-<suffix>.json (another device's run); a bad call writes nothing."""
+    """.ci/gpu take (here, after a device call): results/<topic>.json (and its .npz sidecar), loose or packed in
+    gpu-*.tar.xz, replaces data/results/<topic>.json, or lands as <topic>-<suffix>.json (another device's run); a bad
+    call writes nothing."""
     repo, out = tmp_path / "repo", tmp_path / "out"
     (repo / ".ci").mkdir(parents=True)
     (repo / ".ci" / "gpu").write_text((REPO / ".ci" / "gpu").read_text())
@@ -328,6 +334,7 @@ def test_ci_gpu_take_copies_a_calls_results_into_data_results(tmp_path):
     (repo / "data" / "results" / "moe-layer.json").write_text('{"rows": [0]}')
     (out / "results").mkdir(parents=True)
     (out / "results" / "moe-layer.json").write_text('{"rows": [1]}')
+    (out / "results" / "moe-layer.npz").write_bytes(b"sidecar")  # moelab.results' lists kept apart: taken alike
 
     def take(*args):
         return subprocess.run(["bash", ".ci/gpu", "take", *map(str, args)], cwd=repo, capture_output=True, text=True,
@@ -337,6 +344,7 @@ def test_ci_gpu_take_copies_a_calls_results_into_data_results(tmp_path):
     assert take(tmp_path).returncode == 2  # no results in it
     assert take(out, "h100").returncode == 0
     assert (repo / "data" / "results" / "moe-layer-h100.json").read_text() == '{"rows": [1]}'
+    assert (repo / "data" / "results" / "moe-layer-h100.npz").read_bytes() == b"sidecar"
     assert (repo / "data" / "results" / "moe-layer.json").read_text() == '{"rows": [0]}'
     packed = tmp_path / "packed"
     packed.mkdir()

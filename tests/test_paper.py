@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import moelab.paper as paper
+from moelab import results
 from moelab.calibrate import verdict
 from moelab.models import tiny_random
 from moelab.paper import calibration_k_values, lower_fixed_ks, paper_rows, paper_table, published_configs
@@ -188,8 +189,6 @@ def test_calibration_k_values_refuses_k_below_one():
 
 def test_committed_paper_tables_verdicts_follow_from_their_rows():
     """The verdicts the committed paper-tables run states are what `verdict` makes of its matched rows."""
-    from moelab import results
-
     doc = results.load_results("paper-tables")
     rows = pd.DataFrame(doc["rows"])
     rows = rows[rows["text"] == "wikitext2"] if "text" in rows else rows  # the verdicts are the evaluation text's
@@ -216,7 +215,7 @@ def test_paper_tables_on_the_cpu_writes_every_new_column(tmp_path):
     _script("paper_tables", ["--models", "tiny-mixtral", "--max-tokens", "512", "--cal-tokens", "256", "--context",
                              "128", "--stride", "128", "--budget-steps", "1", "--targets", "0.25", "--domains",
                              "requests_src.py", "--domain-tokens", "384", "--resamples", "50"], tmp_path)
-    doc = json.loads((tmp_path / "paper-tables-smoke.json").read_text())
+    doc = results.read_file(tmp_path / "paper-tables-smoke.json")  # the window lists from its sidecar
     rows = [r for r in doc["rows"] if "ppl" in r]
     new = {"text", "text_tokens", "kl", "top1_agree", "window_nll", "window_tokens", "ppl_change", "ci_lo", "ci_hi",
            "ppl_change_vs_patched", "ci_lo_vs_patched", "ci_hi_vs_patched", "windows", "resamples", "bootstrap_seed",

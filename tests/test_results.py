@@ -58,6 +58,45 @@ def test_damaged_results_files_raise_naming_the_file(tmp_path):
 
 
 
+def test_lists_kept_apart_come_back_exactly_from_the_sidecar(tmp_path, monkeypatch, capsys):
+    """write_results(apart=keys) keeps those rows' lists in <topic>.npz (the same rows make the same bytes);
+    read_file puts back the very values written: floats at 0.01, other floats, ints, NaN as null (as in the JSON)."""
+    np = pytest.importorskip("numpy")
+    monkeypatch.setenv("MOELAB_COMMIT", "feedbee")
+    rng = np.random.default_rng(0)
+    nll = [round(float(x), 2) for x in rng.uniform(-5, 30000, 500)] + [0.07, 2729.13, -0.01]
+    rows = [{"m": "a", "nll": nll, "tok": [511] * 502 + [7], "x": [1 / 3, float("nan"), 2.0]},
+            {"m": "b", "nll": np.array(nll[:3]), "tok": [], "x": None},  # an array goes too; None stays in the JSON
+            {"m": "c"}]
+    path = results.write_results("t", rows, out_dir=tmp_path, apart=("nll", "tok", "x"))
+    sidecar = (tmp_path / "t.npz").read_bytes()
+    assert json.loads(path.read_text())["rows"] == [{"m": "a"}, {"m": "b", "x": None}, {"m": "c"}]
+    back = results.load_results("t", tmp_path)["rows"]
+    assert back == [{**rows[0], "x": [1 / 3, None, 2.0]}, {**rows[1], "nll": nll[:3]}, rows[2]]
+    assert all(type(v) is float for v in back[0]["nll"]) and all(type(v) is int for v in back[0]["tok"])
+    results.write_results("t", rows, out_dir=tmp_path, apart=("nll", "tok", "x"))
+    assert (tmp_path / "t.npz").read_bytes() == sidecar
+    path.rename(tmp_path / "renamed.json")  # a file renamed alone still finds the sidecar it records
+    assert results.read_file(tmp_path / "renamed.json")["rows"] == back
+    assert not capsys.readouterr().out
+
+
+def test_a_missing_sidecar_leaves_its_keys_out_and_a_wrong_one_raises(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("MOELAB_COMMIT", "feedbee")
+    path = results.write_results("t", [{"m": "a", "nll": [1.5, 2.25]}], out_dir=tmp_path, apart=["nll"])
+    other = results.write_results("u", [{"m": "a", "nll": [1.5, 2.5]}], out_dir=tmp_path, apart=["nll"])
+    (tmp_path / "t.npz").unlink()
+    assert results.read_file(path)["rows"] == [{"m": "a"}]
+    assert "t.json: no sidecar t.npz beside it: its rows come without nll" in capsys.readouterr().out
+    (tmp_path / "t.npz").write_bytes(other.with_suffix(".npz").read_bytes())  # another run's
+    with pytest.raises(ValueError, match=re.escape(f"{tmp_path / 't.npz'}: not the sidecar t.json records")):
+        results.read_file(path)
+    results.write_results("t", [{"m": "a"}], out_dir=tmp_path)  # written again without lists apart: no sidecar
+    assert not (tmp_path / "t.npz").exists()
+    with pytest.raises(ValueError, match=r"rows\[0\]\['nll'\] = \[\[1\]\]: kept apart only as a flat list"):
+        results.write_results("t", [{"nll": [[1]]}], out_dir=tmp_path, apart=["nll"])
+
+
 def test_load_optional_says_why_there_is_nothing(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(results, "REPO", tmp_path)  # no committed results either
     assert results.load_optional("routing-ablation", tmp_path / "run") is None

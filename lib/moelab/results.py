@@ -1,12 +1,15 @@
 """Results files with provenance (`write_results` / `load_results`: data/results/<topic>.json, one per topic),
 a notebook's named results (`save`, into MOELAB_RUN_DIR or runs/interactive), and `diff` of two results files
-(also `python -m moelab.results diff OLD NEW`). Files are written atomically, as strict JSON (NaN as null).
+(also `python -m moelab.results diff OLD NEW`). Files are written atomically, as strict JSON (NaN as null); bulky
+per-row number lists can be kept apart, in a sidecar `<topic>.npz` beside the JSON (`write_results(..., apart=keys)`).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import hashlib
+import io
 import json
 import math
 import numbers
@@ -16,12 +19,14 @@ import shlex
 import subprocess
 import sys
 import tempfile
+import zipfile
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 SCHEMA = 1
 FIELDS = ("schema", "topic", "created", "commit", "command", "machine", "rows", "notes")  # a document's own
+APART = "apart"  # a document's record of the row keys kept in its sidecar: {"keys", "file", "sha256"}
 
 
 def _check_stem(what: str, name) -> None:
@@ -178,26 +183,112 @@ def results_dir() -> Path:
     return Path(os.environ.get("MOELAB_RESULTS_DIR", REPO / "data" / "results"))
 
 
+def _pack(rows: list[dict], keys) -> tuple[list[dict], bytes]:
+    """Copies of the rows without `keys` (where a row holds a list) and the sidecar's bytes: per key its values
+    (ints as int64; floats as int32 hundredths, `<key>.x100`, where that is exact; else float64, None as NaN) and
+    each row's count (`<key>.len`, -1 where the row keeps its value). The zip entries have fixed dates, so the same
+    rows make the same bytes."""
+    import numpy as np
+
+    rows, arrays = [dict(r) for r in rows], {}
+    for key in keys:
+        lens, flat = [], []
+        for i, r in enumerate(rows):
+            v = _jsonable(r.get(key))
+            if not isinstance(v, list):
+                lens.append(-1)
+                continue
+            if not all(x is None or _is_num(x) for x in v):
+                raise ValueError(f"rows[{i}][{key!r}] = {str(v)[:80]}: kept apart only as a flat list of numbers")
+            del r[key]
+            lens.append(len(v))
+            flat += v
+        arrays[f"{key}.len"] = np.asarray(lens, dtype=np.int64)
+        if all(isinstance(x, int) for x in flat):
+            arrays[key] = np.asarray(flat, dtype=np.int64)
+            continue
+        x = np.asarray(flat, dtype=np.float64)
+        x100 = np.rint(x * 100)
+        if np.all(np.abs(x100) < 2**31) and np.array_equal(x100 / 100, x):  # NaN never equal: stays float64
+            arrays[f"{key}.x100"] = x100.astype(np.int32)
+        else:
+            arrays[key] = x
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        for name, a in arrays.items():
+            npy = io.BytesIO()
+            np.lib.format.write_array(npy, a, allow_pickle=False)
+            z.writestr(zipfile.ZipInfo(f"{name}.npy", (1980, 1, 1, 0, 0, 0)), npy.getvalue(), zipfile.ZIP_DEFLATED, 9)
+    return rows, buf.getvalue()
+
+
+def _attach(path: Path, doc: dict) -> dict:
+    """The document with its sidecar's lists back in its rows (the sidecar: `<path stem>.npz`, else the file the
+    record names, whichever has the recorded sha256); without the sidecar, the rows without them and a line."""
+    import numpy as np
+
+    rec = doc[APART]
+    if not isinstance(rec, dict) or not {"keys", "file", "sha256"} <= set(rec):
+        raise ValueError(f"{path}: its {APART!r} record {rec!r} lacks keys, file or sha256")
+    found = [p for p in dict.fromkeys((path.with_suffix(".npz"), path.parent / Path(rec["file"]).name)) if p.exists()]
+    if not found:
+        print(f"{path.name}: no sidecar {rec['file']} beside it: its rows come without {', '.join(rec['keys'])}")
+        return doc
+    data = next((d for d in map(Path.read_bytes, found) if hashlib.sha256(d).hexdigest() == rec["sha256"]), None)
+    if data is None:
+        raise ValueError(f"{found[0]}: not the sidecar {path.name} records (sha256 {rec['sha256']}): another "
+                         "run's, or damaged")
+    with np.load(io.BytesIO(data)) as z:
+        for key in rec["keys"]:
+            vals = (z[f"{key}.x100"] / 100).tolist() if f"{key}.x100" in z else z[key].tolist()
+            vals = [None if x != x else x for x in vals]  # NaN: null, as in the JSON
+            at = 0
+            for r, n in zip(doc["rows"], z[f"{key}.len"].tolist()):
+                if n >= 0:
+                    r[key], at = vals[at:at + n], at + n
+    return doc
+
+
+def write_doc(path: Path, doc: dict, apart=()) -> Path:
+    """Write a results document to `path`; the rows' `apart` keys go to the sidecar `<path stem>.npz` (its name and
+    sha256 recorded under the document's key APART), written first; without `apart`, an earlier sidecar goes."""
+    path, keys = Path(path), [apart] if isinstance(apart, str) else list(apart)
+    sidecar, data = path.with_suffix(".npz"), None
+    if keys:
+        rows, data = _pack(doc["rows"], keys)
+        doc = {**doc, "rows": rows, APART: {"keys": keys, "file": sidecar.name,
+                                            "sha256": hashlib.sha256(data).hexdigest()}}
+    body = _json_bytes(doc)  # a value that cannot be written raises before any file is touched
+    if data is None:
+        sidecar.unlink(missing_ok=True)
+    else:
+        atomic_write_bytes(sidecar, data)
+    atomic_write_bytes(path, body)
+    return path
+
+
 def write_results(topic: str, rows: list[dict], notes: str = "", command: str | None = None,
-                  out_dir: Path | None = None, extra: dict | None = None) -> Path:
+                  out_dir: Path | None = None, extra: dict | None = None, apart=()) -> Path:
     """Write `<out_dir>/<topic>.json` (schema 1), replacing the topic's earlier file, and return its path.
-    `extra`: the topic's own fields, none of them one of the document's (FIELDS)."""
+    `extra`: the topic's own fields, none of them one of the document's (FIELDS). `apart`: row keys whose lists go
+    to the sidecar `<topic>.npz` (write_doc)."""
     _check_stem("topic", topic)
-    taken = sorted(set(extra or ()) & set(FIELDS))
+    taken = sorted(set(extra or ()) & {*FIELDS, APART})
     if taken:
-        raise ValueError(f"extra keys {taken}: taken by the document's own fields {FIELDS}")
+        raise ValueError(f"extra keys {taken}: taken by the document's own fields {(*FIELDS, APART)}")
     created = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     doc = {"schema": SCHEMA, "topic": topic, "created": created, "commit": commit(),
            "command": command or command_line(), "machine": machine(), "rows": rows, "notes": notes, **(extra or {})}
-    return write_json(Path(out_dir or results_dir()) / f"{topic}.json", doc)
+    return write_doc(Path(out_dir or results_dir()) / f"{topic}.json", doc, apart)
 
 
 def read_file(path: Path) -> dict:
-    """One results file. A damaged file, or one that holds no JSON object, raises ValueError naming it."""
+    """One results file, with the lists its sidecar keeps back in its rows. A damaged file, one that holds no JSON
+    object, or a sidecar that is not the one it records raises ValueError naming it."""
     doc = read_json(path)
     if not isinstance(doc, dict):
         raise ValueError(f"{path}: holds a JSON {type(doc).__name__}, not a results document (an object)")
-    return doc
+    return _attach(Path(path), doc) if APART in doc else doc
 
 
 def load_results(topic: str, directory: Path | None = None, fallback: bool = False) -> dict:
@@ -280,7 +371,7 @@ def load_saved(directory: Path) -> dict:
     return out
 
 
-DIFF_SKIP = frozenset({"created", "commit", "command", "machine", "wall_s"})  # what differs between any two runs
+DIFF_SKIP = frozenset({"created", "commit", "command", "machine", "wall_s", APART})  # what differs between any two runs
 _MISSING = "<missing>"  # a key or list item on one side only
 
 
