@@ -132,20 +132,20 @@ def main(argv=None) -> int:
                                                                  "resume", "one")}
     protocol["targets"] = list(args.targets)
     target, kept = results_dir() / f"{args.topic}.json", args.out / f"{args.topic}.json"  # kept: beside the weights
-    rows, done = [], []
+    rows, done, timings = [], [], []
     source = target if target.exists() else kept  # a fresh results folder (a device call's) resumes from --out
     if args.resume and source.exists():
         doc = read_file(source)
         if doc.get("protocol") != protocol:
             ap.error(f"--resume {source}: another protocol ({doc.get('protocol')}, here {protocol})")
-        rows, done = doc["rows"], [tuple(d) for d in doc["done"]]
+        rows, done, timings = doc["rows"], [tuple(d) for d in doc["done"]], doc.get("timings", [])
         for r in rows:  # rows of a file written before rows named their machine: that file's
             r.setdefault("device", doc["machine"]["device"])
             r.setdefault("commit", doc["commit"])
     new = {m: seeds_for(m, args.seeds) for m in names}  # trainings first, the models in turn; then the shipped
     todo = [(m, new[m][i]) for i in range(args.seeds) for m in names] + [(m, shipped_seed(m)) for m in names]
     todo = [j for j in todo if j not in done]
-    t_all, running, timings = time.perf_counter(), {}, []
+    t_all, running = time.perf_counter(), {}
     notes = (f"Training seeds: each model trained again ({args.seeds} seeds other than the shipped checkpoint's, "
              f"tools/train.py's shipped recipe{', with ' + json.dumps(args.train) if args.train else ''}) and, with "
              "the shipped checkpoint, evaluated by moelab.paper.paper_rows on the first "
