@@ -392,10 +392,10 @@ def t_domains_matched() -> str:
     d = domain_ranking()
     if d.empty or d["text"].nunique() < 2:
         return PENDING
-    yes = lambda lowest, sig: "" if lowest is None else ("yes" if sig else ("lowest, within the noise" if lowest  # noqa
+    yes = lambda lowest, sig: "" if pd.isna(lowest) else ("yes" if sig else ("lowest, within the noise" if lowest  # noqa
                                                                             else "no"))
     body = [[r.model, TEXTS[r.text], f"{r.rs_lowest} of {r.levels}", f"{r.rs_beats_both} of {r.levels}",
-             f"{r.topp_beats_ent} of {r.levels}", "" if r.fixed_k is None else f"TopK {r.fixed_k}: "
+             f"{r.topp_beats_ent} of {r.levels}", "" if pd.isna(r.fixed_k) else f"TopK {int(r.fixed_k)}: "
              + yes(r.fixed_lowest, r.fixed_beats)] for r in d.itertuples()]
     return table(["model", "text", "RatioSkip lowest", "RatioSkip below TopP and EntropyAdaptiveK (intervals)",
                   "TopP below EntropyAdaptiveK (intervals)", "lower fixed k at 25% below all three (intervals)"],
@@ -451,13 +451,13 @@ def t_seeds() -> str:
                      f"{int(fixed.sum())} of {len(fixed)} ({int(g['fixed_sig'].dropna().sum())} with intervals)"
                      if len(fixed) else "", span(sum(g["saved"], []), 1, 100, "%"),
                      f"{pct(min(sum(g['change'], [])), 2, True)} to {pct(max(sum(g['change'], [])), 2, True)}"])
-    n_seeds = s.groupby("model")["seed"].nunique().max()
+    n_new = s[~s["shipped"]].groupby("model")["seed"].nunique().max()
     return table(["model", "seeds", "RatioSkip lowest at 25%", "TopP below EntropyAdaptiveK at 25% (intervals)",
                   "lower fixed k below all three at 25%", "saved within the budget", "change on WikiText-2 test"],
-                 body) + f"\n\n{n_seeds} training seeds per model other than the shipped checkpoint's" + \
+                 body) + f"\n\nSeeds: the shipped checkpoint and {n_new} more training seeds per model" + \
         ("" if doc.get("complete") else f" ({doc['protocol']['seeds']} planned; the run is not complete)") + \
-        f", each on the first {doc['protocol']['eval_tokens']:,} tokens of WikiText-2 test; the shipped checkpoints " \
-        f"are in the tables above. Source: {src('seeds')}."
+        f", each on the first {doc['protocol']['eval_tokens']:,} tokens of WikiText-2 test (the tables above use " \
+        f"the whole text). Source: {src('seeds')}."
 
 
 def t_noise() -> str:
